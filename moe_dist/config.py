@@ -1,0 +1,320 @@
+"""Job configuration: a tree of small dataclasses loaded strictly from JSON.
+
+Every field has a one-line comment. Unknown keys and wrong types are errors naming the dotted path;
+`--set a.b.c=VALUE` overrides use the same paths. Runtime objects (process groups, devices) never live here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message is one line naming the dotted key."""
+
+
+@dataclass
+class AttentionConfig:
+    n_heads: int = 8  # query heads
+    n_kv_heads: int = 8  # key/value heads (grouped-query attention when < n_heads)
+    head_dim: Optional[int] = None  # per-head size; null = d_model // n_heads
+    rope_theta: float = 10000.0  # RoPE base frequency
+    impl: Literal["auto", "torch", "triton"] = "auto"  # attention kernel choice (see layers/attention.py)
+
+
+@dataclass
+class MambaConfig:
+    d_state: int = 16  # SSM state size N per channel
+    d_conv: int = 4  # depthwise causal conv width
+    expand: int = 2  # d_inner = expand * d_model
+    dt_rank: Optional[int] = None  # rank of the Δ projection; null = ceil(d_model / 16)
+    conv_bias: bool = True  # bias in the depthwise conv1d
+    proj_bias: bool = False  # bias in in_proj / out_proj
+    inner_norms: bool = False  # Jamba's RMSNorms on Δ, B and C after x_proj
+    chunk_size: int = 64  # scan chunk length of the parallel (training) scan
+    impl: Literal["auto", "torch", "triton"] = "auto"  # scan kernel choice
+
+
+@dataclass
+class MoEConfig:
+    num_experts: int = 8  # routed experts per MoE layer
+    top_k: int = 2  # experts chosen per token
+    d_ff: Optional[int] = None  # expert hidden size; null = model.d_ff
+    capacity_factor: Optional[float] = 1.25  # per-expert capacity multiplier; null = dropless
+    min_capacity: int = 0  # lower bound on the per-expert capacity
+    drop_policy: Literal["position", "probability"] = "position"  # which over-capacity assignments are dropped
+    renormalize: bool = True  # renormalize the top-k weights to sum to 1 (Mixtral)
+    aux_loss_coef: float = 0.01  # coefficient of the Switch/GShard load-balancing loss
+    z_loss_coef: float = 0.001  # coefficient of the ST-MoE router z-loss
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 256  # tokens (256 = raw bytes)
+    d_model: int = 256  # residual width
+    n_layers: int = 4  # decoder blocks
+    d_ff: int = 512  # dense SwiGLU hidden size (and expert size unless moe.d_ff is set)
+    mixer_pattern: str = "A"  # per-layer mixer, tiled over n_layers: A = attention, M = Mamba
+    ffn_pattern: str = "E"  # per-layer FFN, tiled over n_layers: D = dense SwiGLU, E = MoE
+    norm_eps: float = 1e-5  # RMSNorm epsilon
+    tie_embeddings: bool = False  # share the embedding matrix with the LM head
+    init_std: float = 0.02  # std of the normal init of projection weights
+    attention: AttentionConfig = field(default_factory=AttentionConfig)  # attention mixer
+    mamba: MambaConfig = field(default_factory=MambaConfig)  # Mamba mixer
+    moe: MoEConfig = field(default_factory=MoEConfig)  # MoE FFN
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1  # tensor-parallel degree
+    ep: int = 1  # expert-parallel degree (divides the data-parallel degree)
+
+
+@dataclass
+class DataConfig:
+    source: Literal["stdlib", "text", "memmap"] = "stdlib"  # embedded stdlib sources, text files, or prepare_data output
+    paths: list[str] = field(default_factory=list)  # files or globs for "text"; the .bin file for "memmap"
+    val_fraction: float = 0.05  # held-out fraction of the token stream for validation
+    max_bytes: Optional[int] = 8_000_000  # cap on bytes read for "stdlib"/"text" (null = all)
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100  # optimizer steps
+    seq_len: int = 128  # tokens per sequence
+    global_batch_size: int = 8  # sequences per optimizer step, identical for every layout
+    micro_batch_size: int = 4  # sequences per forward on one rank; gradient accumulation is derived
+    seed: int = 0  # seed for init and data
+    lr: float = 1e-3  # peak learning rate
+    min_lr_ratio: float = 0.1  # final lr as a fraction of lr (cosine decay)
+    warmup_steps: int = 10  # linear warmup steps
+    weight_decay: float = 0.1  # AdamW weight decay
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW betas
+    grad_clip: float = 1.0  # clip to this global gradient norm (0 = off)
+    dtype: Literal["fp32", "bf16"] = "fp32"  # training precision
+    save_every: int = 0  # checkpoint every N steps (0 = only at the end)
+    eval_every: int = 0  # validation every N steps (0 = only at the end)
+    eval_batches: int = 4  # validation micro-batches in one pass, in total over the data-parallel ranks
+    log_every: int = 1  # TensorBoard scalar logging period in steps
+    histogram_every: int = 10  # TensorBoard histogram period in steps
+    threads: int = 0  # torch CPU threads per process (0 = cores / local processes)
+
+
+@dataclass
+class DeepSpeedConfig:
+    zero_stage: Literal[0, 1, 2] = 1  # ZeRO stage
+    extra: dict = field(default_factory=dict)  # merged verbatim into the DeepSpeed config (expert use)
+
+
+@dataclass
+class JobConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)  # architecture
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # parallel layout
+    data: DataConfig = field(default_factory=DataConfig)  # training data
+    train: TrainConfig = field(default_factory=TrainConfig)  # optimization loop
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)  # DeepSpeed engine settings
+
+
+# ----------------------------------------------------------------------------------------------- loading
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _convert(value: Any, tp: Any, path: str) -> Any:
+    """Check `value` against the annotation `tp`, returning it (ints widened to float where a float is asked)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _convert(value, inner[0], path)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices or type(value) is not type(choices[0]):
+            raise ConfigError(f"{path}: expected one of {list(choices)}, got {value!r}")
+        return value
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(f"{path}: expected a list, got {type(value).__name__} {value!r}")
+        return [_convert(v, item_tp, f"{path}[{i}]") for i, v in enumerate(value)]
+    if tp is dict or origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected an object, got {type(value).__name__} {value!r}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected an object, got {type(value).__name__} {value!r}")
+        return _build(tp, value, path)
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{path}: expected float, got {type(value).__name__} {value!r}")
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: expected int, got {type(value).__name__} {value!r}")
+        return value
+    if tp in (bool, str):
+        if not isinstance(value, tp):
+            raise ConfigError(f"{path}: expected {tp.__name__}, got {type(value).__name__} {value!r}")
+        return value
+    raise ConfigError(f"{path}: unsupported type {_type_name(tp)}")
+
+
+def _unknown_key(cls: type, key: str, prefix: str) -> ConfigError:
+    names = [f.name for f in dataclasses.fields(cls)]
+    close = difflib.get_close_matches(key, names, n=1)
+    hint = f" (did you mean '{prefix}{close[0]}'?)" if close else f" (valid keys: {', '.join(names)})"
+    return ConfigError(f"{prefix}{key}: unknown config key{hint}")
+
+
+def _build(cls: type, raw: dict, path: str = "") -> Any:
+    prefix = f"{path}." if path else ""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in raw.items():
+        if key not in fields:
+            raise _unknown_key(cls, key, prefix)
+        kwargs[key] = _convert(value, hints[key], prefix + key)
+    return cls(**kwargs)
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`a.b=VALUE` → ("a.b", VALUE parsed as JSON where it parses, else the raw string)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r}: expected KEY=VALUE with a dotted KEY")
+    key, raw = text.split("=", 1)
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        value = raw
+    return key.strip(), value
+
+
+def _apply_override(raw: dict, cls: type, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node, node_cls = raw, cls
+    for depth, part in enumerate(parts):
+        prefix = ".".join(parts[:depth])
+        prefix = f"{prefix}." if prefix else ""
+        if not dataclasses.is_dataclass(node_cls):
+            raise ConfigError(f"{prefix}{part}: '{prefix[:-1]}' is not a section")
+        names = {f.name for f in dataclasses.fields(node_cls)}
+        if part not in names:
+            raise _unknown_key(node_cls, part, prefix)
+        if depth == len(parts) - 1:
+            node[part] = value
+            return
+        node_cls = typing.get_type_hints(node_cls)[part]
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{prefix}{part}: expected an object")
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> JobConfig:
+    """Load a JSON file (or the defaults when `path` is None), apply dotted overrides, validate."""
+    raw: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"{p}: config file not found")
+        try:
+            raw = json.loads(p.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{p}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{p}: the top level must be a JSON object")
+    for text in overrides or []:
+        key, value = parse_override(text)
+        _apply_override(raw, JobConfig, key, value)
+    cfg = _build(JobConfig, raw)
+    validate(cfg)
+    return cfg
+
+
+def config_to_dict(cfg: JobConfig) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def config_from_dict(raw: dict) -> JobConfig:
+    cfg = _build(JobConfig, raw)
+    validate(cfg)
+    return cfg
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+def validate(cfg: JobConfig) -> None:
+    """Cross-field checks that do not depend on the world size (see `check_layout` for those)."""
+    m, a, mb, moe, t = cfg.model, cfg.model.attention, cfg.model.mamba, cfg.model.moe, cfg.train
+    for name in ("vocab_size", "d_model", "n_layers", "d_ff"):
+        _check(getattr(m, name) > 0, f"model.{name}: must be positive, got {getattr(m, name)}")
+    _check(bool(m.mixer_pattern) and set(m.mixer_pattern) <= {"A", "M"},
+           f"model.mixer_pattern: letters A (attention) and M (Mamba) only, got {m.mixer_pattern!r}")
+    _check(bool(m.ffn_pattern) and set(m.ffn_pattern) <= {"D", "E"},
+           f"model.ffn_pattern: letters D (dense) and E (MoE) only, got {m.ffn_pattern!r}")
+    for name in ("mixer_pattern", "ffn_pattern"):
+        n = len(getattr(m, name))
+        _check(m.n_layers % n == 0, f"model.{name}: length {n} must divide model.n_layers={m.n_layers}")
+    _check(a.n_heads > 0 and a.n_kv_heads > 0 and a.n_heads % a.n_kv_heads == 0,
+           f"model.attention.n_kv_heads: must divide n_heads={a.n_heads}, got {a.n_kv_heads}")
+    if a.head_dim is None:
+        _check(m.d_model % a.n_heads == 0,
+               f"model.attention.n_heads: must divide d_model={m.d_model} when head_dim is null, got {a.n_heads}")
+    _check(mb.d_state > 0 and mb.d_conv > 0 and mb.expand > 0 and mb.chunk_size > 0,
+           "model.mamba: d_state, d_conv, expand and chunk_size must be positive")
+    _check(moe.num_experts > 0, f"model.moe.num_experts: must be positive, got {moe.num_experts}")
+    _check(0 < moe.top_k <= moe.num_experts,
+           f"model.moe.top_k: must be in [1, num_experts={moe.num_experts}], got {moe.top_k}")
+    _check(moe.capacity_factor is None or moe.capacity_factor > 0,
+           f"model.moe.capacity_factor: must be positive or null (dropless), got {moe.capacity_factor}")
+    _check(cfg.parallel.tp >= 1 and cfg.parallel.ep >= 1, "parallel.tp and parallel.ep must be >= 1")
+    _check(cfg.parallel.tp == 1, f"parallel.tp: tensor parallelism is not implemented yet, got {cfg.parallel.tp}")
+    _check(cfg.parallel.ep == 1, f"parallel.ep: expert parallelism is not implemented yet, got {cfg.parallel.ep}")
+    _check(moe.num_experts % cfg.parallel.ep == 0,
+           f"parallel.ep: must divide model.moe.num_experts={moe.num_experts}, got {cfg.parallel.ep}")
+    _check(t.steps > 0, f"train.steps: must be positive, got {t.steps}")
+    _check(t.seq_len > 0, f"train.seq_len: must be positive, got {t.seq_len}")
+    _check(t.micro_batch_size > 0, f"train.micro_batch_size: must be positive, got {t.micro_batch_size}")
+    _check(t.global_batch_size % t.micro_batch_size == 0,
+           f"train.global_batch_size: must be a multiple of train.micro_batch_size={t.micro_batch_size}, "
+           f"got {t.global_batch_size}")
+    _check(len(t.betas) == 2, f"train.betas: expected two numbers, got {t.betas}")
+    _check(0.0 < cfg.data.val_fraction < 1.0, f"data.val_fraction: must be in (0, 1), got {cfg.data.val_fraction}")
+    _check(cfg.data.source == "stdlib" or bool(cfg.data.paths),
+           f"data.paths: required when data.source is {cfg.data.source!r}")
+
+
+def check_layout(cfg: JobConfig, world_size: int) -> int:
+    """Validate the parallel layout against the world size; return the data-parallel degree."""
+    tp, ep = cfg.parallel.tp, cfg.parallel.ep
+    _check(world_size % tp == 0, f"parallel.tp: {tp} does not divide the world size {world_size}")
+    dp = world_size // tp
+    _check(dp % ep == 0, f"parallel.ep: {ep} must divide the data-parallel degree {dp} (world {world_size} / tp {tp})")
+    micro = cfg.train.global_batch_size // cfg.train.micro_batch_size
+    _check(micro % dp == 0,
+           f"train.global_batch_size: {cfg.train.global_batch_size} sequences = {micro} micro-batches of "
+           f"{cfg.train.micro_batch_size}, not divisible among {dp} data-parallel ranks")
+    _check(cfg.train.eval_batches % dp == 0,
+           f"train.eval_batches: {cfg.train.eval_batches} is not divisible among {dp} data-parallel ranks")
+    return dp
+
+
+def grad_accum_steps(cfg: JobConfig, dp: int) -> int:
+    return cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)
+

@@ -1,0 +1,60 @@
+"""Causal multi-head attention with grouped-query heads and RoPE.
+
+The attention kernel is chosen once, in `attention_kernel`: PyTorch SDPA (which never materializes
+repeated k/v for grouped-query heads) everywhere for now; the Triton flash-attention kernel plugs in there.
+"""
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe_dist.config import AttentionConfig
+from moe_dist.layers.rope import apply_rope, rope_cos_sin
+
+AttnFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q (B, Hq, S, Dh), k/v (B, Hkv, S, Dh) -> (B, Hq, S, Dh)."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def attention_kernel(impl: str) -> AttnFn:
+    """The single place where the attention implementation is chosen."""
+    if impl in ("auto", "torch"):
+        return _sdpa_causal
+    raise ValueError(f"model.attention.impl: {impl!r} is not available (the Triton flash-attention kernel is not built yet)")
+
+
+class Attention(nn.Module):
+    def __init__(self, d_model: int, cfg: AttentionConfig, init_std: float, n_layers: int):
+        super().__init__()
+        self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.n_kv_heads
+        self.head_dim = cfg.head_dim or d_model // cfg.n_heads
+        self.rope_theta = cfg.rope_theta
+        self.wq = nn.Linear(d_model, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(d_model, self.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(d_model, self.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(self.n_heads * self.head_dim, d_model, bias=False)
+        self.kernel = attention_kernel(cfg.impl)
+        self.init_std = init_std
+        self.out_std = init_std / math.sqrt(2 * n_layers)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        for lin in (self.wq, self.wk, self.wv):
+            nn.init.normal_(lin.weight, std=self.init_std)
+        nn.init.normal_(self.wo.weight, std=self.out_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x.shape
+        q = self.wq(x).view(B, S, -1, self.head_dim).transpose(1, 2)  # (B, Hq, S, Dh)
+        k = self.wk(x).view(B, S, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, S, Dh)
+        v = self.wv(x).view(B, S, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, S, Dh)
+        cos, sin = rope_cos_sin(S, self.head_dim, self.rope_theta, x.device)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = self.kernel(q, k, v)  # (B, Hq, S, Dh)
+        return self.wo(out.transpose(1, 2).reshape(B, S, -1))

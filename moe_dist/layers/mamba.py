@@ -1,0 +1,116 @@
+"""Mamba-1 selective-SSM mixer (Gu & Dao, 2023), with Jamba's optional inner RMSNorms on Δ, B and C.
+
+Parameter names follow the Hugging Face Mamba/Jamba checkpoints (in_proj, conv1d, x_proj, dt_proj, A_log, D,
+out_proj); only the inner norms are named dt_norm / b_norm / c_norm instead of Jamba's *_layernorm.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe_dist.config import MambaConfig
+from moe_dist.layers.norm import RMSNorm
+from moe_dist.layers.scan import selective_scan
+
+# Range of the initial step size Δ, sampled log-uniformly per channel (mamba_ssm's dt_min, dt_max, dt_init_floor).
+_DT_MIN, _DT_MAX, _DT_FLOOR = 1e-3, 1e-1, 1e-4
+
+
+def select_scan(impl: str, chunk_size: int) -> Callable[..., torch.Tensor]:
+    """The one place that maps `MambaConfig.impl` to a scan function with `selective_scan_ref`'s signature."""
+    if impl in ("torch", "auto"):
+        return functools.partial(selective_scan, chunk_size=chunk_size)
+    if impl == "triton":
+        raise ValueError("model.mamba.impl='triton': the Triton selective scan is not available yet; use 'torch'")
+    raise ValueError(f"model.mamba.impl: expected 'auto', 'torch' or 'triton', got {impl!r}")
+
+
+class Mamba(nn.Module):
+    """x → in_proj → (x, z); x → causal depthwise conv → SiLU → x_proj → (Δ, B, C) → selective scan gated by
+    silu(z) → out_proj. Input and output are (batch, seq, d_model).
+
+    `__init__` only declares parameters so the layer can be built on the meta device; `init_weights` fills them.
+    """
+
+    def __init__(self, d_model: int, cfg: MambaConfig, norm_eps: float, init_std: float):
+        super().__init__()
+        self.d_inner = cfg.expand * d_model
+        self.d_state = cfg.d_state
+        self.dt_rank = cfg.dt_rank or math.ceil(d_model / 16)
+        self.inner_norms = cfg.inner_norms
+        self.init_std = init_std
+        self.scan = select_scan(cfg.impl, cfg.chunk_size)
+
+        self.in_proj = nn.Linear(d_model, 2 * self.d_inner, bias=cfg.proj_bias)
+        self.conv1d = nn.Conv1d(
+            self.d_inner, self.d_inner, cfg.d_conv, groups=self.d_inner, padding=cfg.d_conv - 1, bias=cfg.conv_bias
+        )
+        self.x_proj = nn.Linear(self.d_inner, self.dt_rank + 2 * self.d_state, bias=False)
+        if cfg.inner_norms:
+            self.dt_norm = RMSNorm(self.dt_rank, norm_eps)
+            self.b_norm = RMSNorm(self.d_state, norm_eps)
+            self.c_norm = RMSNorm(self.d_state, norm_eps)
+        # dt_proj.bias is not added by the Linear: it is passed to the scan as delta_bias, inside the softplus.
+        self.dt_proj = nn.Linear(self.dt_rank, self.d_inner, bias=True)
+        self.A_log = nn.Parameter(torch.empty(self.d_inner, self.d_state))  # A = -exp(A_log) < 0 keeps the SSM stable
+        self.D = nn.Parameter(torch.empty(self.d_inner))  # skip connection u → y
+        self.out_proj = nn.Linear(self.d_inner, d_model, bias=cfg.proj_bias)
+
+    def init_weights(self) -> None:
+        """Standard Mamba init (mamba_ssm `Mamba.__init__`, dt_init="random"), in place, from the global RNG."""
+        with torch.no_grad():
+            for linear in (self.in_proj, self.x_proj, self.out_proj):
+                nn.init.normal_(linear.weight, mean=0.0, std=self.init_std)
+                if linear.bias is not None:
+                    linear.bias.zero_()
+            nn.init.kaiming_uniform_(self.conv1d.weight, a=math.sqrt(5))  # nn.Conv1d's own default
+            if self.conv1d.bias is not None:
+                self.conv1d.bias.zero_()
+
+            bound = self.dt_rank**-0.5
+            nn.init.uniform_(self.dt_proj.weight, -bound, bound)
+            # Initial Δ = softplus(bias) is log-uniform in [dt_min, dt_max]: store its inverse softplus.
+            log_dt = torch.rand(self.d_inner, device=self.D.device, dtype=torch.float32)
+            log_dt = log_dt * (math.log(_DT_MAX) - math.log(_DT_MIN)) + math.log(_DT_MIN)
+            dt = torch.exp(log_dt).clamp(min=_DT_FLOOR)
+            self.dt_proj.bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+
+            # S4D-Real init: A_n = -(n + 1) for every channel.
+            a = torch.arange(1, self.d_state + 1, device=self.A_log.device, dtype=torch.float32)
+            self.A_log.copy_(torch.log(a).expand(self.d_inner, -1))
+            self.D.fill_(1.0)
+            if self.inner_norms:
+                for norm in (self.dt_norm, self.b_norm, self.c_norm):
+                    norm.init_weights()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        seqlen = x.shape[1]
+        x, z = self.in_proj(x).chunk(2, dim=-1)  # (B, L, Di) each
+        x = self.conv1d(x.transpose(1, 2))[..., :seqlen]  # (B, Di, L): right padding dropped → causal
+        x = F.silu(x)
+
+        dt, B, C = self.x_proj(x.transpose(1, 2)).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
+        if self.inner_norms:
+            dt, B, C = self.dt_norm(dt), self.b_norm(B), self.c_norm(C)  # (B, L, R), (B, L, N), (B, L, N)
+        dt = F.linear(dt, self.dt_proj.weight)  # (B, L, Di)
+
+        # exp in at least fp32: under bf16 parameters -exp(A_log) would lose the spacing of the S4D init.
+        A = -torch.exp(self.A_log.to(torch.promote_types(self.A_log.dtype, torch.float32)))  # (Di, N)
+        y = self.scan(
+            x,
+            dt.transpose(1, 2),
+            A,
+            B.transpose(1, 2),
+            C.transpose(1, 2),
+            D=self.D,
+            z=z.transpose(1, 2),
+            delta_bias=self.dt_proj.bias,
+            delta_softplus=True,
+        )  # (B, Di, L)
+        return self.out_proj(y.transpose(1, 2))  # (B, L, d_model)

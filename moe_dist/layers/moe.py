@@ -1,0 +1,196 @@
+"""Mixture-of-Experts FFN: fp32 router, top-k, capacity/drops, a dispatcher seam, grouped SwiGLU experts.
+
+Shape legend (suffixes on tensor names):
+    T tokens in the micro-batch (batch × seq)    D d_model        F expert hidden size
+    E experts                                    K top_k           A = K·T assignments, slot-major (a = k·T + t)
+    R routed rows: kept assignments, sorted by expert (R ≤ A)
+
+`MoE.forward` is router → dispatcher.dispatch → experts → dispatcher.combine. The default
+`LocalDispatcher` permutes rows on this device; expert parallelism swaps in an all-to-all dispatcher
+with the same two methods, and the layer does not know which one it has (DESIGN.md §4.2).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe_dist.config import MoEConfig
+
+
+def expert_capacity(cfg: MoEConfig, tokens: int) -> Optional[int]:
+    """Per-expert capacity for one micro-batch on one rank: ceil(cf · T · K / E), at least min_capacity; None = dropless."""
+    if cfg.capacity_factor is None:
+        return None
+    return max(math.ceil(cfg.capacity_factor * tokens * cfg.top_k / cfg.num_experts), cfg.min_capacity)
+
+
+@dataclass
+class RoutingStats:
+    """Per-layer routing statistics of one micro-batch; tensors, so logging never forces a device sync here."""
+
+    tokens_per_expert_E: torch.Tensor  # assignments per expert before drops (float)
+    dropped: torch.Tensor  # assignments dropped by capacity (scalar)
+    assignments: int  # A = K·T
+    aux_loss: torch.Tensor  # E · Σ_i f_i · P_i (scalar, differentiable)
+    z_loss: torch.Tensor  # mean_t logsumexp(logits_t)² (scalar, differentiable)
+    entropy: torch.Tensor  # mean router entropy over tokens (scalar)
+
+
+@dataclass
+class Routing:
+    """What the dispatcher needs: which assignment goes where, with which weight."""
+
+    rows_R: torch.Tensor  # assignment indices a (slot-major) that are kept, sorted by expert
+    tokens_per_expert_E: torch.Tensor  # kept rows per expert (int64), sums to R
+    weight_A: torch.Tensor  # combine weight of every assignment (fp32, differentiable)
+    num_tokens: int  # T
+
+
+def _sorted_by_expert(expert_A: torch.Tensor, priority_A: torch.Tensor) -> torch.Tensor:
+    """Assignment indices grouped by expert, in `priority_A` order inside each expert (stable sorts)."""
+    by_priority = torch.argsort(priority_A, stable=True)
+    return by_priority[torch.argsort(expert_A[by_priority], stable=True)]
+
+
+class Router(nn.Module):
+    """Linear gate in fp32 → softmax → top-k (renormalized) → capacity drops; returns routing and its losses."""
+
+    def __init__(self, d_model: int, cfg: MoEConfig, init_std: float):
+        super().__init__()
+        self.cfg = cfg
+        self.init_std = init_std
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, d_model))
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        nn.init.normal_(self.weight, std=self.init_std)
+
+    def forward(self, x_TD: torch.Tensor) -> tuple[Routing, RoutingStats]:
+        cfg, T = self.cfg, x_TD.shape[0]
+        E, K = cfg.num_experts, cfg.top_k
+        logits_TE = F.linear(x_TD.float(), self.weight.float())  # router math in fp32 (DESIGN.md §5)
+        probs_TE = logits_TE.softmax(dim=-1)
+        top_p_TK, expert_TK = probs_TE.topk(K, dim=-1)
+        weight_TK = top_p_TK / top_p_TK.sum(dim=-1, keepdim=True) if cfg.renormalize else top_p_TK
+
+        # Slot-major flattening: all first choices, then all second choices, ... (GShard's priority order).
+        expert_A = expert_TK.t().reshape(-1)
+        weight_A = weight_TK.t().reshape(-1)
+        counts_E = torch.bincount(expert_A, minlength=E)
+
+        if cfg.drop_policy == "probability":
+            priority_A = -top_p_TK.t().reshape(-1).detach()  # highest router probability first
+        else:
+            priority_A = torch.arange(K * T, device=x_TD.device)  # earlier tokens, first choices first
+        order_A = _sorted_by_expert(expert_A, priority_A)
+        cap = expert_capacity(cfg, T)
+        if cap is None:
+            rows_R, kept_E = order_A, counts_E
+        else:
+            starts_E = torch.cumsum(counts_E, 0) - counts_E
+            position_A = torch.arange(K * T, device=x_TD.device) - starts_E[expert_A[order_A]]  # rank within expert
+            rows_R = order_A[position_A < cap]
+            kept_E = counts_E.clamp(max=cap)
+
+        f_E = counts_E.float() / (K * T)  # fraction of assignments per expert, before drops
+        p_E = probs_TE.mean(dim=0)
+        stats = RoutingStats(
+            tokens_per_expert_E=counts_E.float(),
+            dropped=(K * T - kept_E.sum()).float(),
+            assignments=K * T,
+            aux_loss=E * torch.sum(f_E * p_E),
+            z_loss=torch.logsumexp(logits_TE, dim=-1).square().mean(),
+            entropy=-(probs_TE * torch.log(probs_TE.clamp_min(1e-20))).sum(-1).mean().detach(),
+        )
+        return Routing(rows_R=rows_R, tokens_per_expert_E=kept_E, weight_A=weight_A, num_tokens=T), stats
+
+
+class Dispatcher(Protocol):
+    """The expert-parallel seam: move routed rows to the experts and back."""
+
+    def dispatch(self, x_TD: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, object]:
+        """Return (rows for this rank's experts sorted by local expert, rows per local expert, state for combine)."""
+
+    def combine(self, y_RD: torch.Tensor, state: object) -> torch.Tensor:
+        """Return (T, D): the weighted sum of each token's expert outputs; dropped assignments add nothing."""
+
+
+class LocalDispatcher:
+    """All experts on this device: a gather into expert order and a weighted scatter-add back."""
+
+    def dispatch(self, x_TD: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, object]:
+        token_R = routing.rows_R % routing.num_tokens
+        return x_TD[token_R], routing.tokens_per_expert_E, (routing, token_R)
+
+    def combine(self, y_RD: torch.Tensor, state: object) -> torch.Tensor:
+        routing, token_R = state
+        weighted_RD = (y_RD.float() * routing.weight_A[routing.rows_R, None]).to(y_RD.dtype)
+        out_TD = y_RD.new_zeros(routing.num_tokens, y_RD.shape[1])
+        return out_TD.index_add(0, token_R, weighted_RD)
+
+
+def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
+    # torch's grouped GEMM needs 16-byte aligned strides; odd test sizes take the fallback below.
+    es = x.element_size()
+    return (hasattr(F, "grouped_mm") and x.is_contiguous() and w.is_contiguous() and x.dtype == w.dtype
+            and (x.shape[1] * es) % 16 == 0 and (w.shape[2] * es) % 16 == 0)
+
+
+def grouped_mm(x_RI: torch.Tensor, w_EIO: torch.Tensor, rows_per_expert_E: torch.Tensor) -> torch.Tensor:
+    """(R, I) rows sorted by expert × (E, I, O) stacked weights → (R, O): row r uses its expert's weight."""
+    if _grouped_mm_ok(x_RI, w_EIO):
+        offs_E = torch.cumsum(rows_per_expert_E, 0).to(torch.int32)
+        y = F.grouped_mm(x_RI, w_EIO, offs=offs_E)
+        if y.requires_grad:
+            y.register_hook(lambda g: g.contiguous())  # its CPU backward rejects broadcast (stride-0) grads
+        return y
+    # Fallback for unaligned sizes: one matmul per expert over contiguous slices (no masks, no per-token work).
+    chunks = torch.split(x_RI, rows_per_expert_E.tolist())
+    return torch.cat([c @ w_EIO[e] for e, c in enumerate(chunks)]) if len(chunks) else x_RI.new_zeros(0, w_EIO.shape[2])
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts with stacked weights, run as grouped GEMMs over expert-sorted rows."""
+
+    def __init__(self, num_experts: int, d_model: int, d_ff: int, init_std: float, n_layers: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, d_model, d_ff))  # gate (E, D, F)
+        self.w3 = nn.Parameter(torch.empty(num_experts, d_model, d_ff))  # up   (E, D, F)
+        self.w2 = nn.Parameter(torch.empty(num_experts, d_ff, d_model))  # down (E, F, D)
+        self.init_std = init_std
+        self.out_std = init_std / math.sqrt(2 * n_layers)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        nn.init.normal_(self.w1, std=self.init_std)
+        nn.init.normal_(self.w3, std=self.init_std)
+        nn.init.normal_(self.w2, std=self.out_std)
+
+    def forward(self, x_RD: torch.Tensor, rows_per_expert_E: torch.Tensor) -> torch.Tensor:
+        h_RF = F.silu(grouped_mm(x_RD, self.w1, rows_per_expert_E)) * grouped_mm(x_RD, self.w3, rows_per_expert_E)
+        return grouped_mm(h_RF, self.w2, rows_per_expert_E)
+
+
+class MoE(nn.Module):
+    def __init__(self, d_model: int, d_ff: int, cfg: MoEConfig, init_std: float, n_layers: int):
+        super().__init__()
+        self.router = Router(d_model, cfg, init_std)
+        self.experts = Experts(cfg.num_experts, d_model, cfg.d_ff or d_ff, init_std, n_layers)
+        self.dispatcher: Dispatcher = LocalDispatcher()
+
+    def init_weights(self) -> None:
+        self.router.init_weights()
+        self.experts.init_weights()
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, RoutingStats]:
+        x_TD = x.reshape(-1, x.shape[-1])
+        routing, stats = self.router(x_TD)
+        x_RD, rows_per_expert_E, state = self.dispatcher.dispatch(x_TD, routing)
+        y_RD = self.experts(x_RD, rows_per_expert_E)
+        return self.dispatcher.combine(y_RD, state).view_as(x), stats

@@ -1,0 +1,23 @@
+"""Rotary position embeddings (RoFormer), in the half-split layout used by Llama/Mixtral/Jamba checkpoints.
+
+cos/sin are recomputed per forward from the sequence length rather than cached in buffers: it is
+a (S, Dh) computation, and buffers would break the build-on-meta-then-materialize flow.
+"""
+
+import torch
+
+
+def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape (S, Dh) in fp32."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)  # (S, Dh/2)
+    angles = torch.cat([angles, angles], dim=-1)  # (S, Dh)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (B, H, S, Dh) by position; computed in fp32, returned in x's dtype."""
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (xf * cos + rotated * sin).to(x.dtype)
