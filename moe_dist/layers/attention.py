@@ -34,7 +34,7 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.n_kv_heads
         self.head_dim = cfg.head_dim or d_model // cfg.n_heads
-        self.rope_theta = cfg.rope_theta
+        self.rope, self.rope_theta = cfg.rope, cfg.rope_theta
         self.wq = nn.Linear(d_model, self.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(d_model, self.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(d_model, self.n_kv_heads * self.head_dim, bias=False)
@@ -54,7 +54,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(B, S, -1, self.head_dim).transpose(1, 2)  # (B, Hq, S, Dh)
         k = self.wk(x).view(B, S, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, S, Dh)
         v = self.wv(x).view(B, S, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, S, Dh)
-        cos, sin = rope_cos_sin(S, self.head_dim, self.rope_theta, x.device)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.rope:
+            cos, sin = rope_cos_sin(S, self.head_dim, self.rope_theta, x.device)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = self.kernel(q, k, v)  # (B, Hq, S, Dh)
         return self.wo(out.transpose(1, 2).reshape(B, S, -1))

@@ -18,7 +18,7 @@ from moe_dist.config import MambaConfig
 from moe_dist.layers.norm import RMSNorm
 from moe_dist.layers.scan import selective_scan
 
-# Range of the initial step size Δ, sampled log-uniformly per channel (mamba_ssm's dt_min, dt_max, dt_init_floor).
+# Initial step size Δ range, sampled log-uniformly per channel (mamba_ssm: dt_min, dt_max, dt_init_floor).
 _DT_MIN, _DT_MAX, _DT_FLOOR = 1e-3, 1e-1, 1e-4
 
 

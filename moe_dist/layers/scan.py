@@ -16,23 +16,53 @@ import torch
 import torch.nn.functional as F
 
 
-def _linear_scan(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inclusive scan of h_t = a_t h_{t-1} + b_t along dim 2, in ⌈log2 T⌉ doubling steps.
+def _scan_no_grad(a: torch.Tensor, b: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """h_t = a_t h_{t-1} + b_t with h_{-1} = 0 along dim 2 of (B, D, L, N) tensors; returns h (B, D, L, N).
 
-    a, b: (B, D, T, N). Returns (a_cum, b_cum) with h_t = a_cum_t h_{-1} + b_cum_t for any initial state h_{-1}.
-    Each step composes position t with position t - offset, an earlier segment (a1, b1) followed by a later one
-    (a2, b2) being (a2 a1, a2 b1 + b2). Every step builds new tensors (no in-place writes) so autograd can
-    differentiate through it.
+    Inside a chunk: ⌈log2 chunk⌉ Hillis–Steele doubling steps, an earlier segment (a1, b1) followed by a later one
+    (a2, b2) composing to (a2 a1, a2 b1 + b2). Across chunks: the carried state enters through the chunk's
+    cumulative decay. Runs without autograd: `_LinearScan` supplies the backward as a reverse scan.
     """
     length = a.shape[2]
-    offset = 1
-    while offset < length:
-        a_early, b_early = a[:, :, :-offset], b[:, :, :-offset]  # (B, D, T - offset, N)
-        a_late, b_late = a[:, :, offset:], b[:, :, offset:]  # (B, D, T - offset, N)
-        a = torch.cat([a[:, :, :offset], a_late * a_early], dim=2)
-        b = torch.cat([b[:, :, :offset], a_late * b_early + b_late], dim=2)
-        offset *= 2
-    return a, b
+    h = torch.empty_like(b)
+    carry = None  # (B, D, N)
+    for start in range(0, length, chunk_size):
+        a_c = a[:, :, start:start + chunk_size].clone()  # (B, D, T, N) cumulative decay
+        b_c = b[:, :, start:start + chunk_size].clone()  # (B, D, T, N) state from zero initial state
+        offset = 1
+        while offset < a_c.shape[2]:
+            # Right-hand sides are computed in full before the slice is written, so reads see the old values.
+            b_c[:, :, offset:] = torch.addcmul(b_c[:, :, offset:], a_c[:, :, offset:], b_c[:, :, :-offset])
+            a_c[:, :, offset:] = a_c[:, :, offset:] * a_c[:, :, :-offset]
+            offset *= 2
+        if carry is not None:
+            b_c.addcmul_(a_c, carry.unsqueeze(2))
+        h[:, :, start:start + chunk_size] = b_c
+        carry = b_c[:, :, -1]
+    return h
+
+
+class _LinearScan(torch.autograd.Function):
+    """Differentiable h = scan(a, b). The adjoint of a linear recurrence is the same recurrence run backwards:
+    λ_t = g_t + a_{t+1} λ_{t+1}, so db = λ and da_t = λ_t h_{t-1}. Hand-written because autograd through the
+    sliced doubling steps spends most of its time materializing zero-padded slice gradients."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor, chunk_size: int) -> torch.Tensor:
+        h = _scan_no_grad(a, b, chunk_size)
+        ctx.save_for_backward(a, h)
+        ctx.chunk_size = chunk_size
+        return h
+
+    @staticmethod
+    def backward(ctx, grad_h: torch.Tensor):
+        a, h = ctx.saved_tensors
+        a_next = torch.zeros_like(a)
+        a_next[:, :, :-1] = a[:, :, 1:]
+        lam = _scan_no_grad(a_next.flip(2), grad_h.flip(2), ctx.chunk_size).flip(2)  # (B, D, L, N)
+        h_prev = torch.zeros_like(h)
+        h_prev[:, :, 1:] = h[:, :, :-1]
+        return lam * h_prev, lam, None
 
 
 def selective_scan(
@@ -63,19 +93,10 @@ def selective_scan(
     if delta_softplus:
         delta = F.softplus(delta)
 
-    batch, dim, seqlen = u.shape
-    h = u.new_zeros(batch, dim, A.shape[1])  # (B, D, N) state carried across chunks
-    ys = []
-    for start in range(0, seqlen, chunk_size):
-        chunk = slice(start, start + chunk_size)
-        delta_c = delta[:, :, chunk]  # (B, D, T)
-        decay = torch.exp(delta_c.unsqueeze(-1) * A[:, None, :])  # (B, D, T, N)
-        inject = (delta_c * u[:, :, chunk]).unsqueeze(-1) * B[:, :, chunk].transpose(1, 2).unsqueeze(1)  # (B, D, T, N)
-        decay_cum, inject_cum = _linear_scan(decay, inject)
-        states = decay_cum * h.unsqueeze(2) + inject_cum  # (B, D, T, N)
-        ys.append(torch.einsum("bdtn,bnt->bdt", states, C[:, :, chunk]))  # (B, D, T)
-        h = states[:, :, -1]
-    y = torch.cat(ys, dim=2)  # (B, D, L)
+    decay = torch.exp(delta.unsqueeze(-1) * A[:, None, :])  # (B, D, L, N)
+    inject = (delta * u).unsqueeze(-1) * B.transpose(1, 2).unsqueeze(1)  # (B, D, L, N)
+    states = _LinearScan.apply(decay, inject, chunk_size)  # (B, D, L, N)
+    y = torch.einsum("bdln,bnl->bdl", states, C)  # (B, D, L)
 
     if D is not None:
         y = y + D.to(compute)[:, None] * u
