@@ -136,10 +136,12 @@ class LocalDispatcher:
 
 
 def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
-    # torch's grouped GEMM needs 16-byte aligned strides; odd test sizes take the fallback below.
+    # torch's grouped GEMM needs 16-byte aligned strides and a supported dtype (bf16 on CUDA; fp32/bf16/fp16 on
+    # CPU); other cases (odd test sizes, fp64) take the fallback below.
+    dtypes = (torch.bfloat16,) if x.is_cuda else (torch.float32, torch.bfloat16, torch.float16)
     es = x.element_size()
-    return (hasattr(F, "grouped_mm") and x.is_contiguous() and w.is_contiguous() and x.dtype == w.dtype
-            and (x.shape[1] * es) % 16 == 0 and (w.shape[2] * es) % 16 == 0)
+    return (hasattr(F, "grouped_mm") and x.dtype in dtypes and x.dtype == w.dtype and x.is_contiguous()
+            and w.is_contiguous() and (x.shape[1] * es) % 16 == 0 and (w.shape[2] * es) % 16 == 0)
 
 
 def grouped_mm(x_RI: torch.Tensor, w_EIO: torch.Tensor, rows_per_expert_E: torch.Tensor) -> torch.Tensor:
