@@ -1,0 +1,98 @@
+"""Config loading: every shipped file loads, errors are one line naming the dotted path, overrides work."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from moe_dist.config import ConfigError, JobConfig, check_layout, config_from_dict, config_to_dict, load_config
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((REPO / "configs").glob("*.json"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_config_loads_and_round_trips(path):
+    cfg = load_config(path)
+    assert isinstance(cfg, JobConfig)
+    assert config_from_dict(json.loads(json.dumps(config_to_dict(cfg)))) == cfg
+
+
+def _write(tmp_path, raw):
+    p = tmp_path / "c.json"
+    p.write_text(json.dumps(raw))
+    return p
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"model": {"moe": {"num_expert": 4}}}, "model.moe.num_expert: unknown config key (did you mean 'model.moe.num_experts'?)"),
+    ({"trian": {}}, "trian: unknown config key (did you mean 'train'?)"),
+    ({"train": {"steps": "10"}}, "train.steps: expected int, got str '10'"),
+    ({"train": {"steps": 1.5}}, "train.steps: expected int, got float 1.5"),
+    ({"train": {"lr": True}}, "train.lr: expected float, got bool True"),
+    ({"model": {"moe": {"drop_policy": "random"}}}, "model.moe.drop_policy: expected one of ['position', 'probability'], got 'random'"),
+    ({"model": {"attention": 3}}, "model.attention: expected an object, got int 3"),
+    ({"model": {"moe": {"top_k": 9}}}, "model.moe.top_k: must be in [1, num_experts=8], got 9"),
+    ({"model": {"mixer_pattern": "AX"}}, "model.mixer_pattern: letters A (attention) and M (Mamba) only, got 'AX'"),
+    ({"model": {"n_layers": 3, "ffn_pattern": "DE"}}, "model.ffn_pattern: length 2 must divide model.n_layers=3"),
+    ({"train": {"global_batch_size": 6, "micro_batch_size": 4}}, "train.global_batch_size: must be a multiple of train.micro_batch_size=4, got 6"),
+])
+def test_errors_are_one_line_and_name_the_key(tmp_path, raw, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(_write(tmp_path, raw))
+    assert str(e.value) == message and "\n" not in str(e.value)
+
+
+def test_file_errors_name_the_file(tmp_path):
+    with pytest.raises(ConfigError, match="missing.json: config file not found"):
+        load_config(tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"train": {"steps": 3,}}')
+    with pytest.raises(ConfigError, match=r"bad.json: invalid JSON at line 1"):
+        load_config(bad)
+
+
+def test_overrides_use_dotted_paths_and_json_values(tmp_path):
+    cfg = load_config(REPO / "configs/debug.json", ["train.steps=50", "model.moe.capacity_factor=null",
+                                                    "model.moe.drop_policy=probability", "train.betas=[0.8,0.9]"])
+    assert cfg.train.steps == 50 and cfg.model.moe.capacity_factor is None
+    assert cfg.model.moe.drop_policy == "probability" and cfg.train.betas == [0.8, 0.9]
+    assert cfg.model.d_model == 64  # untouched keys keep the file's values
+    with pytest.raises(ConfigError, match=r"^train.stepz: unknown config key \(did you mean 'train.steps'\?\)$"):
+        load_config(None, ["train.stepz=3"])
+    with pytest.raises(ConfigError, match="expected KEY=VALUE"):
+        load_config(None, ["train.steps"])
+    with pytest.raises(ConfigError, match="^train.steps.x: 'train.steps' is not a section$"):
+        load_config(None, ["train.steps.x=1"])
+
+
+def test_layout_checks_against_world_size():
+    cfg = load_config(REPO / "configs/debug.json")
+    assert check_layout(cfg, 2) == 2
+    with pytest.raises(ConfigError, match="not divisible among 8 data-parallel ranks"):
+        check_layout(cfg, 8)
+
+
+def test_cli_reports_bad_config_in_one_line_with_exit_2(tmp_path):
+    proc = subprocess.run([sys.executable, str(REPO / "launch/train.py"), "--config", str(REPO / "configs/debug.json"),
+                           "--set", "model.moe.num_expertz=3", "--run-dir", str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: model.moe.num_expertz: unknown config key (did you mean 'model.moe.num_experts'?)")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("name, total, active", [
+    ("mixtral_8x7b", 46.7e9, 12.9e9),  # published Mixtral-8x7B figures
+    ("jamba_v0.1", 52e9, 12e9),  # published Jamba-v0.1 figures (rounded to 1B)
+])
+def test_dry_run_reports_published_parameter_counts(name, total, active):
+    proc = subprocess.run([sys.executable, str(REPO / "launch/train.py"), "--config", str(REPO / f"configs/{name}.json"),
+                           "--dry-run"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    counts = json.loads(proc.stdout.strip().splitlines()[-1])
+    tol = 0.05e9 if name.startswith("mixtral") else 0.5e9
+    assert abs(counts["params_total"] - total) < tol and abs(counts["params_active"] - active) < tol, counts
