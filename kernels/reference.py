@@ -9,8 +9,59 @@ from __future__ import annotations
 
 from typing import Optional
 
+import math
+
 import torch
 import torch.nn.functional as F
+
+
+def flash_attention_ref(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True, softmax_scale: Optional[float] = None
+) -> torch.Tensor:
+    """Softmax attention with grouped-query heads, written with an explicit (seq, seq) score matrix.
+
+    Shapes: q (batch, q_heads, seq, head_dim); k, v (batch, kv_heads, seq, head_dim) with q_heads a multiple of
+    kv_heads: query head h reads kv head h // (q_heads // kv_heads). Scores are scaled by `softmax_scale`
+    (default 1/sqrt(head_dim)); with `causal`, query i sees keys j <= i only.
+    Returns (batch, q_heads, seq, head_dim) in q's dtype; math in fp32 (fp64 for fp64 inputs).
+    """
+    assert q.shape[1] % k.shape[1] == 0 and k.shape == v.shape and q.shape[2] == k.shape[2], (q.shape, k.shape)
+    compute = torch.promote_types(q.dtype, torch.float32)
+    group = q.shape[1] // k.shape[1]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    k = k.to(compute).repeat_interleave(group, dim=1)  # (B, Hq, S, Dh)
+    v = v.to(compute).repeat_interleave(group, dim=1)  # (B, Hq, S, Dh)
+    scores = (q.to(compute) @ k.transpose(-1, -2)) * scale  # (B, Hq, S, S)
+    if causal:
+        seq = q.shape[2]
+        future = torch.ones(seq, seq, dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(future, float("-inf"))
+    return (scores.softmax(dim=-1) @ v).to(q.dtype)
+
+
+def permute_tokens_ref(x_TD: torch.Tensor, rows_R: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Gather token rows into expert-sorted order: row r is token rows_R[r] % T (top-k replication, drops absent).
+
+    Shapes: x_TD (T, D); rows_R (R,) int64 assignment indices a = k·T + t (slot-major, each at most once,
+    a < top_k·T), already sorted by expert with dropped assignments left out. Returns (R, D) in x's dtype.
+    `top_k` is not needed for the gather itself; it is part of the signature because the kernel's backward uses it.
+    """
+    return x_TD[rows_R % x_TD.shape[0]]
+
+
+def unpermute_tokens_ref(
+    y_RD: torch.Tensor, rows_R: torch.Tensor, weight_A: torch.Tensor, num_tokens: int
+) -> torch.Tensor:
+    """Weighted scatter-add of expert outputs back to their tokens: out[t] = Σ_{kept a of t} weight_A[a] · y[row(a)].
+
+    Shapes: y_RD (R, D) rows in the order of rows_R (R,) int64 assignment indices a = k·T + t; weight_A (K·T,)
+    combine weights of every assignment (dropped ones are simply absent from rows_R); num_tokens T.
+    Returns (T, D) in y's dtype, accumulated in fp32 (fp64 for fp64 inputs); a token with no kept assignment is 0.
+    """
+    compute = torch.promote_types(y_RD.dtype, torch.float32)
+    weighted_RD = y_RD.to(compute) * weight_A.to(compute)[rows_R, None]
+    out_TD = weighted_RD.new_zeros(num_tokens, y_RD.shape[1]).index_add(0, rows_R % num_tokens, weighted_RD)
+    return out_TD.to(y_RD.dtype)
 
 
 def selective_scan_ref(

@@ -286,7 +286,11 @@ def validate(cfg: JobConfig) -> None:
            f"model.moe.capacity_factor: must be positive or null (dropless), got {moe.capacity_factor}")
     _check(cfg.parallel.tp >= 1 and cfg.parallel.ep >= 1, "parallel.tp and parallel.ep must be >= 1")
     _check(cfg.parallel.tp == 1, f"parallel.tp: tensor parallelism is not implemented yet, got {cfg.parallel.tp}")
-    _check(cfg.parallel.ep == 1, f"parallel.ep: expert parallelism is not implemented yet, got {cfg.parallel.ep}")
+    _check(cfg.parallel.ep == 1 or cfg.deepspeed.zero_stage >= 1,
+           "deepspeed.zero_stage: expert parallelism (parallel.ep > 1) needs ZeRO stage 1 or 2 (stage 0's gradient "
+           "clipping in DeepSpeed averages per-rank norms instead of computing the global norm)")
+    _check(t.dtype == "fp32" or cfg.deepspeed.zero_stage >= 1,
+           "deepspeed.zero_stage: bf16 training needs ZeRO stage 1 or 2 here (checkpoints read its fp32 master weights)")
     _check(moe.num_experts % cfg.parallel.ep == 0,
            f"parallel.ep: must divide model.moe.num_experts={moe.num_experts}, got {cfg.parallel.ep}")
     _check(t.steps > 0, f"train.steps: must be positive, got {t.steps}")

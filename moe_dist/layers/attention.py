@@ -1,32 +1,35 @@
 """Causal multi-head attention with grouped-query heads and RoPE.
 
-The attention kernel is chosen once, in `attention_kernel`: PyTorch SDPA (which never materializes
-repeated k/v for grouped-query heads) everywhere for now; the Triton flash-attention kernel plugs in there.
+The attention kernel is chosen once, in `attention_kernel` (resolved by `moe_dist.layers.impl`): PyTorch SDPA
+(which never materializes repeated k/v for grouped-query heads) or the Triton flash-attention kernel
+(`moe_dist.kernels.flash_attention`), which "auto" takes for CUDA tensors.
 """
 
 import math
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from moe_dist.config import AttentionConfig
+from moe_dist.layers.impl import resolve
 from moe_dist.layers.rope import apply_rope, rope_cos_sin
 
-AttnFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+AttnFn = Callable[..., torch.Tensor]  # (q, k, v, causal=True, softmax_scale=None) -> out
 
 
-def _sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def _sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True, softmax_scale: Optional[float] = None
+) -> torch.Tensor:
     """q (B, Hq, S, Dh), k/v (B, Hkv, S, Dh) -> (B, Hq, S, Dh)."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=softmax_scale,
+                                          enable_gqa=q.shape[1] != k.shape[1])
 
 
 def attention_kernel(impl: str) -> AttnFn:
-    """The single place where the attention implementation is chosen."""
-    if impl in ("auto", "torch"):
-        return _sdpa_causal
-    raise ValueError(f"model.attention.impl: {impl!r} is not available (the Triton flash-attention kernel is not built yet)")
+    """The attention function for `model.attention.impl`, with `flash_attention`'s signature."""
+    return resolve(impl, "model.attention.impl", "flash-attention kernel", _sdpa, "flash_attention.flash_attention")
 
 
 class Attention(nn.Module):
@@ -57,5 +60,5 @@ class Attention(nn.Module):
         if self.rope:
             cos, sin = rope_cos_sin(S, self.head_dim, self.rope_theta, x.device)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.kernel(q, k, v)  # (B, Hq, S, Dh)
+        out = self.kernel(q, k, v, causal=True)  # (B, Hq, S, Dh)
         return self.wo(out.transpose(1, 2).reshape(B, S, -1))

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_dist.config import MambaConfig
+from moe_dist.layers.impl import resolve
 from moe_dist.layers.norm import RMSNorm
 from moe_dist.layers.scan import selective_scan
 
@@ -23,12 +24,10 @@ _DT_MIN, _DT_MAX, _DT_FLOOR = 1e-3, 1e-1, 1e-4
 
 
 def select_scan(impl: str, chunk_size: int) -> Callable[..., torch.Tensor]:
-    """The one place that maps `MambaConfig.impl` to a scan function with `selective_scan_ref`'s signature."""
-    if impl in ("torch", "auto"):
-        return functools.partial(selective_scan, chunk_size=chunk_size)
-    if impl == "triton":
-        raise ValueError("model.mamba.impl='triton': the Triton selective scan is not available yet; use 'torch'")
-    raise ValueError(f"model.mamba.impl: expected 'auto', 'torch' or 'triton', got {impl!r}")
+    """The scan for `MambaConfig.impl`, with `selective_scan_ref`'s signature: the chunked PyTorch scan or the
+    Triton kernel (`moe_dist.kernels.selective_scan`, which "auto" takes for CUDA tensors)."""
+    torch_scan = functools.partial(selective_scan, chunk_size=chunk_size)
+    return resolve(impl, "model.mamba.impl", "selective scan", torch_scan, "selective_scan.selective_scan")
 
 
 class Mamba(nn.Module):

@@ -40,6 +40,7 @@ class RoutingStats:
     aux_loss: torch.Tensor  # E · Σ_i f_i · P_i (scalar, differentiable)
     z_loss: torch.Tensor  # mean_t logsumexp(logits_t)² (scalar, differentiable)
     entropy: torch.Tensor  # mean router entropy over tokens (scalar)
+    sent_bytes: int = 0  # bytes this rank sent to other ranks in the dispatch all-to-all (0 without EP)
 
 
 @dataclass
@@ -111,28 +112,45 @@ class Router(nn.Module):
         return Routing(rows_R=rows_R, tokens_per_expert_E=kept_E, weight_A=weight_A, num_tokens=T), stats
 
 
+def gather_rows(x_TD: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of the kept assignments in expert order (top-k replicates a token): (x_RD, token index per row)."""
+    token_R = routing.rows_R % routing.num_tokens
+    return x_TD[token_R], token_R
+
+
+def scatter_weighted(y_RD: torch.Tensor, routing: Routing, token_R: torch.Tensor) -> torch.Tensor:
+    """(T, D): each token's sum of its rows' expert outputs times router weights; dropped ones add nothing."""
+    weighted_RD = (y_RD.float() * routing.weight_A[routing.rows_R, None]).to(y_RD.dtype)
+    return y_RD.new_zeros(routing.num_tokens, y_RD.shape[1]).index_add(0, token_R, weighted_RD)
+
+
+@dataclass
+class LocalState:
+    routing: Routing
+    token_R: torch.Tensor
+    sent_bytes: int = 0  # nothing leaves this device
+
+
 class Dispatcher(Protocol):
-    """The expert-parallel seam: move routed rows to the experts and back."""
+    """The expert-parallel seam: move routed rows to the experts and back.
 
-    def dispatch(self, x_TD: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, object]:
-        """Return (rows for this rank's experts sorted by local expert, rows per local expert, state for combine)."""
+    `dispatch` returns (rows for this rank's experts sorted by local expert, rows per local expert, state); the
+    state carries whatever `combine` needs plus `sent_bytes`, the bytes this rank sent to other ranks."""
 
-    def combine(self, y_RD: torch.Tensor, state: object) -> torch.Tensor:
-        """Return (T, D): the weighted sum of each token's expert outputs; dropped assignments add nothing."""
+    def dispatch(self, x_TD: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, LocalState]: ...
+
+    def combine(self, y_RD: torch.Tensor, state) -> torch.Tensor: ...
 
 
 class LocalDispatcher:
     """All experts on this device: a gather into expert order and a weighted scatter-add back."""
 
-    def dispatch(self, x_TD: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, object]:
-        token_R = routing.rows_R % routing.num_tokens
-        return x_TD[token_R], routing.tokens_per_expert_E, (routing, token_R)
+    def dispatch(self, x_TD: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, LocalState]:
+        x_RD, token_R = gather_rows(x_TD, routing)
+        return x_RD, routing.tokens_per_expert_E, LocalState(routing, token_R)
 
-    def combine(self, y_RD: torch.Tensor, state: object) -> torch.Tensor:
-        routing, token_R = state
-        weighted_RD = (y_RD.float() * routing.weight_A[routing.rows_R, None]).to(y_RD.dtype)
-        out_TD = y_RD.new_zeros(routing.num_tokens, y_RD.shape[1])
-        return out_TD.index_add(0, token_R, weighted_RD)
+    def combine(self, y_RD: torch.Tensor, state: LocalState) -> torch.Tensor:
+        return scatter_weighted(y_RD, state.routing, state.token_R)
 
 
 def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -167,12 +185,18 @@ class Experts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, d_ff, d_model))  # down (E, F, D)
         self.init_std = init_std
         self.out_std = init_std / math.sqrt(2 * n_layers)
+        self.expert_offset = 0  # global index of the first expert held here (apply_ep holds a slice)
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        nn.init.normal_(self.w1, std=self.init_std)
-        nn.init.normal_(self.w3, std=self.init_std)
-        nn.init.normal_(self.w2, std=self.out_std)
+        # One generator per global expert, seeded from the global RNG: expert e gets the same values whichever
+        # rank holds it, and the draws of the rest of the model do not depend on the expert-parallel layout.
+        base = int(torch.randint(0, 2**62, (1,)).item())
+        for j in range(self.w1.shape[0]):
+            gen = torch.Generator(device=self.w1.device).manual_seed(base + self.expert_offset + j)
+            nn.init.normal_(self.w1[j], std=self.init_std, generator=gen)
+            nn.init.normal_(self.w3[j], std=self.init_std, generator=gen)
+            nn.init.normal_(self.w2[j], std=self.out_std, generator=gen)
 
     def forward(self, x_RD: torch.Tensor, rows_per_expert_E: torch.Tensor) -> torch.Tensor:
         h_RF = F.silu(grouped_mm(x_RD, self.w1, rows_per_expert_E)) * grouped_mm(x_RD, self.w3, rows_per_expert_E)
@@ -195,4 +219,5 @@ class MoE(nn.Module):
         routing, stats = self.router(x_TD)
         x_RD, rows_per_expert_E, state = self.dispatcher.dispatch(x_TD, routing)
         y_RD = self.experts(x_RD, rows_per_expert_E)
+        stats.sent_bytes = state.sent_bytes
         return self.dispatcher.combine(y_RD, state).view_as(x), stats

@@ -1,4 +1,14 @@
-"""Process start-up and the parallel layout: world = dp × tp, with ep dividing dp (DESIGN.md §5)."""
+"""Process start-up and the parallel layout: world = dp × tp, with ep dividing dp (DESIGN.md §5).
+
+Ranks are laid out tp-innermost: rank = dp_rank · tp + tp_rank. Inside the data-parallel dimension, expert-
+parallel (EP) groups are blocks of `ep` consecutive dp ranks, and the expert-data-parallel (EDP) groups that
+average expert gradients stride across them (DeepSpeed-MoE/Megatron layout):
+
+    dp = 4, ep = 2:   EP groups {0, 1} {2, 3}      EDP groups {0, 2} {1, 3}
+
+The groups are created through DeepSpeed's groups API so that its engine reduces expert gradients over exactly
+the groups our all-to-all uses; the handles are kept here, in the Mesh object, never in module globals of ours.
+"""
 
 from __future__ import annotations
 
@@ -14,14 +24,30 @@ from moe_dist.config import JobConfig, check_layout
 
 
 @dataclass(frozen=True)
-class World:
+class Mesh:
     rank: int
     world_size: int
     local_rank: int
     local_world_size: int
+    device: torch.device
     dp: int  # data-parallel degree
     dp_rank: int
-    device: torch.device
+    ep: int  # expert-parallel degree (divides dp)
+    ep_rank: int  # position inside the EP group: which slice of the experts this rank holds
+    ep_group: dist.ProcessGroup | None  # all-to-all group (None when ep == 1)
+    edp_group: dist.ProcessGroup | None  # ranks holding the same experts; expert grads are reduced here
+    ep_group_name: str  # DeepSpeed's name for the expert group ("ep_size_N")
+
+    @property
+    def edp_rank(self) -> int:
+        return self.dp_rank // self.ep
+
+
+def ep_layout(dp: int, ep: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(EP groups, EDP groups) as lists of dp ranks; pure index math, checked against DeepSpeed's groups."""
+    ep_groups = [list(range(start, start + ep)) for start in range(0, dp, ep)]
+    edp_groups = [list(range(pos, dp, ep)) for pos in range(ep)]
+    return ep_groups, edp_groups
 
 
 def _free_port() -> int:
@@ -30,13 +56,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(cfg: JobConfig, timeout_s: float = 600.0) -> World:
+def init_distributed(cfg: JobConfig, timeout_s: float = 600.0) -> Mesh:
     """Join the process group the launcher describes (deepspeed, torchrun, accelerate), or form a world of one.
 
     Plain `python launch/train.py` sets no launcher variables; we fill them in for a single process so the
     same code path (and DeepSpeed) runs everywhere.
     """
     import deepspeed  # imported here: it probes the accelerator at import time
+    from deepspeed.utils import groups
 
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
@@ -51,6 +78,21 @@ def init_distributed(cfg: JobConfig, timeout_s: float = 600.0) -> World:
                                    auto_mpi_discovery=False)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     dp = check_layout(cfg, world_size)
+    ep = cfg.parallel.ep
+    dp_rank = rank // cfg.parallel.tp
+    name = f"ep_size_{ep}"
+    ep_group = edp_group = None
+    if ep > 1:
+        if name not in groups._get_expert_parallel_group_dict():
+            groups._create_expert_and_data_parallel(ep)
+        ep_group, edp_group = groups._get_expert_parallel_group(name), groups._get_expert_data_parallel_group(name)
+        expected_ep, expected_edp = ep_layout(dp, ep)
+        got_ep = sorted(dist.get_process_group_ranks(ep_group))
+        got_edp = sorted(dist.get_process_group_ranks(edp_group))
+        if got_ep not in expected_ep or got_edp not in expected_edp:
+            raise RuntimeError(f"DeepSpeed built EP group {got_ep} / EDP group {got_edp}, expected one of "
+                               f"{expected_ep} / {expected_edp}")
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    return World(rank=rank, world_size=world_size, local_rank=local_rank, local_world_size=local_world,
-                 dp=dp, dp_rank=rank // cfg.parallel.tp, device=device)
+    return Mesh(rank=rank, world_size=world_size, local_rank=local_rank, local_world_size=local_world, device=device,
+                dp=dp, dp_rank=dp_rank, ep=ep, ep_rank=dp_rank % ep, ep_group=ep_group, edp_group=edp_group,
+                ep_group_name=name)

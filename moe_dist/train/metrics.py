@@ -22,19 +22,20 @@ class StepAccumulator:
     """Sums the per-micro-batch scalars and routing statistics of one optimizer step on this rank.
 
     Layout of the flat vector: [n_micro, loss, lm, aux, z] then per MoE layer [tokens_per_expert (E), dropped,
-    assignments, entropy]; one all-reduce of it gives the global step statistics.
+    assignments, entropy, all-to-all bytes sent]; one all-reduce of it gives the global step statistics.
     """
 
     def __init__(self, n_moe_layers: int, num_experts: int):
         self.n_layers, self.E = n_moe_layers, num_experts
-        self.total = torch.zeros(1 + len(SCALARS) + n_moe_layers * (num_experts + 3), dtype=torch.float64)
+        self.total = torch.zeros(1 + len(SCALARS) + n_moe_layers * (num_experts + 4), dtype=torch.float64)
 
     def add(self, loss: torch.Tensor, lm: torch.Tensor, out: DecoderOutput) -> None:
         parts = [torch.ones(1), loss.detach().reshape(1), lm.detach().reshape(1),
                  out.aux_loss.detach().reshape(1), out.z_loss.detach().reshape(1)]
         for s in out.moe_stats:
             parts += [s.tokens_per_expert_E.detach(), s.dropped.detach().reshape(1),
-                      torch.tensor([float(s.assignments)]), s.entropy.detach().reshape(1)]
+                      torch.tensor([float(s.assignments)]), s.entropy.detach().reshape(1),
+                      torch.tensor([float(s.sent_bytes)])]
         self.total += torch.cat([p.double().cpu() for p in parts])
 
     def reduce(self) -> dict:
@@ -45,15 +46,16 @@ class StepAccumulator:
         layers, off = [], 1 + len(SCALARS)
         for _ in range(self.n_layers):
             tpe = total[off:off + self.E]
-            dropped, assigned, entropy = total[off + self.E:off + self.E + 3].tolist()
+            dropped, assigned, entropy, sent = total[off + self.E:off + self.E + 4].tolist()
             mean = tpe.mean().item()
             layers.append({
                 "tokens_per_expert": [int(round(v)) for v in tpe.tolist()],
                 "drop_fraction": dropped / assigned,
                 "max_over_mean_load": tpe.max().item() / mean if mean > 0 else 0.0,
                 "router_entropy": entropy / n,
+                "a2a_bytes_per_rank": sent / n,  # mean bytes one rank sends per dispatch all-to-all
             })
-            off += self.E + 3
+            off += self.E + 4
         out["moe"] = layers
         return out
 
@@ -94,7 +96,7 @@ class MetricsLogger:
             share = tpe / max(tpe.sum().item(), 1.0)
             for e, v in enumerate(share.tolist()):
                 self.tb.add_scalar(f"{tag}/expert{e}_token_share", v, step)
-            for key in ("drop_fraction", "max_over_mean_load", "router_entropy"):
+            for key in ("drop_fraction", "max_over_mean_load", "router_entropy", "a2a_bytes_per_rank"):
                 self.tb.add_scalar(f"{tag}/{key}", layer[key], step)
             if self.histogram_every and (step == 1 or step % self.histogram_every == 0):
                 self.tb.add_histogram(f"{tag}/tokens_per_expert", tpe, step)

@@ -11,11 +11,23 @@ from moe_dist.config import JobConfig, grad_accum_steps
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Decay matrices; exempt vectors (norm weights, biases, D) and the SSM's A_log, as is standard."""
-    decay, no_decay = [], []
+    """Decay matrices; exempt vectors (norm weights, biases, D) and the SSM's A_log, as is standard.
+
+    Expert-parallel parameters (marked by apply_ep with `allreduce = False`) go in their own groups flagged
+    `moe` with the expert group's name: DeepSpeed's ZeRO partitions and reduces those over the expert-data-
+    parallel group instead of the whole data-parallel group.
+    """
+    groups: dict[tuple, dict] = {}
     for name, p in model.named_parameters():
-        (no_decay if p.ndim < 2 or name.endswith("A_log") else decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        decay = weight_decay if p.ndim >= 2 and not name.endswith("A_log") else 0.0
+        expert_group = getattr(p, "group_name", None) if getattr(p, "allreduce", True) is False else None
+        key = (decay, expert_group)
+        if key not in groups:
+            groups[key] = {"params": [], "weight_decay": decay}
+            if expert_group is not None:
+                groups[key].update(moe=True, name=expert_group)
+        groups[key]["params"].append(p)
+    return list(groups.values())
 
 
 def lr_lambda(cfg: JobConfig):

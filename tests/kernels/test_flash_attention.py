@@ -1,0 +1,128 @@
+"""Triton flash attention against `flash_attention_ref` in fp64: output and every gradient, causal and not, grouped
+heads, awkward lengths and head sizes, three dtypes; then the Attention layer running on it.
+
+Runs under TRITON_INTERPRET=1 or MOE_DIST_KERNEL_DEVICE=cuda (see conftest.py). The PyTorch path it must stay
+within twice the error of is SDPA in the same dtype, on the same device.
+"""
+
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moe_dist.config import AttentionConfig
+from moe_dist.kernels.flash_attention import flash_attention
+from moe_dist.kernels.reference import flash_attention_ref
+from moe_dist.layers.attention import Attention
+
+ON_CUDA = os.environ.get("MOE_DIST_KERNEL_DEVICE") == "cuda"
+F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
+
+# (batch, q_heads, kv_heads, seq, head_dim): lengths 1, 7, 100 (several tiles, ragged tail), head_dim 16..128
+# including sizes that are not powers of two.
+SHAPES = [(1, 2, 1, 1, 16), (2, 4, 2, 7, 32), (1, 3, 1, 100, 40), (1, 2, 2, 100, 128)]
+if ON_CUDA:  # realistic sizes: many tiles in both directions, 4:1 grouping
+    SHAPES += [(2, 8, 2, 1000, 64), (1, 8, 2, 2048, 128)]
+
+
+def sdpa(q, k, v, causal=True, softmax_scale=None):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=softmax_scale,
+                                          enable_gqa=q.shape[1] != k.shape[1])
+
+
+def inputs(shape, dtype, device, seed=0):
+    batch, hq, hkv, seq, dh = shape
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(batch, h, seq, dh, generator=g) for h in (hq, hkv, hkv))
+    grad = torch.randn(batch, hq, seq, dh, generator=g)
+    return [t.to(device=device, dtype=dtype) for t in (q, k, v, grad)]
+
+
+def run(fn, q, k, v, grad, **kw):
+    """(out, dq, dk, dv) of fn, with fresh leaves."""
+    q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    out = fn(q, k, v, **kw)
+    out.backward(grad.to(out.dtype))
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def check(shape, dtype, device, within_torch_error, **kw):
+    q, k, v, grad = inputs(shape, dtype, device)
+    got = run(flash_attention, q, k, v, grad, **kw)
+    base = run(sdpa, q, k, v, grad, **kw)
+    ref = run(flash_attention_ref, *(t.double().cpu() for t in (q, k, v, grad)), **kw)
+    assert got[0].dtype == dtype and got[0].shape == q.shape and got[0].device == q.device
+    for name, a, b, r in zip(("out", "dq", "dk", "dv"), got, base, ref):
+        assert a.dtype == dtype and torch.isfinite(a).all(), name
+        within_torch_error(f"{name} {shape} {dtype}", a, b, r)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_fp32_matches_reference(shape, causal, device, within_torch_error):
+    check(shape, F32, device, within_torch_error, causal=causal)
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("shape", SHAPES[1:], ids=str)
+def test_half_precision_matches_reference(shape, causal, dtype, device, within_torch_error):
+    check(shape, dtype, device, within_torch_error, causal=causal)
+
+
+def test_softmax_scale(device, within_torch_error):
+    check((1, 2, 1, 33, 16), F32, device, within_torch_error, causal=True, softmax_scale=0.3)
+
+
+def test_strided_inputs_as_the_layer_passes_them(device):
+    """q/k/v as (B, S, H, Dh) buffers viewed as (B, H, S, Dh), and a non-unit last stride (copied)."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 9, 4, 32, generator=g).to(device).transpose(1, 2)
+    k = torch.randn(2, 9, 2, 32, generator=g).to(device).transpose(1, 2)
+    v = torch.randn(2, 2, 32, 9, generator=g).to(device).transpose(2, 3)  # last stride 9
+    out = flash_attention(q, k, v)
+    torch.testing.assert_close(out, flash_attention_ref(q, k, v), rtol=1e-5, atol=1e-5)
+    assert out.transpose(1, 2).is_contiguous()  # the layer's transpose(1, 2).reshape(B, S, H·Dh) is free
+
+
+def test_causal_rows_ignore_the_future(device):
+    q, k, v, _ = inputs((1, 2, 1, 20, 16), F32, device)
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, 12:] += 1.0
+    v2[:, :, 12:] -= 1.0
+    a, b = flash_attention(q, k, v), flash_attention(q, k2, v2)
+    assert torch.equal(a[:, :, :12], b[:, :, :12])
+    assert (a[:, :, 12:] - b[:, :, 12:]).abs().amax(dim=-1).min() > 1e-3
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(head_dim=8), "head_dim must be in 16..128"),
+    (dict(kv_heads=3), "multiple of kv_heads"),
+    (dict(dtype=F64), "fp16/bf16/fp32"),
+])
+def test_unsupported_inputs_raise(bad, match, device):
+    dh, hkv, dtype = bad.get("head_dim", 16), bad.get("kv_heads", 2), bad.get("dtype", F32)
+    q = torch.zeros(1, 4, 5, dh, device=device, dtype=dtype)
+    kv = torch.zeros(1, hkv, 5, dh, device=device, dtype=dtype)
+    with pytest.raises(ValueError, match=match):
+        flash_attention(q, kv, kv)
+
+
+def test_attention_layer_on_the_kernel(device):
+    """The layer with impl="triton" equals the layer with impl="torch" (same weights), output and gradients."""
+    torch.manual_seed(0)
+    cfg = dict(n_heads=4, n_kv_heads=2, head_dim=16)
+    layers = [Attention(32, AttentionConfig(**cfg, impl=impl), init_std=0.5, n_layers=2).to(device)
+              for impl in ("torch", "triton")]
+    layers[1].load_state_dict(layers[0].state_dict())
+    x = torch.randn(2, 37, 32, device=device)
+    outs = []
+    for layer in layers:
+        out = layer(x)
+        out.square().sum().backward()
+        outs.append(out)
+    torch.testing.assert_close(outs[1], outs[0], rtol=2e-5, atol=2e-5)
+    for (name, p_torch), p_triton in zip(layers[0].named_parameters(), layers[1].parameters()):
+        torch.testing.assert_close(p_triton.grad, p_torch.grad, rtol=1e-4, atol=1e-4, msg=name)

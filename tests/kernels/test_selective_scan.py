@@ -1,0 +1,137 @@
+"""Triton selective scan against `selective_scan_ref` in fp64: output and the gradient of every input, with and
+without D / z / delta_bias / softplus, awkward sizes (1, 7, 100 in batch, channels, length and state), fp32 and
+half-precision inputs; then the Mamba layer running on it.
+
+Runs under TRITON_INTERPRET=1 or MOE_DIST_KERNEL_DEVICE=cuda (see conftest.py). The PyTorch path it must stay
+within twice the error of is the reference itself run on the same (low-precision) inputs and device. The
+interpreter executes `tl.associative_scan` element by element, so CPU shapes stay small.
+"""
+
+import os
+
+import pytest
+import torch
+
+from moe_dist.config import MambaConfig
+from moe_dist.kernels.reference import selective_scan_ref
+from moe_dist.kernels.selective_scan import selective_scan
+from moe_dist.layers.mamba import Mamba
+
+ON_CUDA = os.environ.get("MOE_DIST_KERNEL_DEVICE") == "cuda"
+F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
+NAMES = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias")
+
+# (batch, dim, seqlen, state): one step, one channel, one state; ragged chunk tails; several channel blocks.
+SHAPES = [(2, 3, 100, 4), (1, 1, 1, 3), (1, 7, 7, 1), (1, 100, 7, 2)]
+if ON_CUDA:  # realistic Mamba sizes: many chunks, many channel blocks, state 16
+    SHAPES += [(2, 64, 1000, 16), (1, 512, 2048, 16)]
+
+
+def inputs(shape, dtype, device, full=True, param_dtype=F32, seed=0):
+    """Tensors named as the scan's arguments; Δ positive before the optional softplus as in a trained model."""
+    batch, dim, seqlen, state = shape
+    g = torch.Generator().manual_seed(seed)
+    x = dict(
+        u=torch.randn(batch, dim, seqlen, generator=g),
+        delta=torch.randn(batch, dim, seqlen, generator=g) * 0.5 if full else torch.rand(batch, dim, seqlen, generator=g),
+        A=-(torch.rand(dim, state, generator=g) * 2 + 0.1),
+        B=torch.randn(batch, state, seqlen, generator=g),
+        C=torch.randn(batch, state, seqlen, generator=g),
+    )
+    x = {k: v.to(dtype) for k, v in x.items()}
+    x["A"] = x["A"].float()
+    if full:
+        x.update(D=torch.randn(dim, generator=g).to(param_dtype), z=torch.randn(batch, dim, seqlen, generator=g).to(dtype),
+                 delta_bias=(torch.randn(dim, generator=g) * 0.5 - 1.0).to(param_dtype))
+    grad = torch.randn(batch, dim, seqlen, generator=g).to(dtype)
+    return {k: v.to(device) for k, v in x.items()}, grad.to(device)
+
+
+def run(fn, x, grad, **kw):
+    """(out, {name: grad}) of fn, with fresh leaves."""
+    leaves = {k: v.detach().clone().requires_grad_(True) for k, v in x.items()}
+    out = fn(**leaves, **kw)
+    out.backward(grad.to(out.dtype))
+    return out.detach(), {k: v.grad for k, v in leaves.items()}
+
+
+def check(shape, dtype, device, within_torch_error, full=True, softplus=True, param_dtype=F32):
+    x, grad = inputs(shape, dtype, device, full, param_dtype)
+    out, grads = run(selective_scan, x, grad, delta_softplus=softplus)
+    base_out, base_grads = run(selective_scan_ref, x, grad, delta_softplus=softplus)
+    ref_out, ref_grads = run(selective_scan_ref, {k: v.double().cpu() for k, v in x.items()}, grad.double().cpu(),
+                             delta_softplus=softplus)
+    assert out.dtype == dtype and out.shape == x["u"].shape and out.device == x["u"].device
+    within_torch_error(f"out {shape} {dtype}", out, base_out, ref_out)
+    assert set(grads) == set(x)
+    for name in grads:
+        assert grads[name].dtype == x[name].dtype and torch.isfinite(grads[name]).all(), name
+        within_torch_error(f"d{name} {shape} {dtype}", grads[name], base_grads[name], ref_grads[name])
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_fp32_all_options_match_reference(shape, device, within_torch_error):
+    check(shape, F32, device, within_torch_error)
+
+
+@pytest.mark.parametrize("shape", SHAPES[:3], ids=str)
+def test_fp32_bare_scan_matches_reference(shape, device, within_torch_error):
+    """No D, z, delta_bias or softplus: Δ is used as given."""
+    check(shape, F32, device, within_torch_error, full=False, softplus=False)
+
+
+@pytest.mark.parametrize("dtype, param_dtype", [(F16, F32), (BF16, F32), (BF16, BF16)])
+def test_half_precision_matches_reference(dtype, param_dtype, device, within_torch_error):
+    """16-bit activations; D and delta_bias in fp32 or, as in a bf16 model, bf16 (A stays fp32 as Mamba passes it)."""
+    shape = (2, 64, 1000, 16) if ON_CUDA else (1, 4, 40, 8)
+    check(shape, dtype, device, within_torch_error, param_dtype=param_dtype)
+
+
+def test_strided_inputs_and_no_grad(device):
+    """Transposed views (the layer passes (B, L, ·) buffers as (B, ·, L)) are accepted; under no_grad the result
+    equals the differentiable path."""
+    x, _ = inputs((2, 5, 20, 4), F32, device)
+    x["delta"] = x["delta"].transpose(1, 2).contiguous().transpose(1, 2)
+    x["B"] = x["B"].transpose(1, 2).contiguous().transpose(1, 2)
+    assert not x["delta"].is_contiguous()
+    with torch.no_grad():
+        out = selective_scan(**x, delta_softplus=True)
+    leaves = {k: v.clone().requires_grad_(True) for k, v in x.items()}
+    torch.testing.assert_close(out, selective_scan(**leaves, delta_softplus=True).detach(), rtol=0, atol=0)
+    torch.testing.assert_close(out, selective_scan_ref(**x, delta_softplus=True), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(u=torch.zeros(1, 2, 3, dtype=F64)), "fp16, bf16 or fp32"),
+    (dict(A=torch.zeros(3, 4)), r"A must be \(dim=2, state\)"),
+    (dict(B=torch.zeros(1, 5, 3)), "B and C must be"),
+    (dict(A=torch.zeros(2, 257), B=torch.zeros(1, 257, 3), C=torch.zeros(1, 257, 3)), "state size"),
+])
+def test_unsupported_inputs_raise(bad, match, device):
+    x = dict(u=torch.zeros(1, 2, 3), delta=torch.zeros(1, 2, 3), A=torch.zeros(2, 4), B=torch.zeros(1, 4, 3),
+             C=torch.zeros(1, 4, 3))
+    x.update(bad)
+    with pytest.raises(ValueError, match=match):
+        selective_scan(**{k: v.to(device) for k, v in x.items()})
+
+
+def test_mamba_layer_on_the_kernel(device):
+    """The layer with impl="triton" equals the layer with impl="torch" (same weights), output and gradients."""
+    layers = []
+    for impl in ("torch", "triton"):
+        cfg = MambaConfig(d_state=4, d_conv=3, expand=2, chunk_size=8, inner_norms=True, impl=impl)
+        with torch.device("meta"):
+            layer = Mamba(16, cfg, norm_eps=1e-5, init_std=0.02)
+        layer.to_empty(device=device)
+        torch.manual_seed(0)
+        layer.init_weights()
+        layers.append(layer)
+    x = torch.randn(2, 37, 16, device=device)
+    outs = []
+    for layer in layers:
+        out = layer(x)
+        out.square().sum().backward()
+        outs.append(out)
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-6)
+    for (name, p_torch), p_triton in zip(layers[0].named_parameters(), layers[1].parameters()):
+        torch.testing.assert_close(p_triton.grad, p_torch.grad, rtol=1e-4, atol=1e-6, msg=name)
