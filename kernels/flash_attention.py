@@ -210,7 +210,8 @@ def flash_attention_unsupported(
 ) -> Optional[str]:
     """Why the kernel cannot take these inputs (None when it can); the public function raises it as ValueError."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        return f"expected 4-d (batch, heads, seq, head_dim) q, k, v, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        return (f"expected 4-d (batch, heads, seq, head_dim) q, k, v, got {tuple(q.shape)}, {tuple(k.shape)}, "
+                f"{tuple(v.shape)}")
     if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
         return f"q {tuple(q.shape)} and k/v {tuple(k.shape)}/{tuple(v.shape)} differ in batch, seq or head_dim"
     if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:

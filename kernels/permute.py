@@ -87,7 +87,8 @@ def _check(x: torch.Tensor, rows_R: torch.Tensor) -> Optional[str]:
     if x.dim() != 2 or x.dtype not in _DTYPES:
         return f"expected a 2-d fp16/bf16/fp32 tensor, got {tuple(x.shape)} {x.dtype}"
     if rows_R.dim() != 1 or rows_R.dtype != torch.int64 or rows_R.device != x.device:
-        return f"rows_R must be a 1-d int64 tensor on {x.device}, got {tuple(rows_R.shape)} {rows_R.dtype} on {rows_R.device}"
+        return (f"rows_R must be a 1-d int64 tensor on {x.device}, "
+                f"got {tuple(rows_R.shape)} {rows_R.dtype} on {rows_R.device}")
     return None
 
 

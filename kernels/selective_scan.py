@@ -75,8 +75,9 @@ def _scan_fwd_kernel(
     dn_ok = d_ok[:, None] & n_ok[None, :]
 
     a_dn = tl.load(A + offs_d[:, None] * dstate + offs_n[None, :], mask=dn_ok, other=0.0).to(tl.float32)
-    bias = tl.load(BIAS + offs_d, mask=d_ok, other=0.0).to(tl.float32) if HAS_BIAS else None
-    d_skip = tl.load(Dskip + offs_d, mask=d_ok, other=0.0).to(tl.float32) if HAS_D else None
+    zeros_d = tl.zeros([BLOCK_D], dtype=tl.float32)  # stands in for an absent delta_bias / D
+    bias = tl.load(BIAS + offs_d, mask=d_ok, other=0.0).to(tl.float32) if HAS_BIAS else zeros_d
+    d_skip = tl.load(Dskip + offs_d, mask=d_ok, other=0.0).to(tl.float32) if HAS_D else zeros_d
     row_d = (b * dim + offs_d) * seqlen  # (BD,) offset of (b, d, 0) in u, delta, z, out
     row_n = (b * dstate + offs_n) * seqlen  # (BN,) offset of (b, n, 0) in B, C
     state_ptrs = STATES + ((b * dim + offs_d[:, None]) * n_chunks) * dstate + offs_n[None, :]
@@ -130,8 +131,9 @@ def _scan_bwd_kernel(
     dn_ok = d_ok[:, None] & n_ok[None, :]
 
     a_dn = tl.load(A + offs_d[:, None] * dstate + offs_n[None, :], mask=dn_ok, other=0.0).to(tl.float32)
-    bias = tl.load(BIAS + offs_d, mask=d_ok, other=0.0).to(tl.float32) if HAS_BIAS else None
-    d_skip = tl.load(Dskip + offs_d, mask=d_ok, other=0.0).to(tl.float32) if HAS_D else None
+    zeros_d = tl.zeros([BLOCK_D], dtype=tl.float32)  # stands in for an absent delta_bias / D
+    bias = tl.load(BIAS + offs_d, mask=d_ok, other=0.0).to(tl.float32) if HAS_BIAS else zeros_d
+    d_skip = tl.load(Dskip + offs_d, mask=d_ok, other=0.0).to(tl.float32) if HAS_D else zeros_d
     row_d = (b * dim + offs_d) * seqlen
     row_n = (b * dstate + offs_n) * seqlen
     state_ptrs = STATES + ((b * dim + offs_d[:, None]) * n_chunks) * dstate + offs_n[None, :]
@@ -230,7 +232,8 @@ def selective_scan_unsupported(
         return f"A must be (dim={dim}, state), got {tuple(A.shape)}"
     dstate = A.shape[1]
     if B.shape != (batch, dstate, seqlen) or C.shape != (batch, dstate, seqlen):
-        return f"B and C must be (batch, state, seqlen) = {(batch, dstate, seqlen)}, got {tuple(B.shape)}, {tuple(C.shape)}"
+        return (f"B and C must be (batch, state, seqlen) = {(batch, dstate, seqlen)}, "
+                f"got {tuple(B.shape)}, {tuple(C.shape)}")
     if any(t is not None and t.shape != (dim,) for t in (D, delta_bias)):
         return f"D and delta_bias must be (dim={dim},)"
     if not 1 <= dstate <= _MAX_STATE:

@@ -53,15 +53,21 @@ class Runner:
         return proc
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def run_train() -> Runner:
-    return Runner()
+    return Runner(timeout=600)
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def metrics():
     return read_metrics
+
+
+@pytest.fixture
+def port() -> int:
+    """A free TCP port on localhost for a launcher's rendezvous."""
+    return free_port()

@@ -2,7 +2,7 @@
 
 Contents: `rankNNNNN.safetensors` files holding every parameter exactly once under its global name, experts
 split out by global index (`blocks.0.ffn.experts.w1.5`), each with its AdamW moments (`exp_avg.<name>`,
-`exp_avg_sq.<name>`), all fp32; `meta.json` (step, Adam step count, LR-schedule state, layout it was written
+`exp_avg_sq.<name>`), all fp32; `meta.json` (step, Adam step count, learning rate, layout it was written
 at, sha256 of every file) and `config.json`. Nothing is pickled, so loading runs no code.
 
 Because names are global, a checkpoint written at one (dp, ep) layout loads at any other. Ranks write into
@@ -118,7 +118,7 @@ def save_checkpoint(engine, model: nn.Module, scheduler, ckpt_root: Path, step: 
     if mesh.rank == 0:
         files = {f.name: _sha256(f) for f in sorted(tmp.glob("*.safetensors"))}
         adam_step = _adam_step(engine)
-        meta = {"format": FORMAT_VERSION, "step": step, "adam_step": adam_step, "scheduler": scheduler.state_dict(),
+        meta = {"format": FORMAT_VERSION, "step": step, "adam_step": adam_step, "lr": scheduler.get_last_lr()[0],
                 "layout": {"dp": mesh.dp, "ep": mesh.ep, "tp": cfg.parallel.tp}, "files": files}
         (tmp / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2) + "\n")
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
@@ -213,8 +213,11 @@ def load_checkpoint(engine, model: nn.Module, scheduler, path: Path, mesh: Mesh)
             state = _inner_optimizer(engine).state[p]
             for k in MOMENTS:
                 state[k].copy_(values[k])
-    scheduler.load_state_dict(meta["scheduler"])
-    for group, lr in zip(_inner_optimizer(engine).param_groups, scheduler.get_last_lr()):
-        group["lr"] = lr  # the schedule's state is restored, but the optimizer still holds the step-0 rate
+    # The schedule is a function of the step alone; its state is not loaded because the number of parameter
+    # groups depends on the layout (expert groups exist only with EP).
+    step = int(meta["step"])
+    scheduler.last_epoch = step
+    for group, base, factor in zip(_inner_optimizer(engine).param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base * factor(step)
     barrier()
-    return int(meta["step"])
+    return step

@@ -64,8 +64,8 @@ def pytest_collection_modifyitems(config, items):
         wrong = sorted({item.path.name for item in items
                         if item.path.parent == HERE and item.path.name in KERNEL_TEST_FILES})
         if wrong:
-            raise pytest.UsageError(f"{', '.join(wrong)}: run with TRITON_INTERPRET=1 (CPU) or MOE_DIST_KERNEL_DEVICE=cuda;"
-                                    f" a plain run executes them through {RUNNER}")
+            raise pytest.UsageError(f"{', '.join(wrong)}: run with TRITON_INTERPRET=1 (CPU) or "
+                                    f"MOE_DIST_KERNEL_DEVICE=cuda; a plain run executes them through {RUNNER}")
 
 
 def pytest_generate_tests(metafunc):
@@ -93,7 +93,6 @@ def assert_within_torch_error(name: str, got: torch.Tensor, torch_got: torch.Ten
     err = (got.double().cpu() - ref).abs().max().item()
     base = (torch_got.double().cpu() - ref).abs().max().item()
     atol = max(torch.finfo(got.dtype).eps, 1e-5) * ref.abs().max().item()
-    print("RATIO", name, round(err / (2 * base + atol + 1e-300), 3))
     assert err <= 2 * base + atol, f"{name}: kernel error {err:.3g} > 2 × PyTorch error {base:.3g} + {atol:.3g}"
 
 

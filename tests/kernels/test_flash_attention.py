@@ -5,7 +5,6 @@ Runs under TRITON_INTERPRET=1 or MOE_DIST_KERNEL_DEVICE=cuda (see conftest.py). 
 within twice the error of is SDPA in the same dtype, on the same device.
 """
 
-import math
 import os
 
 import pytest
@@ -126,3 +125,20 @@ def test_attention_layer_on_the_kernel(device):
     torch.testing.assert_close(outs[1], outs[0], rtol=2e-5, atol=2e-5)
     for (name, p_torch), p_triton in zip(layers[0].named_parameters(), layers[1].parameters()):
         torch.testing.assert_close(p_triton.grad, p_torch.grad, rtol=1e-4, atol=1e-4, msg=name)
+
+
+# Defined only on CUDA (rather than skipped elsewhere): the interpreter cannot measure device memory.
+if ON_CUDA:
+
+    def test_memory_grows_linearly_with_sequence_length():
+        """No (seq, seq) matrix: forward + backward at seq 16384 needs a few O(seq·head_dim) buffers, where the
+        bf16 score matrices of its 4 heads alone would take 2 GiB."""
+        q, k, v, grad = inputs((1, 4, 4, 16384, 64), BF16, "cuda")
+        q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        flash_attention(q, k, v).backward(grad)
+        torch.cuda.synchronize()
+        extra = torch.cuda.max_memory_allocated() - before
+        assert extra < 16 * q.numel() * q.element_size(), f"{extra / 2**20:.0f} MiB above the inputs"

@@ -33,7 +33,8 @@ def inputs(shape, dtype, device, full=True, param_dtype=F32, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = dict(
         u=torch.randn(batch, dim, seqlen, generator=g),
-        delta=torch.randn(batch, dim, seqlen, generator=g) * 0.5 if full else torch.rand(batch, dim, seqlen, generator=g),
+        delta=(torch.randn(batch, dim, seqlen, generator=g) * 0.5 if full
+               else torch.rand(batch, dim, seqlen, generator=g)),
         A=-(torch.rand(dim, state, generator=g) * 2 + 0.1),
         B=torch.randn(batch, state, seqlen, generator=g),
         C=torch.randn(batch, state, seqlen, generator=g),
@@ -41,7 +42,8 @@ def inputs(shape, dtype, device, full=True, param_dtype=F32, seed=0):
     x = {k: v.to(dtype) for k, v in x.items()}
     x["A"] = x["A"].float()
     if full:
-        x.update(D=torch.randn(dim, generator=g).to(param_dtype), z=torch.randn(batch, dim, seqlen, generator=g).to(dtype),
+        x.update(D=torch.randn(dim, generator=g).to(param_dtype),
+                 z=torch.randn(batch, dim, seqlen, generator=g).to(dtype),
                  delta_bias=(torch.randn(dim, generator=g) * 0.5 - 1.0).to(param_dtype))
     grad = torch.randn(batch, dim, seqlen, generator=g).to(dtype)
     return {k: v.to(device) for k, v in x.items()}, grad.to(device)
