@@ -55,6 +55,7 @@ class MoEConfig:
     renormalize: bool = True  # renormalize the top-k weights to sum to 1 (Mixtral)
     aux_loss_coef: float = 0.01  # coefficient of the Switch/GShard load-balancing loss
     z_loss_coef: float = 0.001  # coefficient of the ST-MoE router z-loss
+    impl: Literal["auto", "torch", "triton"] = "auto"  # token permutation kernels (gather/scatter around experts)
 
 
 @dataclass

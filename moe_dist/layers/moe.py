@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Protocol
+from typing import Callable, Optional, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from moe_dist.config import MoEConfig
+from moe_dist.layers.impl import token_permutation
 
 
 def expert_capacity(cfg: MoEConfig, tokens: int) -> Optional[int]:
@@ -112,22 +113,28 @@ class Router(nn.Module):
         return Routing(rows_R=rows_R, tokens_per_expert_E=kept_E, weight_A=weight_A, num_tokens=T), stats
 
 
-def gather_rows(x_TD: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of the kept assignments in expert order (top-k replicates a token): (x_RD, token index per row)."""
-    token_R = routing.rows_R % routing.num_tokens
-    return x_TD[token_R], token_R
+@dataclass
+class Permutation:
+    """The gather into expert order and the weighted scatter back; Triton kernels on CUDA, index ops otherwise
+    (chosen once, in moe_dist.layers.impl). Signatures of `moe_dist.kernels.reference.(un)permute_tokens_ref`."""
 
+    permute: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]  # (x_TD, rows_R, top_k) -> x_RD
+    unpermute: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]  # (y_RD, rows_R, weight_A, T)
 
-def scatter_weighted(y_RD: torch.Tensor, routing: Routing, token_R: torch.Tensor) -> torch.Tensor:
-    """(T, D): each token's sum of its rows' expert outputs times router weights; dropped ones add nothing."""
-    weighted_RD = (y_RD.float() * routing.weight_A[routing.rows_R, None]).to(y_RD.dtype)
-    return y_RD.new_zeros(routing.num_tokens, y_RD.shape[1]).index_add(0, token_R, weighted_RD)
+    @classmethod
+    def from_impl(cls, impl: str) -> "Permutation":
+        return cls(*token_permutation(impl))
+
+    def gather(self, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
+        return self.permute(x_TD, routing.rows_R, routing.weight_A.shape[0] // routing.num_tokens)
+
+    def scatter(self, y_RD: torch.Tensor, routing: Routing) -> torch.Tensor:
+        return self.unpermute(y_RD, routing.rows_R, routing.weight_A, routing.num_tokens)
 
 
 @dataclass
 class LocalState:
     routing: Routing
-    token_R: torch.Tensor
     sent_bytes: int = 0  # nothing leaves this device
 
 
@@ -145,12 +152,14 @@ class Dispatcher(Protocol):
 class LocalDispatcher:
     """All experts on this device: a gather into expert order and a weighted scatter-add back."""
 
+    def __init__(self, permutation: Permutation):
+        self.permutation = permutation
+
     def dispatch(self, x_TD: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, LocalState]:
-        x_RD, token_R = gather_rows(x_TD, routing)
-        return x_RD, routing.tokens_per_expert_E, LocalState(routing, token_R)
+        return self.permutation.gather(x_TD, routing), routing.tokens_per_expert_E, LocalState(routing)
 
     def combine(self, y_RD: torch.Tensor, state: LocalState) -> torch.Tensor:
-        return scatter_weighted(y_RD, state.routing, state.token_R)
+        return self.permutation.scatter(y_RD, state.routing)
 
 
 def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -208,7 +217,7 @@ class MoE(nn.Module):
         super().__init__()
         self.router = Router(d_model, cfg, init_std)
         self.experts = Experts(cfg.num_experts, d_model, cfg.d_ff or d_ff, init_std, n_layers)
-        self.dispatcher: Dispatcher = LocalDispatcher()
+        self.dispatcher: Dispatcher = LocalDispatcher(Permutation.from_impl(cfg.impl))
 
     def init_weights(self) -> None:
         self.router.init_weights()

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moe_dist.layers.moe import Routing, gather_rows, scatter_weighted
+from moe_dist.layers.moe import Permutation, Routing
 from moe_dist.parallel.comm import all_to_all_equal, all_to_all_rows
 
 
@@ -37,7 +37,6 @@ def segment_permutation(counts_XY: torch.Tensor) -> torch.Tensor:
 @dataclass
 class _A2AState:
     routing: Routing
-    token_R: torch.Tensor
     send_splits: list[int]
     recv_splits: list[int]
     recv_counts_PL: torch.Tensor
@@ -48,13 +47,14 @@ class _A2AState:
 class AllToAllDispatcher:
     """Moves routed rows to the EP rank that owns their expert and back (swapped in by `apply_ep`)."""
 
-    def __init__(self, group: dist.ProcessGroup, ep: int, ep_rank: int, num_experts: int):
+    def __init__(self, group: dist.ProcessGroup, ep: int, ep_rank: int, num_experts: int, permutation: Permutation):
         self.group, self.ep, self.ep_rank = group, ep, ep_rank
         self.num_local = num_experts // ep
+        self.permutation = permutation
 
     def dispatch(self, x_TD: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, _A2AState]:
         P, L = self.ep, self.num_local
-        x_RD, token_R = gather_rows(x_TD, routing)
+        x_RD = self.permutation.gather(x_TD, routing)
         send_counts_PL = routing.tokens_per_expert_E.view(P, L)
         recv_counts_PL = all_to_all_equal(send_counts_PL, self.group).cpu()  # row s: what rank s sends here
         send_splits = send_counts_PL.sum(1).tolist()
@@ -62,11 +62,11 @@ class AllToAllDispatcher:
         x_QD = all_to_all_rows(x_RD, recv_splits, send_splits, self.group)
         to_expert_order_Q = segment_permutation(recv_counts_PL).to(x_TD.device)
         sent_rows = sum(send_splits) - send_splits[self.ep_rank]
-        state = _A2AState(routing, token_R, send_splits, recv_splits, recv_counts_PL, to_expert_order_Q,
+        state = _A2AState(routing, send_splits, recv_splits, recv_counts_PL, to_expert_order_Q,
                           sent_rows * x_TD.shape[1] * x_TD.element_size())
         return x_QD[to_expert_order_Q], recv_counts_PL.sum(0).to(x_TD.device), state
 
     def combine(self, y_QD: torch.Tensor, state: _A2AState) -> torch.Tensor:
         to_source_order_Q = segment_permutation(state.recv_counts_PL.t()).to(y_QD.device)
         y_RD = all_to_all_rows(y_QD[to_source_order_Q], state.send_splits, state.recv_splits, self.group)
-        return scatter_weighted(y_RD, state.routing, state.token_R)
+        return self.permutation.scatter(y_RD, state.routing)

@@ -59,7 +59,8 @@ def apply_ep(model: nn.Module, mesh: Mesh) -> nn.Module:
             shard.group_name = mesh.ep_group_name
             setattr(experts, name, shard)
         experts.expert_offset = mesh.ep_rank * local
-        module.dispatcher = AllToAllDispatcher(mesh.ep_group, mesh.ep, mesh.ep_rank, num_experts)
+        module.dispatcher = AllToAllDispatcher(mesh.ep_group, mesh.ep, mesh.ep_rank, num_experts,
+                                               module.dispatcher.permutation)
     if num_experts is not None:
         model.deepspeed_moe_marker = _DeepSpeedMoEMarker(num_experts, mesh.ep, mesh.ep_group_name)
     return model
