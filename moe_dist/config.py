@@ -78,6 +78,7 @@ class ModelConfig:
 class ParallelConfig:
     tp: int = 1  # tensor-parallel degree
     ep: int = 1  # expert-parallel degree (divides the data-parallel degree)
+    timeout_s: float = 600.0  # rendezvous and collective timeout: a missing or hung rank fails the job after this
 
 
 @dataclass

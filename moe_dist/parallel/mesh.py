@@ -56,7 +56,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(cfg: JobConfig, timeout_s: float = 600.0) -> Mesh:
+def init_distributed(cfg: JobConfig, timeout_s: float | None = None) -> Mesh:
     """Join the process group the launcher describes (deepspeed, torchrun, accelerate), or form a world of one.
 
     Plain `python launch/train.py` sets no launcher variables; we fill them in for a single process so the
@@ -74,7 +74,8 @@ def init_distributed(cfg: JobConfig, timeout_s: float = 600.0) -> Mesh:
     if cuda:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s),
+        timeout = timedelta(seconds=timeout_s if timeout_s is not None else cfg.parallel.timeout_s)
+        deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", timeout=timeout,
                                    auto_mpi_discovery=False)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     dp = check_layout(cfg, world_size)
