@@ -1,0 +1,434 @@
+"""Performance model of one training step, calibrated on measured runs (docs/perf_model.md).
+
+    step time = FLOPs_per_rank · ranks_per_device / F + Σ_collectives (hops · α + bytes_on_the_slowest_link / β)
+
+F is the device's sustained throughput on this model (fitted to measured compute times on CPU; peak × MFU on a
+GPU), α a per-message latency and β a per-rank bandwidth, one (α, β) pair for links inside a node and one
+across nodes. Collectives are costed with the textbook algorithms (ring all-reduce / reduce-scatter /
+all-gather, pairwise all-to-all), with no overlap of communication and compute (what our DeepSpeed/gloo stack
+does; conservative on GPUs).
+
+The per-step list of collectives mirrors what a training step of this repository issues, checked against
+`launch/scaling.py`'s instrumented runs (DESIGN.md §2):
+- per micro-batch and MoE layer: 1 all-to-all of per-expert counts, 2 all-to-alls of routed rows forward
+  (dispatch, combine) and 2 backward, in the expert-parallel (EP) group;
+- per micro-batch and layer with tensor parallelism (Megatron sequence parallel, tp > 1; predicted only, not
+  implemented in training yet): 2 all-gathers + 2 reduce-scatters forward and the same backward, per sub-block;
+- per step (ZeRO-1, as DeepSpeed does it here): all-reduce of the dense gradients over dp and of the expert
+  gradients over the expert-data-parallel group (dp / ep), then all-gather of the updated parameters over the
+  same groups, plus a few scalar all-reduces (gradient norm, metrics). ZeRO-2 reduces every micro-batch.
+
+Rank placement follows moe_dist.parallel.mesh: rank = dp_rank · tp + tp_rank, EP groups are blocks of ep
+consecutive dp ranks, nodes hold consecutive ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from moe_dist.config import JobConfig
+
+KINDS = ("all_to_all", "all_reduce", "reduce_scatter", "all_gather", "other")
+SCALAR_ALL_REDUCES_PER_STEP = 5  # gradient-norm pieces and the metrics vector (measured: 4-6 tiny calls)
+
+
+# --------------------------------------------------------------------------------------------- collectives
+
+def collective_terms(kind: str, n: int, payload_bytes: float) -> tuple[int, float]:
+    """(latency hops, bytes each rank sends) of one collective on n ranks.
+
+    payload_bytes: all-reduce — the buffer; all-gather — the gathered (output) buffer; reduce-scatter — the
+    input buffer; all-to-all — what this rank holds for all destinations (its own share stays local);
+    other (broadcast, barrier) — the buffer, sent once along a tree.
+    """
+    if n <= 1:
+        return 0, 0.0
+    if kind == "all_reduce":  # ring: reduce-scatter then all-gather
+        return 2 * (n - 1), 2.0 * (n - 1) / n * payload_bytes
+    if kind in ("reduce_scatter", "all_gather", "all_to_all"):
+        return n - 1, (n - 1) / n * payload_bytes
+    if kind == "other":
+        return math.ceil(math.log2(n)), float(payload_bytes)
+    raise ValueError(f"unknown collective kind {kind!r}")
+
+
+@dataclass(frozen=True)
+class Link:
+    alpha_s: float  # latency per hop (message), seconds
+    beta_Bps: float  # bandwidth per rank, bytes/second
+
+    def time(self, hops: float, wire_bytes: float) -> float:
+        return hops * self.alpha_s + wire_bytes / self.beta_Bps
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    flops_per_s: float  # sustained throughput of one device (peak × MFU for a GPU; fitted for a CPU)
+    ranks_per_node: int
+    intra: Link  # inside a node (NVLink; loopback on one CPU machine)
+    inter: Link  # across nodes (InfiniBand; the veth links between network namespaces)
+    memory_bytes: float | None = None  # device memory, for the fit check of a layout
+    peak_flops_per_s: float | None = None  # for reporting MFU
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int
+    ep: int
+    tp: int
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp
+
+    def __str__(self) -> str:
+        return f"dp{self.dp}-ep{self.ep}-tp{self.tp}"
+
+
+@dataclass(frozen=True)
+class Call:
+    """One collective issued `count` times per step by every rank of its group."""
+
+    kind: str
+    label: str  # what it moves: "moe_rows", "moe_counts", "tp_act", "dense_grad", "expert_param", ...
+    group_size: int
+    ranks_per_node: int  # ranks of the group on one node (== group_size when it stays inside a node)
+    payload_bytes: float
+    count: float
+
+    @property
+    def spans_nodes(self) -> bool:
+        return self.ranks_per_node < self.group_size
+
+
+def call_time(call: Call, hw: Hardware) -> float:
+    """Seconds for one instance of `call`: α per hop plus the bytes over the slowest link they cross."""
+    hops, wire = collective_terms(call.kind, call.group_size, call.payload_bytes)
+    if not call.spans_nodes:
+        return hw.intra.time(hops, wire)
+    n, g = call.group_size, call.ranks_per_node
+    if call.kind == "all_to_all":  # a (g-1)/n share stays in the node, (n-g)/n crosses it, concurrently
+        intra = call.payload_bytes * (g - 1) / n
+        inter = call.payload_bytes * (n - g) / n
+        return hops * hw.inter.alpha_s + max(intra / hw.intra.beta_Bps, inter / hw.inter.beta_Bps)
+    # A ring spanning nodes moves at the pace of its slowest edge (one NIC per rank: NCCL's rings use them all).
+    return hops * hw.inter.alpha_s + wire / min(hw.intra.beta_Bps, hw.inter.beta_Bps)
+
+
+def bottleneck_features(kind: str, n: int, g: int, payload_bytes: float, wire_bytes: float | None = None
+                        ) -> tuple[float, float]:
+    """(hops, bytes) whose α–β cost `call_time` charges to the slower link: the regression features of a fit.
+
+    wire_bytes overrides the bytes a rank sends (an uneven all-to-all measured exactly).
+    """
+    hops, wire = collective_terms(kind, n, payload_bytes)
+    if wire_bytes is not None:
+        wire = wire_bytes
+    if g < n and kind == "all_to_all" and n > 1:
+        wire = wire * (n - g) / (n - 1)  # the inter-node share of what this rank sends
+    return hops, wire
+
+
+# ------------------------------------------------------------------------------------------- the workload
+
+@dataclass(frozen=True)
+class ModelCost:
+    """What a model costs per token, from its meta-built parameters (no memory allocated)."""
+
+    fwd_flops_per_token: float
+    dense_params: int  # everything but expert weights (embeddings, attention/Mamba, router, norms, dense FFN)
+    expert_params: int  # stacked expert weights, all experts
+    n_moe_layers: int
+    n_layers: int
+    d_model: int
+
+
+def model_cost(cfg: JobConfig) -> ModelCost:
+    """Forward FLOPs per token: 2 · (matmul weights a token touches) + causal attention scores + the SSM scan."""
+    from moe_dist.models.decoder import build_model
+
+    m = cfg.model
+    model = build_model(m, "meta")
+    matmul = dense = expert = 0.0
+    for name, p in model.named_parameters():
+        is_expert = ".experts." in name
+        if is_expert:
+            expert += p.numel()
+        else:
+            dense += p.numel()
+        if p.ndim < 2 or name.endswith("A_log") or (name.startswith("embed.") and not m.tie_embeddings):
+            continue  # vectors, the SSM's A and the embedding lookup cost no matmul FLOPs
+        matmul += p.numel() * (m.moe.top_k / m.moe.num_experts if is_expert else 1.0)
+    S = cfg.train.seq_len
+    n_attn = sum(1 for i in range(m.n_layers) if m.mixer_pattern[i % len(m.mixer_pattern)] == "A")
+    n_mamba = m.n_layers - n_attn
+    head_dim = m.attention.head_dim or m.d_model // m.attention.n_heads
+    attn = 2.0 * S * m.attention.n_heads * head_dim  # QKᵀ and AV, causal: half of 4·S·H·Dh per token
+    scan = 9.0 * m.mamba.expand * m.d_model * m.mamba.d_state  # discretize + recurrence + readout (Mamba §3)
+    fwd = 2.0 * matmul + n_attn * attn + n_mamba * scan
+    n_moe = sum(1 for i in range(m.n_layers) if m.ffn_pattern[i % len(m.ffn_pattern)] == "E")
+    return ModelCost(fwd, int(dense), int(expert), n_moe, m.n_layers, m.d_model)
+
+
+def _group_placement(ranks: list[int], ranks_per_node: int) -> tuple[int, int]:
+    """(group size, most ranks of the group on one node)."""
+    per_node: dict[int, int] = {}
+    for r in ranks:
+        per_node[r // ranks_per_node] = per_node.get(r // ranks_per_node, 0) + 1
+    return len(ranks), max(per_node.values())
+
+
+def group_shapes(layout: Layout, ranks_per_node: int) -> dict[str, tuple[int, int]]:
+    """(size, ranks per node) of rank 0's tp, ep, dp and edp groups under mesh.py's rank order."""
+    tp, ep, dp = layout.tp, layout.ep, layout.dp
+    rank = lambda d, t: d * tp + t  # noqa: E731
+    return {
+        "tp": _group_placement([rank(0, t) for t in range(tp)], ranks_per_node),
+        "ep": _group_placement([rank(d, 0) for d in range(ep)], ranks_per_node),
+        "dp": _group_placement([rank(d, 0) for d in range(dp)], ranks_per_node),
+        "edp": _group_placement([rank(d, 0) for d in range(0, dp, ep)], ranks_per_node),
+    }
+
+
+def micro_batches_per_rank(cfg: JobConfig, layout: Layout) -> int:
+    t = cfg.train
+    return t.global_batch_size // (t.micro_batch_size * layout.dp)
+
+
+def step_flops_per_rank(cfg: JobConfig, layout: Layout, cost: ModelCost | None = None) -> float:
+    """Training FLOPs (forward + 2 × backward) one rank executes per optimizer step."""
+    cost = cost or model_cost(cfg)
+    tokens = cfg.train.global_batch_size * cfg.train.seq_len / layout.dp
+    return 3.0 * cost.fwd_flops_per_token * tokens / layout.tp
+
+
+def step_calls(cfg: JobConfig, layout: Layout, ranks_per_node: int, cost: ModelCost | None = None) -> list[Call]:
+    """Every collective one rank issues in one optimizer step (see the module docstring)."""
+    cost = cost or model_cost(cfg)
+    t, moe = cfg.train, cfg.model.moe
+    act = 2 if t.dtype == "bf16" else 4  # activations and the gradients DeepSpeed reduces, in the training dtype
+    micro = micro_batches_per_rank(cfg, layout)
+    tokens_mb = t.micro_batch_size * t.seq_len
+    shapes = group_shapes(layout, ranks_per_node)
+    calls: list[Call] = []
+
+    def add(kind, label, group, payload, count):
+        n, g = shapes[group]
+        if n > 1 and count > 0:
+            calls.append(Call(kind, label, n, g, float(payload), float(count)))
+
+    # Expert parallelism: rows of this rank's (sequence-parallel) token shard, k assignments each.
+    rows_bytes = tokens_mb / layout.tp * moe.top_k * cost.d_model * act
+    add("all_to_all", "moe_counts", "ep", moe.num_experts * 8, micro * cost.n_moe_layers)
+    add("all_to_all", "moe_rows", "ep", rows_bytes, 4 * micro * cost.n_moe_layers)
+    # Tensor parallelism with sequence parallelism: per sub-block (mixer, FFN) an all-gather before and a
+    # reduce-scatter after, forward and backward.
+    tp_act = tokens_mb * cost.d_model * act
+    add("all_gather", "tp_act", "tp", tp_act, 4 * micro * cost.n_layers)
+    add("reduce_scatter", "tp_act", "tp", tp_act, 4 * micro * cost.n_layers)
+    # ZeRO-1 data parallelism (ZeRO-2: gradients reduced every micro-batch).
+    reduces = micro if cfg.deepspeed.zero_stage >= 2 else 1
+    dense_local = cost.dense_params / layout.tp
+    expert_local = cost.expert_params / (layout.ep * layout.tp)
+    add("all_reduce", "dense_grad", "dp", dense_local * act, reduces)
+    add("all_reduce", "expert_grad", "edp", expert_local * act, reduces)
+    add("all_gather", "dense_param", "dp", dense_local * act, 1)
+    add("all_gather", "expert_param", "edp", expert_local * act, 1)
+    if layout.world > 1:
+        n, g = layout.world, min(layout.world, ranks_per_node)
+        calls.append(Call("all_reduce", "scalars", n, g, 8.0, SCALAR_ALL_REDUCES_PER_STEP))
+    return calls
+
+
+def memory_per_device(cfg: JobConfig, layout: Layout, cost: ModelCost | None = None) -> float:
+    """Rough bytes per device: weights + gradients (training dtype), fp32 master + Adam moments (ZeRO-sharded),
+    and the activations one micro-batch keeps for backward (flash attention, no recomputation)."""
+    cost = cost or model_cost(cfg)
+    m, t = cfg.model, cfg.train
+    act = 2 if t.dtype == "bf16" else 4
+    local = cost.dense_params / layout.tp + cost.expert_params / (layout.ep * layout.tp)
+    grads = local * act / (layout.dp if cfg.deepspeed.zero_stage >= 2 else 1)
+    states = 12.0 * (cost.dense_params + cost.expert_params) / (layout.tp * layout.dp)  # dense/dp, expert/(dp/ep)/ep
+    kv = m.attention.n_kv_heads * (m.attention.head_dim or m.d_model // m.attention.n_heads)
+    d, f = m.d_model, m.moe.d_ff or m.d_ff
+    per_token_layer = act * (6 * d + 2 * kv + m.moe.top_k * (d + 3 * f))
+    acts = per_token_layer * m.n_layers * t.micro_batch_size * t.seq_len / layout.tp
+    return local * act + grads + states + acts
+
+
+# ------------------------------------------------------------------------------------------- predictions
+
+@dataclass
+class StepPrediction:
+    layout: Layout
+    compute_s: float
+    comm_s: dict[str, float]  # by collective kind
+    bytes_per_rank: dict[str, float]  # bytes one rank sends per step, by kind
+    step_s: float
+    tokens_per_s: float
+    memory_bytes: float
+    mfu: float | None = None
+    calls: list[Call] = field(default_factory=list)
+
+
+def predict_step(cfg: JobConfig, layout: Layout, hw: Hardware, ranks_per_device: int = 1,
+                 ranks_per_node: int | None = None, cost: ModelCost | None = None) -> StepPrediction:
+    """Step time of `cfg` at `layout` on `hw`. ranks_per_device > 1 when ranks share one device (CPU cores)."""
+    cost = cost or model_cost(cfg)
+    rpn = ranks_per_node or hw.ranks_per_node
+    flops = step_flops_per_rank(cfg, layout, cost)
+    compute = flops * ranks_per_device / hw.flops_per_s
+    comm = dict.fromkeys(KINDS, 0.0)
+    sent = dict.fromkeys(KINDS, 0.0)
+    calls = step_calls(cfg, layout, rpn, cost)
+    for c in calls:
+        comm[c.kind] += c.count * call_time(c, hw)
+        sent[c.kind] += c.count * collective_terms(c.kind, c.group_size, c.payload_bytes)[1]
+    step = compute + sum(comm.values())
+    tokens = cfg.train.global_batch_size * cfg.train.seq_len
+    mfu = flops / step / hw.peak_flops_per_s if hw.peak_flops_per_s else None
+    return StepPrediction(layout, compute, comm, sent, step, tokens / step, memory_per_device(cfg, layout, cost),
+                          mfu, calls)
+
+
+# --------------------------------------------------------------------------------------------------- H200
+
+# Published figures (NVIDIA H200 Tensor Core GPU datasheet/product page, SXM): BF16 Tensor Core 1,979 TFLOPS
+# *with sparsity*, i.e. 989 TFLOPS dense; 141 GB HBM3e at 4.8 TB/s; NVLink 900 GB/s per GPU (bidirectional,
+# 450 GB/s each way). The cluster of the issue: 8 GPUs per node, one 400 Gb/s InfiniBand NIC per GPU
+# (50 GB/s each way). Assumptions (ours, not published): MFU 40% of dense peak on the model FLOPs; collectives
+# reach 80% of NVLink's and 90% of InfiniBand's one-way bandwidth; α = 3 µs per hop in a node, 8 µs across.
+H200_BF16_DENSE_PEAK = 989e12
+H200_MEMORY = 141e9
+
+
+def h200_cluster(mfu: float = 0.40) -> Hardware:
+    return Hardware(
+        name=f"H200 SXM, 8/node, NVLink 900 GB/s, 400 Gb/s IB per GPU, MFU {mfu:.0%}",
+        flops_per_s=H200_BF16_DENSE_PEAK * mfu,
+        ranks_per_node=8,
+        intra=Link(alpha_s=3e-6, beta_Bps=0.8 * 450e9),
+        inter=Link(alpha_s=8e-6, beta_Bps=0.9 * 50e9),
+        memory_bytes=H200_MEMORY,
+        peak_flops_per_s=H200_BF16_DENSE_PEAK,
+    )
+
+
+def candidate_layouts(gpus: int, num_experts: int, global_batch: int, micro_batch: int) -> dict[str, Layout]:
+    """The layout families compared in docs/perf_model.md, where they are valid at this GPU count."""
+    families = {
+        "ZeRO-1 DP only": lambda n: Layout(n, 1, 1),
+        "EP8 in node": lambda n: Layout(n, 8, 1),
+        "EP4 x TP2 in node": lambda n: Layout(n // 2, 4, 2),
+        "TP8 in node": lambda n: Layout(n // 8, 1, 8),
+        "EP8 x TP2 (EP over 2 nodes)": lambda n: Layout(n // 2, 8, 2),
+        "EP8 x TP8 (EP over 8 nodes)": lambda n: Layout(n // 8, 8, 8),
+    }
+    out = {}
+    for name, make in families.items():
+        lay = make(gpus)
+        if (lay.dp >= 1 and lay.world == gpus and lay.dp % lay.ep == 0 and num_experts % lay.ep == 0
+                and global_batch % (micro_batch * lay.dp) == 0):
+            out[name] = lay
+    return out
+
+
+def scaling_sweep(cfg: JobConfig, hw: Hardware, gpu_counts=(8, 16, 32, 64, 128, 256, 512, 1024)) -> list[dict]:
+    """Predictions for every candidate layout at every GPU count. Scaling efficiency = tokens/s ÷ (GPUs × the
+    compute-bound rate of one GPU) = compute time / step time: what communication leaves of linear scaling."""
+    cost = model_cost(cfg)
+    rows = []
+    for n in gpu_counts:
+        for family, lay in candidate_layouts(n, cfg.model.moe.num_experts, cfg.train.global_batch_size,
+                                             cfg.train.micro_batch_size).items():
+            p = predict_step(cfg, lay, hw, cost=cost)
+            rows.append({"gpus": n, "family": family, "layout": str(lay), "step_s": p.step_s,
+                         "tokens_per_s": p.tokens_per_s, "tokens_per_s_per_gpu": p.tokens_per_s / n,
+                         "scaling_efficiency": p.compute_s / p.step_s, "mfu": p.mfu,
+                         "compute_s": p.compute_s, **{f"{k}_s": v for k, v in p.comm_s.items()},
+                         "memory_gb": p.memory_bytes / 1e9,
+                         "fits": hw.memory_bytes is None or p.memory_bytes <= hw.memory_bytes})
+    return rows
+
+
+def recommend(rows: list[dict]) -> dict[int, dict]:
+    """Per GPU count, the fastest layout that fits in memory."""
+    best: dict[int, dict] = {}
+    for r in rows:
+        if r["fits"] and (r["gpus"] not in best or r["tokens_per_s"] > best[r["gpus"]]["tokens_per_s"]):
+            best[r["gpus"]] = r
+    return best
+
+
+# -------------------------------------------------------------------------------------------------- fitting
+
+def fit_link(hops: np.ndarray, wire_bytes: np.ndarray, seconds: np.ndarray) -> Link:
+    """α and 1/β of seconds ≈ α·hops + bytes/β by least squares on absolute seconds (so the fitted calls add
+    up to the measured time in collectives), constrained non-negative: a coefficient that comes out negative is
+    dropped and the other refitted."""
+    A = np.stack([np.asarray(hops, float), np.asarray(wire_bytes, float)], axis=1)
+    alpha, inv_beta = _nonneg_lstsq(A, np.asarray(seconds, float))
+    return Link(alpha_s=float(alpha), beta_Bps=float(1.0 / inv_beta) if inv_beta > 0 else math.inf)
+
+
+def fit_compute(flops_times_share: np.ndarray, compute_s: np.ndarray) -> float:
+    """F (FLOP/s) of compute ≈ FLOPs · ranks_per_device / F, minimizing relative errors (every run counts alike)."""
+    u = np.asarray(flops_times_share, float) / np.asarray(compute_s, float)  # each run's own F
+    return float((u @ u) / u.sum())
+
+
+def _nonneg_lstsq(A: np.ndarray, y: np.ndarray) -> np.ndarray:
+    # Scale columns so that latency (~1e-4 s) and bandwidth (~1e-9 s/B) terms are conditioned alike.
+    scale = np.where(np.abs(A).max(axis=0) > 0, np.abs(A).max(axis=0), 1.0)
+    coef = np.linalg.lstsq(A / scale, y, rcond=None)[0]
+    if (coef < 0).any():
+        keep = coef >= 0
+        coef = np.zeros(A.shape[1])
+        if keep.any():
+            coef[keep] = np.clip(np.linalg.lstsq(A[:, keep] / scale[keep], y, rcond=None)[0], 0.0, None)
+    return coef / scale
+
+
+@dataclass(frozen=True)
+class MeasuredRun:
+    """One measured configuration, as launch/scaling.py records it (medians over steps, means over ranks)."""
+
+    name: str
+    cfg: JobConfig
+    layout: Layout
+    ranks_per_node: int
+    ranks_per_device: int  # ranks sharing the compute device (all ranks share one CPU here)
+    step_s: float
+    compute_s: float  # step time minus time inside collectives
+
+
+def fit_hardware(runs: list[MeasuredRun], samples: dict[str, np.ndarray], name: str = "fitted") -> Hardware:
+    """Fit F on the runs' compute times and (α, β) per link class on per-call samples.
+
+    samples: {"intra" | "inter": array (N, 3) of (hops, bottleneck bytes, seconds)}; a class without samples
+    borrows the other's fit.
+    """
+    flops = np.array([step_flops_per_rank(r.cfg, r.layout) * r.ranks_per_device for r in runs])
+    F = fit_compute(flops, np.array([r.compute_s for r in runs]))
+    links = {k: fit_link(v[:, 0], v[:, 1], v[:, 2]) for k, v in samples.items() if len(v) >= 2}
+    if not links:
+        raise ValueError("no collective samples to fit α and β")
+    intra = links.get("intra") or links["inter"]
+    inter = links.get("inter") or intra
+    return Hardware(name=name, flops_per_s=F, ranks_per_node=max(r.ranks_per_node for r in runs), intra=intra,
+                    inter=inter)
+
+
+def fit_errors(runs: list[MeasuredRun], hw: Hardware) -> list[dict]:
+    """Measured vs predicted step time for every run (relative error = predicted / measured - 1)."""
+    out = []
+    for r in runs:
+        p = predict_step(r.cfg, r.layout, hw, ranks_per_device=r.ranks_per_device, ranks_per_node=r.ranks_per_node)
+        out.append({"run": r.name, "measured_s": r.step_s, "predicted_s": p.step_s,
+                    "rel_error": p.step_s / r.step_s - 1.0, "predicted_compute_s": p.compute_s,
+                    "predicted_comm_s": sum(p.comm_s.values())})
+    return out

@@ -1,0 +1,156 @@
+"""Multi-node runs across network namespaces (launch/netns_cluster.sh), and failure to reach the master.
+
+The two-node test needs root (network namespaces); it skips with the reason where they cannot be created. The
+unreachable-master drills run on localhost and need nothing special.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TRAIN = str(REPO / "launch" / "train.py")
+NETNS = str(REPO / "launch" / "netns_cluster.sh")
+STEPS = 4
+# ep = 4 on a 4-rank world: every MoE all-to-all spans both nodes.
+ARGS = ["--config", "configs/debug.json", "--set", f"train.steps={STEPS}", "train.eval_every=0",
+        "train.save_every=0", "train.eval_batches=4", "parallel.ep=4", "parallel.timeout_s=120"]
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _exe(name: str) -> str:
+    path = Path(sys.executable).with_name(name)
+    return str(path) if path.exists() else shutil.which(name)
+
+
+@pytest.fixture(scope="module")
+def netns():
+    proc = subprocess.run(["bash", NETNS, "--check"], capture_output=True, text=True, timeout=60)
+    if proc.returncode == 77:
+        pytest.skip(proc.stderr.strip())
+    assert proc.returncode == 0, proc.stderr
+
+
+def _train(records):
+    return [r for r in records if "loss" in r]
+
+
+def test_two_nodes_equal_one_node(tmp_path, netns, run_train, metrics):
+    tic = time.perf_counter()
+    run_train("torchrun", 4, [*ARGS, "--run-dir", str(tmp_path / "one_node")])  # the quicker launcher
+    one_node_s = time.perf_counter() - tic
+    ref = _train(metrics(tmp_path / "one_node"))
+    assert len(ref) == STEPS
+
+    tic = time.perf_counter()
+    proc = subprocess.run(["bash", NETNS, "--nodes", "2", "--nproc", "2", "--launchers", "deepspeed,torchrun",
+                           "--run-dir", str(tmp_path / "two_nodes"), "--timeout", "600", "--", *ARGS],
+                          cwd=REPO, capture_output=True, text=True, timeout=1500)
+    two_nodes_s = time.perf_counter() - tic
+    print(f"1 node x 4 processes (torchrun): {one_node_s:.1f} s end to end")
+    print(f"2 nodes x 2 processes, deepspeed --no_ssh then torchrun (incl. namespace set-up): {two_nodes_s:.1f} s")
+    print("\n".join(ln for ln in proc.stdout.splitlines() if "status" in ln or "veth0" in ln))
+    assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+
+    for launcher in ("deepspeed", "torchrun"):
+        got = _train(metrics(tmp_path / "two_nodes" / launcher))
+        assert [r["step"] for r in got] == [r["step"] for r in ref], launcher
+        assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in ref], rel=1e-6), launcher
+        for g, r in zip(got, ref):
+            assert [m["tokens_per_expert"] for m in g["moe"]] == [m["tokens_per_expert"] for m in r["moe"]]
+        # Gloo traffic crossed the veth links: every node sent and received (MBs of all-to-all and gradients).
+        for node in (0, 1):
+            m = re.search(rf"\[{launcher}\] node {node} veth0: sent (\d+) B, received (\d+) B", proc.stdout)
+            assert m and int(m[1]) > 100_000 and int(m[2]) > 100_000, (launcher, node, m)
+
+    # Everything the script created is gone.
+    names = set(re.findall(r"(mdc\d+-(?:n\d+|hub))", proc.stdout))
+    assert names, proc.stdout[:2000]
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not names & set(re.findall(r"\S+", left)), left
+
+
+def _drills(tmp_path: Path, timeout_s: int) -> dict[str, tuple[list[str], str]]:
+    """case -> (command, what the error must name); 2 nodes × 1 process on localhost, one node never started."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node0 slots=1\nnode1 slots=1\n")
+    def args(name):
+        return [TRAIN, "--config", "configs/debug.json", "--run-dir", str(tmp_path / name),
+                "--set", f"parallel.timeout_s={timeout_s}"]
+
+    def ds(rank, port):
+        return [_exe("deepspeed"), "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(rank),
+                "--master_addr", "127.0.0.1", "--master_port", str(port)]
+
+    def tr(rank, port):
+        return [_exe("torchrun"), "--nnodes", "2", "--nproc_per_node", "1", "--node_rank", str(rank),
+                "--master_addr", "127.0.0.1", "--master_port", str(port), "--rdzv_conf", f"timeout={timeout_s}"]
+
+    def acc(rank, port):
+        return [_exe("accelerate"), "launch", "--multi_gpu", "--num_machines", "2", "--machine_rank", str(rank),
+                "--num_processes", "2", "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
+                "--rdzv_conf", f"timeout={timeout_s}", "--mixed_precision", "no", "--dynamo_backend", "no"]
+
+    p = {name: _free_port() for name in ("a", "b", "c", "d", "e")}
+    return {
+        # Nothing listens on the master port (wrong port, or the master node is down): the client gives up.
+        "deepspeed: master unreachable": ([*ds(1, p["a"]), *args("a")], f"127.0.0.1, {p['a']}"),
+        "torchrun: master unreachable": ([*tr(1, p["b"]), *args("b")], f"127.0.0.1, {p['b']}"),
+        "accelerate: master unreachable": ([*acc(1, p["e"]), *args("e")], f"127.0.0.1, {p['e']}"),
+        # The master is up but the other node never comes: the master gives up waiting for it.
+        "deepspeed: node missing": ([*ds(0, p["c"]), *args("c")], "1/2"),
+        "torchrun: node missing": ([*tr(0, p["d"]), *args("d")], "1/2"),
+    }
+
+
+def test_unreachable_master_fails_within_the_timeout(tmp_path):
+    """parallel.timeout_s bounds the rendezvous under deepspeed (the processes meet directly); torchrun's and
+    accelerate's agents meet first, bounded by --rdzv_conf timeout (default 900 s). Either way: a non-zero exit
+    naming the problem, within about twice the timeout (the store client connects twice) plus start-up."""
+    timeout_s = 10
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    drills = _drills(tmp_path, timeout_s)
+    running = {}
+    for i, (case, (cmd, _)) in enumerate(drills.items()):  # concurrently: they mostly wait
+        log = tmp_path / f"drill{i}.log"
+        with log.open("w") as f:
+            proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                    start_new_session=True)  # its own process group: a hang is killed whole
+            running[case] = (proc, log, time.perf_counter())
+    finished: dict[str, float] = {}
+    deadline = time.perf_counter() + 300  # the hang detector: far beyond the 10 s timeout and its retries
+    while len(finished) < len(running) and time.perf_counter() < deadline:
+        for case, (proc, _, tic) in running.items():
+            if case not in finished and proc.poll() is not None:
+                finished[case] = time.perf_counter() - tic
+        time.sleep(0.2)
+    failures = []
+    for case, (proc, log, _) in running.items():
+        if case not in finished:
+            os.killpg(proc.pid, signal.SIGKILL)
+            failures.append(f"{case}: still running after 300 s (hang)")
+            continue
+        text, must_name = log.read_text(), drills[case][1]
+        print(f"{case}: exit {proc.returncode} after {finished[case]:.0f} s")
+        if proc.returncode == 0:
+            failures.append(f"{case}: exited 0")
+        elif not re.search("timed out", text, re.IGNORECASE) or must_name not in text:
+            failures.append(f"{case}: the error does not say 'timed out' and name {must_name!r}:\n{text[-2500:]}")
+    assert not failures, "\n".join(failures)

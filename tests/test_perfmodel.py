@@ -1,0 +1,152 @@
+"""The performance model: α–β fits recover known constants from synthetic timings, the collective schedule
+matches what a training step issues, and the H200 sweep is self-consistent."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moe_dist import perfmodel as pm
+from moe_dist.config import load_config
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+TRUE = pm.Hardware(name="synthetic", flops_per_s=3e10, ranks_per_node=2, intra=pm.Link(2e-4, 2e9),
+                   inter=pm.Link(9e-4, 3e8))
+
+
+def _samples(link: pm.Link, rng, n_samples=400, noise=0.02, span_nodes=False):
+    """Per-call timings of random collectives under the α–β law, with multiplicative noise."""
+    rows = []
+    for _ in range(n_samples):
+        kind = rng.choice(["all_reduce", "all_gather", "reduce_scatter", "all_to_all"])
+        n = int(rng.choice([2, 4, 8]))
+        g = max(1, n // 2) if span_nodes else n
+        payload = float(10 ** rng.uniform(2, 7.5))
+        hops, wire = pm.bottleneck_features(kind, n, g, payload)
+        rows.append((hops, wire, link.time(hops, wire) * (1 + noise * rng.standard_normal())))
+    return np.array(rows)
+
+
+@pytest.mark.parametrize("link", [pm.Link(5e-6, 4.5e10), pm.Link(2e-4, 2e9), pm.Link(1e-3, 1e8)],
+                         ids=["nvlink-like", "loopback-like", "slow"])
+def test_fit_link_recovers_alpha_and_beta(link):
+    s = _samples(link, np.random.default_rng(0))
+    got = pm.fit_link(s[:, 0], s[:, 1], s[:, 2])
+    assert got.alpha_s == pytest.approx(link.alpha_s, rel=0.05)
+    assert got.beta_Bps == pytest.approx(link.beta_Bps, rel=0.05)
+
+
+def test_fit_link_exact_without_noise():
+    s = _samples(pm.Link(3e-5, 7e8), np.random.default_rng(1), noise=0.0)
+    got = pm.fit_link(s[:, 0], s[:, 1], s[:, 2])
+    assert got.alpha_s == pytest.approx(3e-5, rel=1e-9) and got.beta_Bps == pytest.approx(7e8, rel=1e-9)
+
+
+def test_fit_link_never_returns_negative_constants():
+    # Latency-bound timings that shrink slightly with size (noise on a busy machine): the bandwidth
+    # coefficient comes out negative, so it is dropped (β = ∞) and α refitted alone.
+    hops = np.array([1, 2, 3, 6, 7, 14], float)
+    wire = np.array([1e3, 5e5, 1e2, 3e6, 2e4, 8e5])
+    got = pm.fit_link(hops, wire, 1e-4 * hops - 1e-12 * wire)
+    assert got.alpha_s == pytest.approx(1e-4, rel=0.01) and got.beta_Bps == float("inf")
+
+
+def _measured_runs(hw: pm.Hardware):
+    """Runs of the debug config at several layouts, 'measured' on `hw` (the model's own prediction)."""
+    runs = []
+    for world, nodes, gbs in [(1, 1, 8), (2, 1, 8), (4, 1, 8), (2, 1, 16), (4, 1, 32), (2, 2, 8), (4, 2, 8),
+                              (4, 2, 32)]:
+        cfg = load_config(CONFIGS / "debug.json", [f"train.global_batch_size={gbs}", f"parallel.ep={world}",
+                                                 f"train.eval_batches={world}"])
+        layout = pm.Layout(world, world, 1)
+        share = max(1, world // 2)
+        p = pm.predict_step(cfg, layout, hw, ranks_per_device=share, ranks_per_node=world // nodes)
+        comm = sum(p.comm_s.values())
+        runs.append(pm.MeasuredRun(f"w{world}n{nodes}b{gbs}", cfg, layout, world // nodes, share,
+                                   p.step_s, p.step_s - comm))
+    return runs
+
+
+def test_fit_hardware_recovers_every_constant_and_predicts_the_runs():
+    rng = np.random.default_rng(2)
+    runs = _measured_runs(TRUE)
+    samples = {"intra": _samples(TRUE.intra, rng), "inter": _samples(TRUE.inter, rng, span_nodes=True)}
+    hw = pm.fit_hardware(runs, samples)
+    assert hw.flops_per_s == pytest.approx(TRUE.flops_per_s, rel=1e-6)
+    for got, want in ((hw.intra, TRUE.intra), (hw.inter, TRUE.inter)):
+        assert got.alpha_s == pytest.approx(want.alpha_s, rel=0.05)
+        assert got.beta_Bps == pytest.approx(want.beta_Bps, rel=0.05)
+    for e in pm.fit_errors(runs, hw):
+        assert abs(e["rel_error"]) < 0.03, e
+
+
+def test_collective_terms_textbook_costs():
+    assert pm.collective_terms("all_reduce", 4, 1000) == (6, 1500.0)  # ring: 2(n-1) hops, 2(n-1)/n bytes
+    assert pm.collective_terms("all_gather", 4, 1000) == (3, 750.0)
+    assert pm.collective_terms("all_to_all", 8, 800) == (7, 700.0)
+    assert pm.collective_terms("all_reduce", 1, 1000) == (0, 0.0)
+
+
+def test_spanning_all_to_all_pays_the_slow_link_only_for_its_inter_node_share():
+    hw = pm.h200_cluster()
+    inside = pm.Call("all_to_all", "x", 8, 8, 1e8, 1)
+    across = pm.Call("all_to_all", "x", 16, 8, 1e8, 1)
+    t_in, t_across = pm.call_time(inside, hw), pm.call_time(across, hw)
+    assert t_in == pytest.approx(7 * 3e-6 + 1e8 * 7 / 8 / (0.8 * 450e9))
+    assert t_across == pytest.approx(15 * 8e-6 + 1e8 * 8 / 16 / (0.9 * 50e9))
+
+
+def test_step_schedule_matches_an_instrumented_training_step():
+    # launch/scaling.py measured, for configs/debug.json at world 4, ep 2, ZeRO-1, one micro-batch per rank:
+    # 2 count + 8 row all-to-alls in the 2-rank EP group, dense-gradient all-reduce over 4 ranks, expert-gradient
+    # all-reduce over the 2-rank EDP group, parameter all-gathers over the same groups.
+    cfg = load_config(CONFIGS / "debug.json", ["train.eval_batches=4"])
+    calls = {(c.label, c.kind): c for c in pm.step_calls(cfg, pm.Layout(4, 2, 1), ranks_per_node=4)}
+    assert calls[("moe_counts", "all_to_all")].count == 2 and calls[("moe_counts", "all_to_all")].group_size == 2
+    assert calls[("moe_rows", "all_to_all")].count == 8
+    assert calls[("moe_rows", "all_to_all")].payload_bytes == 2 * 32 * 2 * 64 * 4  # tokens · k · d · fp32
+    cost = pm.model_cost(cfg)
+    assert calls[("dense_grad", "all_reduce")].payload_bytes == cost.dense_params * 4
+    assert calls[("dense_grad", "all_reduce")].group_size == 4
+    assert calls[("expert_grad", "all_reduce")].payload_bytes == cost.expert_params / 2 * 4
+    assert calls[("expert_grad", "all_reduce")].group_size == 2
+    assert not any(c.label == "tp_act" for c in calls.values())
+
+
+def test_group_placement_follows_mesh_rank_order():
+    shapes = pm.group_shapes(pm.Layout(dp=128, ep=8, tp=8), ranks_per_node=8)
+    assert shapes["tp"] == (8, 8)  # tensor parallel stays inside a node
+    assert shapes["ep"] == (8, 1)  # 8 EP ranks 8 apart: one per node
+    assert shapes["dp"] == (128, 1)
+    assert pm.group_shapes(pm.Layout(dp=16, ep=8, tp=1), 8)["ep"] == (8, 8)
+
+
+def test_mixtral_cost_and_memory():
+    cfg = load_config(CONFIGS / "mixtral_8x7b.json", [])
+    cost = pm.model_cost(cfg)
+    assert cost.dense_params + cost.expert_params == 46_702_792_704  # README's parameter count
+    active = cost.dense_params + cost.expert_params * 2 / 8
+    # 2 FLOPs per active weight (embedding lookup excluded) plus attention scores: within 5% of 2 · active
+    assert cost.fwd_flops_per_token == pytest.approx(2 * active, rel=0.05)
+    hw = pm.h200_cluster()
+    dp_only = pm.predict_step(cfg, pm.Layout(64, 1, 1), hw)
+    ep8 = pm.predict_step(cfg, pm.Layout(64, 8, 1), hw)
+    assert dp_only.memory_bytes > pm.H200_MEMORY > ep8.memory_bytes  # bf16 weights + grads alone are 187 GB
+
+
+def test_h200_sweep_is_consistent():
+    cfg = load_config(CONFIGS / "mixtral_8x7b.json", [])
+    rows = pm.scaling_sweep(cfg, pm.h200_cluster())
+    assert {r["gpus"] for r in rows} == {8, 16, 32, 64, 128, 256, 512, 1024}
+    for r in rows:
+        assert 0 < r["scaling_efficiency"] <= 1
+        assert r["mfu"] == pytest.approx(0.40 * r["scaling_efficiency"], rel=1e-9)
+        assert r["tokens_per_s"] == pytest.approx(1024 * 4096 / r["step_s"])
+    best = pm.recommend(rows)
+    assert set(best) == {8, 16, 32, 64, 128, 256, 512, 1024} and all(b["fits"] for b in best.values())
+    # more GPUs never lower the best throughput
+    tps = [best[n]["tokens_per_s"] for n in sorted(best)]
+    assert tps == sorted(tps)
