@@ -1,8 +1,19 @@
 """Selective scan for training in pure PyTorch: chunked, with a log-depth parallel scan inside each chunk.
 
 The sequential recurrence (`moe_dist.kernels.reference.selective_scan_ref`) runs one tiny op per timestep,
-which is slow and builds a huge autograd graph. Here a chunk of T timesteps is scanned in ⌈log2 T⌉ elementwise
-steps (Hillis–Steele doubling) and only the chunks are looped over in Python, carrying the state between them.
+which is slow and builds a huge autograd graph. Here the sequence is cut into chunks of T timesteps that are
+looped over in Python, carrying the state between them; inside a chunk the recurrence is an in-place
+Blelloch (up-sweep/down-sweep) scan: ⌈log2 T⌉ levels of strided elementwise ops, O(T) work in all.
+
+What the CPU time goes to, and how this file answers it:
+- Elementwise passes over (batch, time, state, dim) tensors. One autograd Function maps (u, Δ, A, B, C) to
+  y with a hand-written backward, so autograd never saves, materializes or reduces the broadcast products
+  exp(ΔA) and ΔuB; each gradient is one product-and-reduce (or one small matmul) per chunk.
+- Page faults: a fresh tensor of that size costs more on first touch than the arithmetic done on it, so
+  every such tensor is chunk-sized and lives in a few buffers reused by every chunk. Nothing of size
+  (B, L, N, D) is saved for backward: only the state entering each chunk, from which the backward
+  recomputes the chunk's states.
+- Python overhead on small chunks: the scan's sliced views are built once per buffer and replayed.
 
 The scan works on products of decays exp(Δ A) ∈ (0, 1] directly instead of the log-space cumsum trick
 (exp(cumsum) / exp(cumsum)), which would divide by decays that underflow to zero over long chunks.
@@ -10,59 +21,153 @@ The scan works on products of decays exp(Δ A) ∈ (0, 1] directly instead of th
 
 from __future__ import annotations
 
+import math
+from functools import partial
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 
-def _scan_no_grad(a: torch.Tensor, b: torch.Tensor, chunk_size: int) -> torch.Tensor:
-    """h_t = a_t h_{t-1} + b_t with h_{-1} = 0 along dim 2 of (B, D, L, N) tensors; returns h (B, D, L, N).
+def _scan_steps(coef: torch.Tensor, x: torch.Tensor, reverse: bool, coef_work: Optional[torch.Tensor] = None):
+    """The in-place ops that scan x along dim 1: x_t ← x_t + coef_t · x_{t-1}, or x_t ← x_t + coef_t · x_{t+1}
+    if `reverse`; as zero-argument calls on fixed views, so that a chunk loop slices its buffers once and
+    replays the calls for every chunk (on small chunks, slicing in Python costs as much as the arithmetic).
 
-    Inside a chunk: ⌈log2 chunk⌉ Hillis–Steele doubling steps, an earlier segment (a1, b1) followed by a later one
-    (a2, b2) composing to (a2 a1, a2 b1 + b2). Across chunks: the carried state enters through the chunk's
-    cumulative decay. Runs without autograd: `_LinearScan` supplies the backward as a reverse scan.
+    Blelloch scan: each element that is second (in scan order) of a pair absorbs the first, the pairs are
+    scanned recursively (same direction) on a stride-2 view, then each remaining element absorbs its now-final
+    predecessor. A pair's decay is the product of its two decays; those products overwrite `coef` unless
+    `coef_work` (dim 1 ≥ len // 2) is given to hold them, which leaves `coef` intact for another use. The first
+    element's coefficient (it has no predecessor) never reaches x. For `reverse`, pairs are formed from the
+    end so that the unpaired element of an odd length is time 0.
     """
-    length = a.shape[2]
-    h = torch.empty_like(b)
-    carry = None  # (B, D, N)
-    for start in range(0, length, chunk_size):
-        a_c = a[:, :, start:start + chunk_size].clone()  # (B, D, T, N) cumulative decay
-        b_c = b[:, :, start:start + chunk_size].clone()  # (B, D, T, N) state from zero initial state
-        offset = 1
-        while offset < a_c.shape[2]:
-            # Right-hand sides are computed in full before the slice is written, so reads see the old values.
-            b_c[:, :, offset:] = torch.addcmul(b_c[:, :, offset:], a_c[:, :, offset:], b_c[:, :, :-offset])
-            a_c[:, :, offset:] = a_c[:, :, offset:] * a_c[:, :, :-offset]
-            offset *= 2
-        if carry is not None:
-            b_c.addcmul_(a_c, carry.unsqueeze(2))
-        h[:, :, start:start + chunk_size] = b_c
-        carry = b_c[:, :, -1]
-    return h
+    n = x.shape[1]
+    if n < 2:
+        return []
+    p = n % 2 if reverse else 0
+    # first/second of each pair in scan order; even/prev: the elements fixed up after the recursion and theirs
+    first, second = (slice(p + 1, n, 2), slice(p, n - 1, 2)) if reverse else (slice(0, n - 1, 2), slice(1, n, 2))
+    even, prev = (slice(1 - p, n - 2, 2), slice(2 - p, n - 1, 2)) if reverse else (slice(2, n, 2), slice(1, n - 1, 2))
+    steps = [partial(x[:, second].addcmul_, coef[:, second], x[:, first])]
+    if n >= 4:  # with fewer than 2 pairs the pair decays are never used
+        if coef_work is None:
+            pair_coef = coef[:, second]
+            steps.append(partial(pair_coef.mul_, coef[:, first]))
+        else:
+            pair_coef = coef_work[:, : n // 2]
+            steps.append(partial(torch.mul, coef[:, second], coef[:, first], out=pair_coef))
+        steps += _scan_steps(pair_coef, x[:, second], reverse)
+    steps.append(partial(x[:, even].addcmul_, coef[:, even], x[:, prev]))
+    return steps
 
 
-class _LinearScan(torch.autograd.Function):
-    """Differentiable h = scan(a, b). The adjoint of a linear recurrence is the same recurrence run backwards:
-    λ_t = g_t + a_{t+1} λ_{t+1}, so db = λ and da_t = λ_t h_{t-1}. Hand-written because autograd through the
-    sliced doubling steps spends most of its time materializing zero-padded slice gradients."""
+def _chunk_views(buf: torch.Tensor, batch: int, n: int, state: int, dim: int) -> torch.Tensor:
+    """A contiguous (batch, n, state, dim) view of the start of a flat buffer (a short last chunk included)."""
+    return buf[: batch * n * state * dim].view(batch, n, state, dim)
+
+
+def _chunks(T: int, *tensors: torch.Tensor) -> list:
+    """Per-chunk views (split along time, dim 1) of each tensor, zipped: one split call instead of slicing.
+    No chunks for an empty sequence (where split would return one empty chunk)."""
+    return list(zip(*(t.split(T, 1) for t in tensors))) if tensors[0].shape[1] else []
+
+
+class _SelectiveScan(torch.autograd.Function):
+    """y_t = <h_t, C_t> + D u_t with h_t = a_t h_{t-1} + Δ_t u_t B_t, a_t = exp(Δ_t A), on time-major (B, L, ·)
+    inputs (D optional: inside, the skip term is computed in place instead of allocating three more tensors).
+
+    Backward: the adjoint of a linear recurrence is the same recurrence run backwards over
+    g_t = dy_t C_t: λ_t = g_t + a_{t+1} λ_{t+1}. With w_t = λ_t a_t h_{t-1} (the gradient reaching ΔA):
+    du = Δ Σ_n λB + D dy, dΔ = u Σ_n λB + Σ_n wA, dA = Σ_{b,t} wΔ, dB = Σ_d λΔu, dC = Σ_d h dy, dD = Σ_{b,t} u dy.
+    Chunk tensors are (B, n, N, D): dim innermost, so every broadcast and every reduction over the state axis
+    runs along contiguous rows of D, and reductions over dim are (1, D) @ (D, N) matrix products.
+    exp(ΔA) is computed as 2^(Δ · A log2 e): torch's CPU exp2 is about 3x faster than exp, and this
+    exponential is the costliest op of the scan.
+    """
 
     @staticmethod
-    def forward(ctx, a: torch.Tensor, b: torch.Tensor, chunk_size: int) -> torch.Tensor:
-        h = _scan_no_grad(a, b, chunk_size)
-        ctx.save_for_backward(a, h)
-        ctx.chunk_size = chunk_size
-        return h
+    def forward(ctx, u, delta, A, B, C, D, chunk_size: int):
+        (batch, length, dim), state = u.shape, A.shape[1]
+        T = max(1, min(chunk_size, length))
+        A2 = A.t() * math.log2(math.e)  # (N, D)
+        du = delta * u  # (B, L, D)
+        y = u.new_empty(batch, length, dim)
+        h0 = u.new_zeros(-(-length // T), batch, state, dim)  # state entering each chunk: all backward keeps
+        a_buf, h_buf = (u.new_empty(batch * T * state * dim) for _ in range(2))
+        work = {}  # chunk length → buffer views and the scan's steps on them
+        for n in {T, length % T or T}:
+            a, h = (_chunk_views(buf, batch, n, state, dim) for buf in (a_buf, h_buf))
+            work[n] = a, h, _scan_steps(a, h, reverse=False)  # a is not needed after the scan: may overwrite
+        chunks = _chunks(T, delta.unsqueeze(2), du.unsqueeze(2), B.unsqueeze(-1), C.unsqueeze(2), y.unsqueeze(2))
+        for c, (delta_c, du_c, B_c, C_c, y_c) in enumerate(chunks):
+            a, h, scan_steps = work[delta_c.shape[1]]
+            torch.mul(delta_c, A2, out=a).exp2_()
+            torch.mul(du_c, B_c, out=h)
+            h[:, 0].addcmul_(a[:, 0], h0[c])
+            for step in scan_steps:
+                step()
+            if c + 1 < len(h0):
+                h0[c + 1].copy_(h[:, -1])
+            torch.matmul(C_c, h, out=y_c)
+        if D is not None:
+            y.addcmul_(u, D)
+        ctx.save_for_backward(u, delta, du, A, B, C, D, h0)
+        ctx.chunk_size = T
+        return y
 
     @staticmethod
-    def backward(ctx, grad_h: torch.Tensor):
-        a, h = ctx.saved_tensors
-        a_next = torch.zeros_like(a)
-        a_next[:, :, :-1] = a[:, :, 1:]
-        lam = _scan_no_grad(a_next.flip(2), grad_h.flip(2), ctx.chunk_size).flip(2)  # (B, D, L, N)
-        h_prev = torch.zeros_like(h)
-        h_prev[:, :, 1:] = h[:, :, :-1]
-        return lam * h_prev, lam, None
+    @once_differentiable
+    def backward(ctx, dy):
+        u, delta, du, A, B, C, D, h0 = ctx.saved_tensors
+        (batch, length, dim), state, T = u.shape, A.shape[1], ctx.chunk_size
+        A_t = A.t().contiguous()  # (N, D)
+        A2 = A_t * math.log2(math.e)
+        # Per chunk, besides a: buffer x holds h, then λ, then w; buffer s holds the pair decays of h's scan,
+        # then a_t h_{t-1} (the part of w that needs h, so that λ can take h's place), then scratch.
+        # a has one spare time slot: a_ext[:, 1:] is λ's scan coefficient a_{t+1}; the slot past the chunk is
+        # that scan's first coefficient, which never reaches the result (zero, or a stale decay, is fine).
+        # λ's scan overwrites its coefficients with pair decays: by then only a[:, 0], outside them, is needed.
+        a_buf = u.new_zeros(batch * (T + 1) * state * dim)
+        x_buf, s_buf = (u.new_empty(batch * T * state * dim) for _ in range(2))
+        work = {}  # chunk length → buffer views and the two scans' steps on them
+        for n in {T, length % T or T}:
+            a_ext = _chunk_views(a_buf, batch, n + 1, state, dim)
+            x, s = (_chunk_views(buf, batch, n, state, dim) for buf in (x_buf, s_buf))
+            work[n] = a_ext[:, :n], x, s, _scan_steps(a_ext[:, :n], x, False, s), _scan_steps(a_ext[:, 1:], x, True)
+        lam_in = u.new_zeros(batch, state, dim)  # a_{t1} λ_{t1} flowing back from the chunk after this one
+        d_u, d_delta, dB, dC = (torch.empty_like(t) for t in (u, u, B, C))
+        dA_t = torch.zeros_like(A_t)
+        chunks = _chunks(T, u, delta, du, B, C, dy, d_u, d_delta, dB, dC)
+        for c, (u_c, delta_c, du_c, B_c, C_c, dy_c, d_u_c, d_delta_c, dB_c, dC_c) in reversed(list(enumerate(chunks))):
+            a, x, s, h_steps, lam_steps = work[u_c.shape[1]]
+            torch.mul(delta_c.unsqueeze(2), A2, out=a).exp2_()
+            h = torch.mul(du_c.unsqueeze(2), B_c.unsqueeze(-1), out=x)
+            h[:, 0].addcmul_(a[:, 0], h0[c])
+            for step in h_steps:  # recompute the forward's states
+                step()
+            torch.matmul(dy_c.unsqueeze(2), h.transpose(-1, -2), out=dC_c.unsqueeze(2))
+            a_h_prev = s
+            torch.mul(a[:, 1:], h[:, :-1], out=a_h_prev[:, 1:])
+            torch.mul(a[:, 0], h0[c], out=a_h_prev[:, 0])
+
+            lam = torch.mul(dy_c.unsqueeze(2), C_c.unsqueeze(-1), out=x)
+            lam[:, -1].add_(lam_in)
+            for step in lam_steps:
+                step()
+            torch.mul(a[:, 0], lam[:, 0], out=lam_in)
+            torch.matmul(du_c.unsqueeze(2), lam.transpose(-1, -2), out=dB_c.unsqueeze(2))
+            lam_B = torch.matmul(B_c.unsqueeze(2), lam).squeeze(2)  # (B, n, D)
+            torch.mul(lam_B, delta_c, out=d_u_c)
+
+            w = lam.mul_(a_h_prev)
+            dA_t += torch.mul(w, delta_c.unsqueeze(2), out=s).sum((0, 1))
+            torch.addcmul(w.mul_(A_t).sum(2), lam_B, u_c, out=d_delta_c)
+        dD = None
+        if D is not None:
+            d_u.addcmul_(dy, D)
+            dD = torch.mul(dy, u).sum((0, 1))
+        return d_u, d_delta, dA_t.t(), dB, dC, dD, None
 
 
 def selective_scan(
@@ -81,7 +186,9 @@ def selective_scan(
 
     Shapes: u, delta, z: (batch, dim, seqlen); A: (dim, state); B, C: (batch, state, seqlen);
     D, delta_bias: (dim,). Returns (batch, dim, seqlen) in u's dtype; math runs in fp32 (fp64 for fp64 inputs).
-    `chunk_size` bounds the per-chunk (batch, dim, chunk, state) tensors; any seqlen works.
+    `chunk_size` is the number of timesteps per chunk; it sets the size of the (batch, chunk, state, dim)
+    buffers, and with it the trade between cache misses (large chunks) and Python overhead (many chunks).
+    The result does not depend on it; any seqlen works.
     """
     if chunk_size < 1:
         raise ValueError(f"selective_scan: chunk_size must be positive, got {chunk_size}")
@@ -93,13 +200,13 @@ def selective_scan(
     if delta_softplus:
         delta = F.softplus(delta)
 
-    decay = torch.exp(delta.unsqueeze(-1) * A[:, None, :])  # (B, D, L, N)
-    inject = (delta * u).unsqueeze(-1) * B.transpose(1, 2).unsqueeze(1)  # (B, D, L, N)
-    states = _LinearScan.apply(decay, inject, chunk_size)  # (B, D, L, N)
-    y = torch.einsum("bdln,bnl->bdl", states, C)  # (B, D, L)
-
-    if D is not None:
-        y = y + D.to(compute)[:, None] * u
+    # Time-major (B, L, ·) copies: cheap (no state axis) and free when the caller's tensors are transposed
+    # views of time-major ones, as Mamba's Δ, B, C and z are. The z gate stays time-major too (mixing layouts
+    # in one elementwise op reads one side strided), and y comes back as a (B, D, L) view of time-major
+    # storage, the layout Mamba's out_proj wants.
+    u_t, delta_t, B_t, C_t = (t.transpose(1, 2).contiguous() for t in (u, delta, B, C))
+    D = D.to(compute) if D is not None else None
+    y = _SelectiveScan.apply(u_t, delta_t, A.contiguous(), B_t, C_t, D, chunk_size)  # (B, L, D)
     if z is not None:
-        y = y * F.silu(z.to(compute))
-    return y.to(out_dtype)
+        y = y * F.silu(z.transpose(1, 2).to(compute))
+    return y.transpose(1, 2).to(out_dtype)

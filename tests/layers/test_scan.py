@@ -1,11 +1,11 @@
-"""Chunked parallel selective scan == sequential reference, outputs and every gradient."""
+"""Chunked parallel selective scan == sequential reference, outputs and every gradient; the in-place scan."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from moe_dist.kernels.reference import selective_scan_ref
-from moe_dist.layers.scan import selective_scan
+from moe_dist.layers.scan import _scan_steps, selective_scan
 
 BATCH, DIM, STATE = 2, 3, 4
 INPUT_NAMES = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias")
@@ -39,9 +39,11 @@ OPTIONS = [
 ]
 
 
-@pytest.mark.parametrize("seqlen", [1, 7, 100])
+# Lengths below, at and just past chunk boundaries (chunk 16: one partial chunk, exact multiples, one spare step;
+# chunk 5: many chunks and a short last one).
+@pytest.mark.parametrize("seqlen, chunk_size", [(1, 16), (7, 16), (100, 16), (16, 16), (17, 16), (32, 16), (23, 5)])
 @pytest.mark.parametrize("use_d, use_z, use_bias, softplus", OPTIONS)
-def test_chunked_matches_sequential(seqlen, use_d, use_z, use_bias, softplus):
+def test_chunked_matches_sequential(seqlen, chunk_size, use_d, use_z, use_bias, softplus):
     inputs = make_inputs(seqlen)
     if not use_d:
         inputs["D"] = None
@@ -53,7 +55,7 @@ def test_chunked_matches_sequential(seqlen, use_d, use_z, use_bias, softplus):
     grad_out = torch.randn(BATCH, DIM, seqlen, dtype=torch.float64)
 
     y_ref = selective_scan_ref(**inputs, delta_softplus=softplus)
-    y = selective_scan(**inputs, delta_softplus=softplus, chunk_size=16)
+    y = selective_scan(**inputs, delta_softplus=softplus, chunk_size=chunk_size)
     torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-10)
 
     grads_ref = torch.autograd.grad(y_ref, list(leaves.values()), grad_out)
@@ -64,12 +66,84 @@ def test_chunked_matches_sequential(seqlen, use_d, use_z, use_bias, softplus):
         torch.testing.assert_close(g, g_ref, rtol=1e-9, atol=1e-10, msg=lambda m: f"grad of {name}: {m}")
 
 
-@pytest.mark.parametrize("chunk_size", [1, 3, 64, 128])
+@pytest.mark.parametrize("chunk_size", [1, 2, 3, 64, 128])
 def test_chunk_size_does_not_change_result(chunk_size):
     inputs = make_inputs(100, seed=1)
+    leaves = [v.requires_grad_() for v in inputs.values()]
     y_ref = selective_scan_ref(**inputs, delta_softplus=True)
     y = selective_scan(**inputs, delta_softplus=True, chunk_size=chunk_size)
     torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-10)
+    grad_out = torch.randn_like(y)
+    grads_ref = torch.autograd.grad(y_ref, leaves, grad_out)
+    for name, g, g_ref in zip(INPUT_NAMES, torch.autograd.grad(y, leaves, grad_out), grads_ref):
+        torch.testing.assert_close(g, g_ref, rtol=1e-9, atol=1e-10, msg=lambda m: f"grad of {name}: {m}")
+
+
+def test_time_major_views_as_mamba_passes_them():
+    """Mamba hands over Δ, B, C and z as transposed views of (B, L, ·) tensors; results must not depend on strides."""
+    inputs = make_inputs(37, seed=5)
+    views = {k: v.transpose(1, 2).contiguous().transpose(1, 2) if k in ("delta", "B", "C", "z") else v.clone()
+             for k, v in inputs.items()}
+    results = []
+    for args in (inputs, views):
+        leaves = [v.requires_grad_() for v in args.values()]
+        y = selective_scan(**args, delta_softplus=True, chunk_size=8)
+        results.append((y, *torch.autograd.grad(y, leaves, torch.ones_like(y))))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)  # only summation order may differ
+
+
+def test_empty_sequence():
+    inputs = {k: v.requires_grad_() for k, v in make_inputs(0).items()}
+    y = selective_scan(**inputs, delta_softplus=True)
+    assert y.shape == (BATCH, DIM, 0)
+    y.sum().backward()
+    assert inputs["A"].grad.abs().sum() == 0
+
+
+def run_scan(coef, x, reverse, coef_work=None):
+    for step in _scan_steps(coef, x, reverse, coef_work):
+        step()
+
+
+def loop_scan(coef, x, reverse):
+    """x_t + coef_t x_{t∓1}, one step at a time along dim 1: the oracle for the in-place parallel scan."""
+    out = x.clone()
+    steps = range(x.shape[1] - 2, -1, -1) if reverse else range(1, x.shape[1])
+    for t in steps:
+        out[:, t] += coef[:, t] * out[:, t + 1 if reverse else t - 1]
+    return out
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("use_work", [False, True])
+@pytest.mark.parametrize("length", [1, 2, 3, 4, 5, 7, 8, 13, 16, 33])
+def test_in_place_scan_matches_loop(length, reverse, use_work):
+    g = torch.Generator().manual_seed(length)
+    coef = torch.rand(2, length, 3, 4, generator=g, dtype=torch.float64)
+    x = torch.randn(2, length, 3, 4, generator=g, dtype=torch.float64)
+    expected = loop_scan(coef, x, reverse)
+    coef_before = coef.clone()
+    work = torch.full((2, length // 2, 3, 4), float("nan"), dtype=torch.float64) if use_work else None
+    run_scan(coef, x, reverse, coef_work=work)
+    torch.testing.assert_close(x, expected, rtol=1e-12, atol=1e-12)
+    if use_work:  # the pair decays went to the work buffer, so the caller can use coef again
+        assert torch.equal(coef, coef_before)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("use_work", [False, True])
+@pytest.mark.parametrize("length", [8, 11])
+def test_in_place_scan_ignores_the_first_coefficient(length, reverse, use_work):
+    """The first element in scan order has no predecessor: its coefficient (a stale value in the backward's
+    spare slot) must not reach any result, even as NaN."""
+    g = torch.Generator().manual_seed(0)
+    coef = torch.rand(1, length, 2, 2, generator=g, dtype=torch.float64)
+    x = torch.randn(1, length, 2, 2, generator=g, dtype=torch.float64)
+    expected = loop_scan(coef, x, reverse)
+    coef[:, -1 if reverse else 0] = float("nan")
+    run_scan(coef, x, reverse, torch.empty(1, length // 2, 2, 2, dtype=torch.float64) if use_work else None)
+    torch.testing.assert_close(x, expected, rtol=1e-12, atol=1e-12)
 
 
 def test_reference_matches_closed_form():
@@ -90,9 +164,15 @@ def test_long_sequence_with_strong_decay_is_finite_and_matches():
     inputs = make_inputs(100, seed=3)
     inputs["A"] = inputs["A"] * 50.0
     inputs["delta"] = inputs["delta"] * 20.0
+    leaves = [v.requires_grad_() for v in inputs.values()]
     y = selective_scan(**inputs, chunk_size=64)
     assert torch.isfinite(y).all()
-    torch.testing.assert_close(y, selective_scan_ref(**inputs), rtol=1e-10, atol=1e-10)
+    y_ref = selective_scan_ref(**inputs)
+    torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-10)
+    grads = torch.autograd.grad(y, leaves, torch.ones_like(y))
+    for name, g, g_ref in zip(INPUT_NAMES, grads, torch.autograd.grad(y_ref, leaves, torch.ones_like(y))):
+        assert torch.isfinite(g).all(), name
+        torch.testing.assert_close(g, g_ref, rtol=1e-9, atol=1e-10, msg=lambda m: f"grad of {name}: {m}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -106,3 +186,20 @@ def test_low_precision_inputs_are_computed_in_fp32(dtype):
     tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1.6e-2, "atol": 1e-2}
     torch.testing.assert_close(y, exact, **tol)
     torch.testing.assert_close(selective_scan_ref(**inputs, delta_softplus=True), exact, **tol)
+
+
+def test_fp32_gradients_match_fp64_reference():
+    """The training dtype: fp32 math (exp2-based decays, chunked reductions) against exact math on the same inputs."""
+    inputs32 = {k: v.float() for k, v in make_inputs(70, seed=6).items()}
+    inputs64 = {k: v.double() for k, v in inputs32.items()}
+    grads = []
+    for scan, args in ((selective_scan, inputs32), (selective_scan_ref, inputs64)):
+        leaves = [v.requires_grad_() for v in args.values()]
+        y = scan(**args, delta_softplus=True)
+        grads.append(torch.autograd.grad(y, leaves, torch.ones_like(y)))
+    for name, g, g_ref in zip(INPUT_NAMES, *grads):
+        assert g.dtype == torch.float32
+        scale = g_ref.abs().max()
+        torch.testing.assert_close(
+            g.double(), g_ref, rtol=1e-4, atol=1e-5 * scale, msg=lambda m: f"grad of {name}: {m}"
+        )
