@@ -3,10 +3,15 @@
     deepspeed [--num_gpus N] launch/train.py --config configs/mixtral_small.json [--set KEY=VALUE ...]
     torchrun --nproc_per_node N launch/train.py --config ...
     python launch/train.py --config ... [--dry-run]
+    torchrun --max-restarts 3 --nproc_per_node N launch/train.py --config ... --resume   # restarts resume
+
+Exit status: 0 done; 2 bad input (config, data, run directory, checkpoint that does not fit; nothing on disk
+was changed); 1 the run failed (a collective failed or timed out, too many non-finite steps, ...).
 """
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -19,7 +24,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
                    help="dotted-path overrides, values parsed as JSON where they parse, e.g. train.steps=50")
     p.add_argument("--run-dir", type=Path, default=None, help="output directory (default: runs/<config name>)")
-    p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --run-dir")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest checkpoint in --run-dir that verifies (else the one before); start "
+                        "fresh when there is none, so a restart can repeat the first command line")
     p.add_argument("--dry-run", action="store_true", help="build on the meta device and print parameter counts")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # set by `deepspeed`
     return p.parse_args(argv)
@@ -37,14 +44,22 @@ def main(argv=None) -> int:
 
         print(json.dumps(param_counts(cfg.model)))
         return 0
+    from moe_dist.train.checkpoint import CheckpointError
+    from moe_dist.train.guard import TrainingError
     from moe_dist.train.loop import RunDirError, train
 
     run_dir = args.run_dir or Path("runs") / Path(args.config).stem
     try:
         train(cfg, run_dir, resume=args.resume)
-    except (ConfigError, RunDirError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (ConfigError, RunDirError, ValueError, CheckpointError) as e:  # bad input: nothing was written
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
+    except TrainingError as e:  # a failed collective or too many non-finite steps: the launcher may restart
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        # The process group is unusable after a failed collective, and tearing it down could wait on the
+        # stopped peer: leave at once so the launcher sees the failure now.
+        os._exit(1)
     return 0
 
 

@@ -28,6 +28,7 @@ class AttentionConfig:
     head_dim: Optional[int] = None  # per-head size; null = d_model // n_heads
     rope: bool = True  # rotary position embeddings (Jamba's attention has none: its Mamba layers carry position)
     rope_theta: float = 10000.0  # RoPE base frequency
+    sliding_window: Optional[int] = None  # attend only to the last N positions (Mistral/Mixtral); null = all
     impl: Literal["auto", "torch", "triton"] = "auto"  # attention kernel choice (see layers/attention.py)
 
 
@@ -108,7 +109,10 @@ class TrainConfig:
     eval_batches: int = 4  # validation micro-batches in one pass, in total over the data-parallel ranks
     log_every: int = 1  # TensorBoard scalar logging period in steps
     histogram_every: int = 10  # TensorBoard histogram period in steps
+    image_every: int = 10  # TensorBoard expert-load image period in steps (0 = off)
     threads: int = 0  # torch CPU threads per process (0 = cores / local processes)
+    keep_last: int = 0  # checkpoints kept: after each save all but the newest N are deleted (0 = keep all)
+    max_nonfinite_steps: int = 5  # stop after this many optimizer steps in a row skipped for NaN/Inf (0 = never)
 
 
 @dataclass

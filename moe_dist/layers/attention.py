@@ -1,11 +1,13 @@
-"""Causal multi-head attention with grouped-query heads and RoPE.
+"""Causal multi-head attention with grouped-query heads, RoPE and an optional sliding window.
 
 The attention kernel is chosen once, in `attention_kernel` (resolved by `moe_dist.layers.impl`): PyTorch SDPA
 (which never materializes repeated k/v for grouped-query heads) or the Triton flash-attention kernel
-(`moe_dist.kernels.flash_attention`), which "auto" takes for CUDA tensors.
+(`moe_dist.kernels.flash_attention`), which "auto" takes for CUDA tensors. Sliding-window attention (imported
+Mistral-style checkpoints) and the inference path with a `KVCache` take SDPA with an explicit mask.
 """
 
 import math
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -27,9 +29,37 @@ def _sdpa(
                                           enable_gqa=q.shape[1] != k.shape[1])
 
 
+def _window_mask(q_len: int, k_len: int, offset: int, window: Optional[int], device: torch.device) -> torch.Tensor:
+    """(q_len, k_len) bool, True where query i (at position offset + i) may see key j: j ≤ offset + i, and
+    with a window, j > offset + i - window (the last `window` positions, itself included, as in Mistral)."""
+    q_pos = torch.arange(offset, offset + q_len, device=device)[:, None]
+    k_pos = torch.arange(k_len, device=device)[None, :]
+    allowed = k_pos <= q_pos
+    return allowed if window is None else allowed & (k_pos > q_pos - window)
+
+
 def attention_kernel(impl: str) -> AttnFn:
     """The attention function for `model.attention.impl`, with `flash_attention`'s signature."""
     return resolve(impl, "model.attention.impl", "flash-attention kernel", _sdpa, "flash_attention.flash_attention")
+
+
+@dataclass
+class KVCache:
+    """Keys and values of the positions processed so far, preallocated for `max_len` positions (inference)."""
+
+    k: torch.Tensor  # (B, Hkv, max_len, Dh)
+    v: torch.Tensor  # (B, Hkv, max_len, Dh)
+    length: int = 0  # positions filled
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k/v (B, Hkv, S, Dh) after the filled positions; return views of all keys and values so far."""
+        end = self.length + k.shape[2]
+        if end > self.k.shape[2]:
+            raise ValueError(f"KVCache: {end} positions exceed the cache's max_len {self.k.shape[2]}")
+        self.k[:, :, self.length:end] = k
+        self.v[:, :, self.length:end] = v
+        self.length = end
+        return self.k[:, :, :end], self.v[:, :, :end]
 
 
 class Attention(nn.Module):
@@ -38,6 +68,9 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.n_kv_heads
         self.head_dim = cfg.head_dim or d_model // cfg.n_heads
         self.rope, self.rope_theta = cfg.rope, cfg.rope_theta
+        if cfg.sliding_window is not None and cfg.sliding_window < 1:
+            raise ValueError(f"model.attention.sliding_window: must be positive or null, got {cfg.sliding_window}")
+        self.sliding_window = cfg.sliding_window
         self.wq = nn.Linear(d_model, self.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(d_model, self.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(d_model, self.n_kv_heads * self.head_dim, bias=False)
@@ -52,13 +85,25 @@ class Attention(nn.Module):
             nn.init.normal_(lin.weight, std=self.init_std)
         nn.init.normal_(self.wo.weight, std=self.out_std)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def new_cache(self, batch: int, max_len: int, device: torch.device, dtype: torch.dtype) -> KVCache:
+        shape = (batch, self.n_kv_heads, max_len, self.head_dim)
+        return KVCache(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor, cache: Optional[KVCache] = None) -> torch.Tensor:
+        """x (B, S, D) → (B, S, D). With a cache (inference), x holds the S positions after the cached ones."""
         B, S, _ = x.shape
+        pos = 0 if cache is None else cache.length
         q = self.wq(x).view(B, S, -1, self.head_dim).transpose(1, 2)  # (B, Hq, S, Dh)
         k = self.wk(x).view(B, S, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, S, Dh)
         v = self.wv(x).view(B, S, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, S, Dh)
         if self.rope:
-            cos, sin = rope_cos_sin(S, self.head_dim, self.rope_theta, x.device)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.kernel(q, k, v, causal=True)  # (B, Hq, S, Dh)
+            cos, sin = rope_cos_sin(pos + S, self.head_dim, self.rope_theta, x.device)
+            q, k = apply_rope(q, cos[pos:], sin[pos:]), apply_rope(k, cos[pos:], sin[pos:])
+        if cache is not None:
+            k, v = cache.append(k, v)  # (B, Hkv, pos + S, Dh)
+        if cache is None and (self.sliding_window is None or S <= self.sliding_window):
+            out = self.kernel(q, k, v, causal=True)  # (B, Hq, S, Dh)
+        else:
+            mask = _window_mask(S, pos + S, pos, self.sliding_window, x.device)  # (S, pos + S)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
         return self.wo(out.transpose(1, 2).reshape(B, S, -1))

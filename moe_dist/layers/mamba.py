@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +29,14 @@ def select_scan(impl: str, chunk_size: int) -> Callable[..., torch.Tensor]:
     Triton kernel (`moe_dist.kernels.selective_scan`, which "auto" takes for CUDA tensors)."""
     torch_scan = functools.partial(selective_scan, chunk_size=chunk_size)
     return resolve(impl, "model.mamba.impl", "selective scan", torch_scan, "selective_scan.selective_scan")
+
+
+@dataclass
+class MambaState:
+    """The recurrent state of one Mamba layer between inference calls (zeros before the first position)."""
+
+    conv: torch.Tensor  # (B, Di, d_conv - 1): the conv's last inputs, oldest first
+    ssm: torch.Tensor  # (B, Di, N): the SSM state h, in fp32 (at least), as the scan computes it
 
 
 class Mamba(nn.Module):
@@ -88,19 +97,32 @@ class Mamba(nn.Module):
                 for norm in (self.dt_norm, self.b_norm, self.c_norm):
                     norm.init_weights()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _ssm_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Conv output x (B, L, Di) → Δ before bias (B, L, Di), B (B, L, N), C (B, L, N), and A (Di, N)."""
+        dt, B, C = self.x_proj(x).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
+        if self.inner_norms:
+            dt, B, C = self.dt_norm(dt), self.b_norm(B), self.c_norm(C)  # (B, L, R), (B, L, N), (B, L, N)
+        dt = F.linear(dt, self.dt_proj.weight)  # (B, L, Di)
+        # exp in at least fp32: under bf16 parameters -exp(A_log) would lose the spacing of the S4D init.
+        A = -torch.exp(self.A_log.to(torch.promote_types(self.A_log.dtype, torch.float32)))  # (Di, N)
+        return dt, B, C, A
+
+    def new_state(self, batch: int, device: torch.device, dtype: torch.dtype) -> MambaState:
+        d_conv = self.conv1d.kernel_size[0]
+        return MambaState(torch.zeros(batch, self.d_inner, d_conv - 1, device=device, dtype=dtype),
+                          torch.zeros(batch, self.d_inner, self.d_state, device=device,
+                                      dtype=torch.promote_types(dtype, torch.float32)))
+
+    def forward(self, x: torch.Tensor, cache: Optional[MambaState] = None) -> torch.Tensor:
+        """x (B, L, d_model) → (B, L, d_model). With a state (inference), x continues the sequence it holds."""
+        if cache is not None:
+            return self._forward_recurrent(x, cache)
         seqlen = x.shape[1]
         x, z = self.in_proj(x).chunk(2, dim=-1)  # (B, L, Di) each
         x = self.conv1d(x.transpose(1, 2))[..., :seqlen]  # (B, Di, L): right padding dropped → causal
         x = F.silu(x)
 
-        dt, B, C = self.x_proj(x.transpose(1, 2)).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
-        if self.inner_norms:
-            dt, B, C = self.dt_norm(dt), self.b_norm(B), self.c_norm(C)  # (B, L, R), (B, L, N), (B, L, N)
-        dt = F.linear(dt, self.dt_proj.weight)  # (B, L, Di)
-
-        # exp in at least fp32: under bf16 parameters -exp(A_log) would lose the spacing of the S4D init.
-        A = -torch.exp(self.A_log.to(torch.promote_types(self.A_log.dtype, torch.float32)))  # (Di, N)
+        dt, B, C, A = self._ssm_inputs(x.transpose(1, 2))
         y = self.scan(
             x,
             dt.transpose(1, 2),
@@ -113,3 +135,24 @@ class Mamba(nn.Module):
             delta_softplus=True,
         )  # (B, Di, L)
         return self.out_proj(y.transpose(1, 2))  # (B, L, d_model)
+
+    def _forward_recurrent(self, x: torch.Tensor, state: MambaState) -> torch.Tensor:
+        """The inference path: the conv continues from `state.conv`, the SSM from `state.ssm`, one step per
+        position (the training scan starts from h = 0 and does not return its final state); updates `state`."""
+        x, z = self.in_proj(x).chunk(2, dim=-1)  # (B, L, Di) each
+        xc = torch.cat([state.conv, x.transpose(1, 2)], dim=-1)  # (B, Di, K - 1 + L)
+        state.conv = xc[..., xc.shape[-1] - state.conv.shape[-1]:]
+        x = F.silu(F.conv1d(xc, self.conv1d.weight, self.conv1d.bias, groups=self.d_inner))  # (B, Di, L)
+
+        dt, B, C, A = self._ssm_inputs(x.transpose(1, 2))
+        compute = state.ssm.dtype
+        u = x.transpose(1, 2).to(compute)  # (B, L, Di)
+        delta = F.softplus(dt.to(compute) + self.dt_proj.bias.to(compute))  # (B, L, Di)
+        B, C = B.to(compute), C.to(compute)
+        h, ys = state.ssm, []
+        for t in range(u.shape[1]):
+            h = torch.exp(delta[:, t, :, None] * A) * h + (delta[:, t] * u[:, t])[..., None] * B[:, t, None, :]
+            ys.append(torch.einsum("bdn,bn->bd", h, C[:, t]))  # (B, Di)
+        state.ssm = h
+        y = (torch.stack(ys, dim=1) + self.D.to(compute) * u) * F.silu(z.to(compute))  # (B, L, Di)
+        return self.out_proj(y.to(x.dtype))  # (B, L, d_model)

@@ -3,19 +3,23 @@
 Each block's mixer (attention or Mamba) and FFN (dense SwiGLU or MoE) come from the config's layer patterns,
 so Mixtral (attention + MoE everywhere) and Jamba (1 attention : 7 Mamba, MoE every other layer) are both
 expressible. Build under `torch.device("meta")`, then `materialize` allocates and initializes.
+
+Inference: `generate` decodes with an `InferenceCache` (a KV cache per attention layer, the conv and SSM state
+per Mamba layer), so each new token costs one position's work; without the cache it recomputes the sequence.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from moe_dist.config import ModelConfig
-from moe_dist.layers.attention import Attention
-from moe_dist.layers.mamba import Mamba
+from moe_dist.layers.attention import Attention, KVCache
+from moe_dist.layers.mamba import Mamba, MambaState
 from moe_dist.layers.mlp import SwiGLU
 from moe_dist.layers.moe import MoE, RoutingStats
 from moe_dist.layers.norm import RMSNorm
@@ -41,8 +45,9 @@ class Block(nn.Module):
         for module in (self.mixer_norm, self.mixer, self.ffn_norm, self.ffn):
             module.init_weights()
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, RoutingStats | None]:
-        x = x + self.mixer(self.mixer_norm(x))
+    def forward(self, x: torch.Tensor, cache: Union[KVCache, MambaState, None] = None
+                ) -> tuple[torch.Tensor, RoutingStats | None]:
+        x = x + self.mixer(self.mixer_norm(x), cache)
         h = self.ffn(self.ffn_norm(x))
         if isinstance(h, tuple):
             h, stats = h
@@ -56,6 +61,14 @@ class DecoderOutput:
     aux_loss: torch.Tensor  # mean over MoE layers of the load-balancing loss (0 without MoE layers)
     z_loss: torch.Tensor  # mean over MoE layers of the router z-loss
     moe_stats: list[RoutingStats]  # one per MoE layer, in layer order
+
+
+@dataclass
+class InferenceCache:
+    """Mixer state of every block for incremental decoding (see `Decoder.new_cache`)."""
+
+    layers: list[Union[KVCache, MambaState]]  # one per block: KVCache for attention, MambaState for Mamba
+    length: int = 0  # positions processed so far
 
 
 class Decoder(nn.Module):
@@ -76,13 +89,22 @@ class Decoder(nn.Module):
             block.init_weights()
         self.norm.init_weights()
 
-    def forward(self, tokens: torch.Tensor) -> DecoderOutput:
+    def new_cache(self, batch: int, max_len: int) -> InferenceCache:
+        """An empty cache for `batch` sequences of up to `max_len` positions, on the model's device and dtype."""
+        w = self.embed.weight
+        return InferenceCache([b.mixer.new_cache(batch, max_len, w.device, w.dtype) if isinstance(b.mixer, Attention)
+                               else b.mixer.new_state(batch, w.device, w.dtype) for b in self.blocks])
+
+    def forward(self, tokens: torch.Tensor, cache: Optional[InferenceCache] = None) -> DecoderOutput:
+        """tokens (B, S) → logits (B, S, V). With a cache, tokens continue the sequences it holds (inference)."""
         x = self.embed(tokens)  # (B, S, D)
         stats: list[RoutingStats] = []
-        for block in self.blocks:
-            x, s = block(x)
+        for i, block in enumerate(self.blocks):
+            x, s = block(x, None if cache is None else cache.layers[i])
             if s is not None:
                 stats.append(s)
+        if cache is not None:
+            cache.length += tokens.shape[1]
         x = self.norm(x)
         logits = F.linear(x, self.embed.weight) if self.head is None else self.head(x)
         zero = logits.new_zeros((), dtype=torch.float32)
@@ -128,3 +150,51 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy in fp32; logits (B, S, V), targets (B, S)."""
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def sample_next(logits_BV: torch.Tensor, temperature: float = 1.0, top_k: Optional[int] = None,
+                top_p: Optional[float] = None, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """Next token per row (B,) from last-position logits (B, V): greedy when temperature is 0, else sampled
+    from softmax(logits / temperature) restricted to the top_k tokens and to the smallest set whose
+    probability reaches top_p (nucleus sampling; the most likely token always stays)."""
+    if temperature == 0:
+        return logits_BV.argmax(dim=-1)
+    logits = logits_BV.float() / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        drop = probs.cumsum(dim=-1) - probs >= top_p  # mass before a token already reaches top_p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(model: Decoder, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+             top_k: Optional[int] = None, top_p: Optional[float] = None, generator: Optional[torch.Generator] = None,
+             use_cache: bool = True) -> torch.Tensor:
+    """Extend prompt (B, S) int64 by `max_new_tokens` tokens → (B, S + max_new_tokens).
+
+    With `use_cache` the prompt is run once to fill the cache and each new token is one position's forward;
+    without it every step recomputes the whole sequence (the reference the cached path must equal).
+    The model must be dropless (`moe.capacity_factor` null): with capacity drops a token's output depends on
+    how many other tokens share its forward, so cached and recomputed decoding could not agree.
+    """
+    if model.cfg.moe.capacity_factor is not None and "E" in model.cfg.ffn_pattern:
+        raise ValueError("generate: build the model with model.moe.capacity_factor=null (dropless) for inference")
+    if prompt.ndim != 2 or prompt.shape[1] == 0:
+        raise ValueError(f"generate: prompt must be (batch, seq) with seq >= 1, got shape {tuple(prompt.shape)}")
+    was_training = model.training
+    model.eval()
+    tokens = prompt
+    cache = model.new_cache(prompt.shape[0], prompt.shape[1] + max_new_tokens) if use_cache else None
+    step_input = prompt
+    for _ in range(max_new_tokens):
+        logits = model(step_input, cache).logits[:, -1]  # (B, V)
+        nxt = sample_next(logits, temperature, top_k, top_p, generator)[:, None]  # (B, 1)
+        tokens = torch.cat([tokens, nxt], dim=1)
+        step_input = nxt if use_cache else tokens
+    model.train(was_training)
+    return tokens

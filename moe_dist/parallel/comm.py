@@ -10,6 +10,11 @@ def _active() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def _device() -> torch.device:
+    """Where small control tensors must live for the default group's backend (NCCL only moves CUDA tensors)."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
 def all_reduce_sum(t: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """In-place sum over `group` (the world by default); a no-op without an initialized process group."""
     if _active():
@@ -20,6 +25,37 @@ def all_reduce_sum(t: torch.Tensor, group: dist.ProcessGroup | None = None) -> t
 def barrier() -> None:
     if _active():
         dist.barrier()
+
+
+def broadcast_bytes(data: bytes, src: int = 0) -> bytes:
+    """Every rank gets rank `src`'s bytes (others pass anything). Raw bytes, never pickle: callers encode
+    text or JSON themselves, so a peer cannot make this process run code."""
+    if not _active():
+        return data
+    n = torch.tensor([len(data)], dtype=torch.int64, device=_device())
+    dist.broadcast(n, src)
+    if dist.get_rank() == src:
+        buf = torch.tensor(list(data), dtype=torch.uint8, device=_device())
+    else:
+        buf = torch.zeros(int(n.item()), dtype=torch.uint8, device=_device())
+    if n.item():
+        dist.broadcast(buf, src)
+    return bytes(buf.cpu().tolist())
+
+
+def agree_on_error(error: str) -> str:
+    """Collective: '' when no rank reports an error, else the message of the lowest rank reporting one.
+
+    Lets every rank take the same branch (fall back, raise) after a check that may fail on some ranks only."""
+    if not _active():
+        return error
+    failed = torch.zeros(dist.get_world_size(), dtype=torch.int64, device=_device())
+    failed[dist.get_rank()] = int(bool(error))
+    dist.all_reduce(failed, op=dist.ReduceOp.SUM)
+    bad = failed.nonzero().flatten().tolist()
+    if not bad:
+        return ""
+    return broadcast_bytes(error.encode(), src=bad[0]).decode()
 
 
 def all_to_all_equal(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

@@ -56,16 +56,50 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def set_group_timeouts(timeout_s: float) -> None:
+    """Give every process group this rank belongs to the collective timeout `timeout_s`.
+
+    init_process_group applies it to the world group only: groups made later by `dist.new_group` get torch's
+    default (30 minutes on gloo, 10 on NCCL), and DeepSpeed makes its expert and data-parallel groups that way, so
+    a stopped rank would hang an expert all-to-all for half an hour. Call again after anything that makes groups
+    (deepspeed.initialize).
+    """
+    from torch.distributed import distributed_c10d as c10d
+
+    timeout = timedelta(seconds=timeout_s)
+    for group in list(c10d._world.pg_map):  # torch keeps no public list of a rank's groups
+        if not c10d._rank_not_in_group(group):
+            c10d._set_pg_timeout(timeout, group)
+
+
+def _torchelastic_attempt_store(timeout: timedelta) -> dist.Store | None:
+    """The rendezvous store for this torchrun attempt, namespaced by the restart count; None outside torchrun.
+
+    torchrun's default (static) rendezvous hands every restart attempt the same TCPStore, hosted by the agent,
+    with no per-attempt prefix: a restarted gloo group reads the dead attempt's addresses and hangs until the
+    timeout. A prefix per attempt makes `torchrun --max-restarts N` restarts work (c10d rendezvous is fine either
+    way).
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
+                           is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"moe_dist/attempt_{attempt}", client)
+
+
 def init_distributed(cfg: JobConfig, timeout_s: float | None = None) -> Mesh:
     """Join the process group the launcher describes (deepspeed, torchrun, accelerate), or form a world of one.
 
     Plain `python launch/train.py` sets no launcher variables; we fill them in for a single process so the
-    same code path (and DeepSpeed) runs everywhere.
+    same code path (and DeepSpeed) runs everywhere, and give that world of one an in-memory store: a TCP store
+    would listen on every network interface for no one.
     """
     import deepspeed  # imported here: it probes the accelerator at import time
     from deepspeed.utils import groups
 
-    if "RANK" not in os.environ:
+    alone = "RANK" not in os.environ
+    if alone:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     cuda = torch.cuda.is_available()
@@ -75,8 +109,12 @@ def init_distributed(cfg: JobConfig, timeout_s: float | None = None) -> Mesh:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         timeout = timedelta(seconds=timeout_s if timeout_s is not None else cfg.parallel.timeout_s)
-        deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", timeout=timeout,
-                                   auto_mpi_discovery=False)
+        backend = "nccl" if cuda else "gloo"
+        store = dist.HashStore() if alone else _torchelastic_attempt_store(timeout)
+        if store is not None:
+            dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+        deepspeed.init_distributed(dist_backend=backend, timeout=timeout, auto_mpi_discovery=False)  # adopts it
     rank, world_size = dist.get_rank(), dist.get_world_size()
     dp = check_layout(cfg, world_size)
     ep = cfg.parallel.ep
@@ -93,6 +131,7 @@ def init_distributed(cfg: JobConfig, timeout_s: float | None = None) -> Mesh:
         if got_ep not in expected_ep or got_edp not in expected_edp:
             raise RuntimeError(f"DeepSpeed built EP group {got_ep} / EDP group {got_edp}, expected one of "
                                f"{expected_ep} / {expected_edp}")
+    set_group_timeouts(timeout_s if timeout_s is not None else cfg.parallel.timeout_s)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     return Mesh(rank=rank, world_size=world_size, local_rank=local_rank, local_world_size=local_world, device=device,
                 dp=dp, dp_rank=dp_rank, ep=ep, ep_rank=dp_rank % ep, ep_group=ep_group, edp_group=edp_group,

@@ -1,13 +1,17 @@
-"""Layout-independent, atomic checkpoints: RUN_DIR/checkpoints/step_N/.
+"""Layout-independent, atomic, verified checkpoints: RUN_DIR/checkpoints/step_N/.
 
 Contents: `rankNNNNN.safetensors` files holding every parameter exactly once under its global name, experts
 split out by global index (`blocks.0.ffn.experts.w1.5`), each with its AdamW moments (`exp_avg.<name>`,
 `exp_avg_sq.<name>`), all fp32; `meta.json` (step, Adam step count, learning rate, layout it was written
-at, sha256 of every file) and `config.json`. Nothing is pickled, so loading runs no code.
+at, skipped-step count, the data identity, sha256 of every file) and `config.json`. Nothing is pickled:
+tensors are read with safetensors (a JSON header and raw bytes), metadata with `json`, so loading runs no
+code whatever the files contain.
 
 Because names are global, a checkpoint written at one (dp, ep) layout loads at any other. Ranks write into
-`.step_N.tmp/`; rank 0 publishes it by renaming once every rank has finished, so a run killed mid-save never
-leaves a directory that `latest_checkpoint` would pick.
+`.step_N.tmp/` and fsync; rank 0 writes meta.json last and publishes the directory by renaming it once every
+rank has finished, so a run killed mid-save never leaves a `step_N/` that resume would pick. On load every file
+is checked against its sha256 before a single tensor is read (`verify_checkpoint`); resume.py falls back to
+the previous checkpoint when that fails.
 
 DeepSpeed's own checkpoints are not used: they pickle, and their expert files are tied to the EP size.
 """
@@ -17,12 +21,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
@@ -33,10 +38,17 @@ from moe_dist.parallel.mesh import Mesh
 
 FORMAT_VERSION = 1
 MOMENTS = ("exp_avg", "exp_avg_sq")
+STEP_DIR = re.compile(r"step_(\d+)")
+TENSOR_FILE = re.compile(r"rank\d{5}\.safetensors")  # the only files a checkpoint may ask us to open
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete, corrupted or does not match the model; the message names the file."""
+    """A checkpoint is missing, incomplete, corrupted or unreadable; the message names the file."""
+
+
+class CheckpointMismatch(CheckpointError):
+    """A sound checkpoint that does not fit this run (model shape, data order): an input error, not a fault
+    to fall back from (every older checkpoint of the run would not fit either)."""
 
 
 @dataclass
@@ -94,14 +106,48 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def _fsync(path: Path) -> None:
+    """Flush a file or directory to stable storage, so a published checkpoint survives a machine crash too."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    save_file(tensors, str(path))
+    _fsync(path)
+
+
+def _write_manifest(tmp: Path, meta: dict, cfg: JobConfig) -> None:
+    """config.json, then meta.json: the manifest is written last, after every file it lists."""
+    for name, text in (("config.json", json.dumps(config_to_dict(cfg), indent=2)), ("meta.json", json.dumps(meta, indent=2))):
+        (tmp / name).write_text(text + "\n")
+        _fsync(tmp / name)
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Make the finished checkpoint visible under its final name in one rename."""
+    if final.exists():  # left by an earlier trajectory of this run (resumed from an older checkpoint)
+        doomed = final.with_name(f".{final.name}.deleting")  # unpublished first: never a half-deleted step_N/
+        shutil.rmtree(doomed, ignore_errors=True)
+        os.replace(final, doomed)
+        shutil.rmtree(doomed)
+    os.replace(tmp, final)
+    _fsync(final.parent)
+
+
 def save_checkpoint(engine, model: nn.Module, scheduler, ckpt_root: Path, step: int, cfg: JobConfig,
-                    mesh: Mesh) -> Path:
-    """Collective: every rank calls it at the same step."""
+                    mesh: Mesh, extra_meta: dict | None = None) -> Path:
+    """Collective: every rank calls it at the same step. `extra_meta` goes into meta.json (JSON values)."""
     final, tmp = ckpt_root / f"step_{step}", ckpt_root / f".step_{step}.tmp"
     if mesh.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier()
+    if not any(_inner_optimizer(engine).state.values()):  # no update applied yet (every step skipped so far)
+        _ensure_optimizer_state(engine, 0)  # what Adam's lazy init would create: zero moments, step 0
     _link_optimizer_state(engine)
     tensors: dict[str, torch.Tensor] = {}
     for st in _stored(model, mesh):
@@ -113,18 +159,15 @@ def save_checkpoint(engine, model: nn.Module, scheduler, ckpt_root: Path, step: 
             for name, v in zip(st.names, parts):
                 tensors[name if key == "param" else f"{key}.{name}"] = v.detach().float().cpu().contiguous()
     if tensors:
-        save_file(tensors, str(tmp / f"rank{mesh.rank:05d}.safetensors"))
+        _write_tensors(tensors, tmp / f"rank{mesh.rank:05d}.safetensors")
     barrier()
     if mesh.rank == 0:
         files = {f.name: _sha256(f) for f in sorted(tmp.glob("*.safetensors"))}
-        adam_step = _adam_step(engine)
-        meta = {"format": FORMAT_VERSION, "step": step, "adam_step": adam_step, "lr": scheduler.get_last_lr()[0],
-                "layout": {"dp": mesh.dp, "ep": mesh.ep, "tp": cfg.parallel.tp}, "files": files}
-        (tmp / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2) + "\n")
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        meta = {"format": FORMAT_VERSION, "step": step, "adam_step": _adam_step(engine),
+                "lr": scheduler.get_last_lr()[0], "layout": {"dp": mesh.dp, "ep": mesh.ep, "tp": cfg.parallel.tp},
+                **(extra_meta or {}), "files": files}
+        _write_manifest(tmp, meta, cfg)
+        _publish(tmp, final)
     barrier()
     return final
 
@@ -135,34 +178,101 @@ def _adam_step(engine) -> int:
 
 
 def latest_checkpoint(ckpt_root: Path) -> Path | None:
-    """The newest complete checkpoint directory (one with meta.json, published by rename), or None."""
-    found = [(json.loads(m.read_text())["step"], m.parent) for m in ckpt_root.glob("step_*/meta.json")]
+    """The newest published checkpoint directory (`step_N` holding meta.json), unverified; None if there is none.
+    Training resumes through resume.select_checkpoint, which verifies and falls back."""
+    found = [(int(m.group(1)), d) for d in ckpt_root.glob("step_*")
+             if (m := STEP_DIR.fullmatch(d.name)) and (d / "meta.json").is_file()]
     return max(found, key=lambda t: t[0])[1] if found else None
 
 
 def read_meta(path: Path) -> dict:
+    """meta.json of checkpoint `path`, parsed as JSON and checked for the fields this module relies on."""
     meta_path = path / "meta.json"
     if not meta_path.is_file():
         raise CheckpointError(f"{meta_path}: missing; {path} is not a complete checkpoint")
-    meta = json.loads(meta_path.read_text())
-    if meta.get("format") != FORMAT_VERSION:
-        raise CheckpointError(f"{meta_path}: checkpoint format {meta.get('format')}, expected {FORMAT_VERSION}")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{meta_path}: not valid JSON ({e}); corrupted manifest") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
+        found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise CheckpointError(f"{meta_path}: checkpoint format {found}, expected {FORMAT_VERSION}")
+    files = meta.get("files")
+    if not (isinstance(meta.get("step"), int) and isinstance(meta.get("adam_step"), int) and isinstance(files, dict)
+            and all(isinstance(v, str) for v in files.values())):
+        raise CheckpointError(f"{meta_path}: needs integer 'step' and 'adam_step' and a 'files' object of sha256 "
+                              f"strings")
+    for name in files:
+        if not TENSOR_FILE.fullmatch(name):
+            raise CheckpointError(f"{meta_path}: lists {name!r}, which is not a checkpoint tensor file "
+                                  f"(rankNNNNN.safetensors); refusing to open it")
     return meta
 
 
-def _open_tensors(path: Path, meta: dict) -> dict[str, tuple[Path, str]]:
-    """Verify every file's sha256 and index which file holds each tensor name."""
-    index = {}
-    for fname, digest in meta["files"].items():
+def verify_checkpoint(path: Path, rank: int = 0, world_size: int = 1) -> tuple[dict, dict[str, tuple[Path, tuple]]]:
+    """Check checkpoint `path` and index it: (meta, {tensor name: (file, shape)}).
+
+    Every file listed in meta.json must exist and parse as safetensors; this rank hashes its share of them
+    (file i when i % world_size == rank), so the ranks together check each file's sha256 once. Raises
+    CheckpointError naming the first bad file."""
+    meta = read_meta(path)
+    named = STEP_DIR.fullmatch(path.name)
+    if named and meta["step"] != int(named.group(1)):
+        raise CheckpointError(f"{path / 'meta.json'}: says step {meta['step']}, the directory name another")
+    index: dict[str, tuple[Path, tuple]] = {}
+    for i, (fname, digest) in enumerate(sorted(meta["files"].items())):
         f = path / fname
         if not f.is_file():
             raise CheckpointError(f"{f}: listed in meta.json but missing")
-        if _sha256(f) != digest:
+        if i % world_size == rank and _sha256(f) != digest:
             raise CheckpointError(f"{f}: sha256 mismatch (corrupted or truncated)")
-        with safe_open(str(f), framework="pt") as sf:
-            for key in sf.keys():
-                index[key] = (f, key)
-    return index
+        try:  # parses the JSON header only; a file that is not safetensors (e.g. a pickle) fails here
+            with safe_open(str(f), framework="pt") as sf:
+                for key in sf.keys():
+                    index[key] = (f, tuple(sf.get_slice(key).get_shape()))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise CheckpointError(f"{f}: not a readable safetensors file ({' '.join(str(e).split())})") from None
+    return meta, index
+
+
+def _expected(model: nn.Module, mesh: Mesh) -> tuple[dict[str, tuple], set[str]]:
+    """({tensor name this rank reads on load: shape}, every tensor name of the whole model, all ranks')."""
+    local, every = {}, set()
+    for st in _stored(model, mesh):
+        shape = tuple(st.param.shape[1:] if st.stacked else st.param.shape)
+        for name in st.names:
+            local[name] = shape
+        if st.stacked:  # st.names are this rank's experts; the model has ep times as many
+            base = st.names[0].rsplit(".", 1)[0]
+            every.update(f"{base}.{e}" for e in range(len(st.names) * mesh.ep))
+        else:
+            every.update(st.names)
+    local.update({f"{k}.{n}": shape for n, shape in list(local.items()) for k in MOMENTS})
+    return local, every | {f"{k}.{n}" for n in every for k in MOMENTS}
+
+
+def check_fits(path: Path, meta: dict, index: dict, model: nn.Module, mesh: Mesh, data_identity: dict) -> None:
+    """Raise CheckpointMismatch when checkpoint `path` cannot continue this run: a tensor this rank needs is
+    missing or has another shape (a different model), or the data order differs (resuming would repeat or
+    skip samples). Runs before anything is loaded or written."""
+    local, every = _expected(model, mesh)
+    extra = sorted(set(index) - every)
+    if extra:
+        raise CheckpointMismatch(f"{path}: holds {len(extra)} tensors this model lacks (e.g. {extra[0]!r}); it was "
+                                 f"written for a different model (compare {path / 'config.json'} with this config)")
+    for name, shape in local.items():
+        if name not in index:
+            raise CheckpointMismatch(f"{path}: has no tensor {name!r}; it was written for a different model "
+                                     f"(compare {path / 'config.json'} with this config)")
+        if index[name][1] != shape:
+            raise CheckpointMismatch(f"{path}: {name} has shape {index[name][1]}, this model needs {shape}; it was "
+                                     f"written for a different model shape (compare {path / 'config.json'})")
+    saved = meta.get("data")  # absent in checkpoints made outside training (e.g. imported weights)
+    if saved is not None:
+        for key, value in data_identity.items():
+            if saved.get(key) != value:
+                raise CheckpointMismatch(f"{path}: written with data {key}={saved.get(key)!r}, this run has "
+                                         f"{value!r}; resuming would repeat or skip samples")
 
 
 def _ensure_optimizer_state(engine, adam_step: int) -> None:
@@ -178,30 +288,25 @@ def _ensure_optimizer_state(engine, adam_step: int) -> None:
     _link_optimizer_state(engine)
 
 
-def load_checkpoint(engine, model: nn.Module, scheduler, path: Path, mesh: Mesh) -> int:
-    """Restore parameters, Adam moments and LR schedule into this rank's shard; returns the step."""
+def load_checkpoint(engine, model: nn.Module, scheduler, path: Path, meta: dict, index: dict, mesh: Mesh) -> int:
+    """Restore parameters, Adam moments and LR schedule from a verified checkpoint (`verify_checkpoint`'s
+    meta and index, `check_fits` passed) into this rank's shard; returns the step."""
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
-    meta = read_meta(path)
-    index = _open_tensors(path, meta)
     _ensure_optimizer_state(engine, meta["adam_step"])
     handles: dict[Path, object] = {}
 
     def read(name: str) -> torch.Tensor:
-        if name not in index:
-            raise CheckpointError(f"{path}: no tensor named {name!r} (the checkpoint does not match this model)")
-        f, key = index[name]
+        f = index[name][0]
         if f not in handles:
             handles[f] = safe_open(str(f), framework="pt")
-        return handles[f].get_tensor(key)
+        return handles[f].get_tensor(name)
 
     for st in _stored(model, mesh):
         p, values = st.param, {}
         for key in ("param", *MOMENTS):
             names = [n if key == "param" else f"{key}.{n}" for n in st.names]
             v = torch.stack([read(n) for n in names]) if st.stacked else read(names[0])
-            if v.shape != p.shape:
-                raise CheckpointError(f"{path}: {names[0]} has shape {tuple(v.shape)}, model expects {tuple(p.shape)}")
             values[key] = v.to(p.device)
         with torch.no_grad():
             p.copy_(values["param"].to(p.dtype))
@@ -213,8 +318,8 @@ def load_checkpoint(engine, model: nn.Module, scheduler, path: Path, mesh: Mesh)
             state = _inner_optimizer(engine).state[p]
             for k in MOMENTS:
                 state[k].copy_(values[k])
-    # The schedule is a function of the step alone; its state is not loaded because the number of parameter
-    # groups depends on the layout (expert groups exist only with EP).
+    # The schedule is a function of the step alone (skipped steps included, see guard.py); its state is not
+    # loaded because the number of parameter groups depends on the layout (expert groups exist only with EP).
     step = int(meta["step"])
     scheduler.last_epoch = step
     for group, base, factor in zip(_inner_optimizer(engine).param_groups, scheduler.base_lrs, scheduler.lr_lambdas):

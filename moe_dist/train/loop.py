@@ -1,28 +1,38 @@
-"""The training loop: build → DeepSpeed engine → steps of micro-batches → metrics, eval, checkpoints."""
+"""The training loop: checks → build → DeepSpeed engine → resume → steps of micro-batches → metrics, eval,
+checkpoints.
+
+Order matters for safety (README "Reliability"): everything that can reject the job's input (data, run
+directory, the checkpoint to resume from, its fit to this model) is checked before the first byte is written,
+so a bad input never overwrites or deletes anything already on disk.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
-from moe_dist.config import JobConfig, config_to_dict
+from moe_dist.config import ConfigError, JobConfig, config_to_dict
 from moe_dist.models.decoder import build_model, lm_loss, materialize
-from moe_dist.parallel.comm import all_reduce_sum, barrier
-from moe_dist.parallel.mesh import Mesh, init_distributed
+from moe_dist.parallel.comm import agree_on_error, all_reduce_sum, barrier
+from moe_dist.parallel.mesh import Mesh, init_distributed, set_group_timeouts
 from moe_dist.parallel.parallelize import parallelize
-from moe_dist.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from moe_dist.train.checkpoint import CheckpointMismatch, check_fits, load_checkpoint, save_checkpoint
 from moe_dist.train.data import TokenDataset, load_tokens, micro_batches
+from moe_dist.train.guard import NonFiniteGuard, operation
 from moe_dist.train.metrics import MetricsLogger, StepAccumulator
 from moe_dist.train.optim import build_optimizer, deepspeed_config
+from moe_dist.train.resume import complete_checkpoints, prune_checkpoints, select_checkpoint
 
 
 class RunDirError(RuntimeError):
-    """The run directory cannot be used as asked (e.g. it holds a run and --resume was not given)."""
+    """The run directory cannot be used as asked (it holds a run and --resume was not given, or is not writable)."""
 
 
 def _forward_loss(engine, cfg: JobConfig, batch: torch.Tensor, device: torch.device):
@@ -46,75 +56,174 @@ def evaluate(engine, cfg: JobConfig, val: TokenDataset, mesh: Mesh) -> float:
     return (total[0] / total[1]).item()
 
 
-def _prepare_run_dir(run_dir: Path, cfg: JobConfig, resume: bool, rank: int) -> None:
-    if rank == 0:
-        if (run_dir / "metrics.jsonl").exists() and not resume:
-            raise RunDirError(f"{run_dir}: already holds a run (metrics.jsonl); pass --resume to continue it "
-                              f"or choose another --run-dir")
+def _train_step(engine, cfg: JobConfig, data: TokenDataset, mesh: Mesh, guard: NonFiniteGuard, n_moe: int,
+                step: int) -> dict:
+    """Optimizer step `step` (1-based) over this rank's micro-batches of the step's global batch; returns the
+    step's record. Every collective runs inside `operation`, so a failure names the step and what was running."""
+    t, timeout = cfg.train, cfg.parallel.timeout_s
+    tic = time.perf_counter()
+    acc = StepAccumulator(n_moe, cfg.model.moe.num_experts)
+    batches = micro_batches(data.global_batch(step - 1, t.global_batch_size), t.micro_batch_size, mesh.dp_rank,
+                            mesh.dp)
+    for i, batch in enumerate(batches):
+        last = i == len(batches) - 1
+        with operation(f"step {step}: forward of micro-batch {i} (MoE all-to-all)", timeout):
+            loss, lm, out = _forward_loss(engine, cfg, batch, mesh.device)
+        guard.observe_loss(loss)
+        with operation(f"step {step}: backward{' and gradient reduction' if last else ''} of micro-batch {i}", timeout):
+            engine.backward(loss)
+            if not last:
+                engine.step()  # between boundaries DeepSpeed only counts the micro-step
+        acc.add(loss, lm, out)
+    with operation(f"step {step}: non-finite check and optimizer step", timeout):
+        guard.boundary_step(step)
+    with operation(f"step {step}: metrics all-reduce", timeout):
+        record = {"step": step, **acc.reduce()}
+    elapsed = time.perf_counter() - tic
+    grad_norm = engine.get_global_grad_norm()
+    record.update(lr=engine.get_lr()[0], grad_norm=float(grad_norm) if grad_norm is not None else 0.0,
+                  tokens_per_s=t.global_batch_size * t.seq_len / elapsed, skipped_steps=guard.skipped_total)
+    return record
+
+
+def _check_settings(cfg: JobConfig) -> None:
+    for key in ("keep_last", "max_nonfinite_steps"):
+        if getattr(cfg.train, key) < 0:
+            raise ConfigError(f"train.{key}: must be >= 0, got {getattr(cfg.train, key)}")
+
+
+def _check_vocab(tokens: np.ndarray, vocab_size: int, what: str) -> None:
+    """Token ids must index the embedding; a memmap of another tokenizer or dtype fails here, not mid-run."""
+    chunk = 1 << 26
+    top = max((int(tokens[i:i + chunk].max()) for i in range(0, len(tokens), chunk)), default=0)
+    if top >= vocab_size:
+        raise ValueError(f"data: the {what} holds token id {top}, outside model.vocab_size={vocab_size} "
+                         f"(data from another tokenizer, or a memmap read with the wrong dtype?)")
+
+
+def _check_run_dir(run_dir: Path, resume: bool) -> None:
+    """Every rank, before init: the directory can be used and written. Creates it if missing, writes nothing."""
+    if not resume and ((run_dir / "metrics.jsonl").exists() or complete_checkpoints(run_dir / "checkpoints")):
+        raise RunDirError(f"{run_dir}: already holds a run (metrics.jsonl or checkpoints); pass --resume to "
+                          f"continue it or choose another --run-dir")
+    if run_dir.exists() and not run_dir.is_dir():
+        raise RunDirError(f"{run_dir}: exists and is not a directory")
+    try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2) + "\n")
-    barrier()
+    except OSError as e:
+        raise RunDirError(f"{run_dir}: cannot create the run directory ({e.strerror})") from None
+    for d in (run_dir, run_dir / "checkpoints"):
+        if d.is_dir() and not os.access(d, os.W_OK | os.X_OK):  # also false on a read-only file system
+            raise RunDirError(f"{d}: not writable")
+
+
+def _checkpoint_to_resume(ckpt_root: Path, model, mesh: Mesh, data_identity: dict, timeout: float, say):
+    """Collective: (path, meta, index) of the verified checkpoint to resume from, or None when there is none.
+    Raises CheckpointMismatch on every rank when it does not fit this run (model shape, data order)."""
+    with operation("resume: choosing a checkpoint", timeout):
+        found = select_checkpoint(ckpt_root, mesh, say)
+    if found is None:
+        return None
+    error = ""
+    try:
+        check_fits(*found, model, mesh, data_identity)
+    except CheckpointMismatch as e:  # may hold on some ranks only (each checks the tensors it will read)
+        error = str(e)
+    with operation("resume: checking the checkpoint", timeout):
+        error = agree_on_error(error)
+    if error:
+        raise CheckpointMismatch(error)
+    return found
+
+
+def _start_run_dir(run_dir: Path, cfg: JobConfig, start: int) -> None:
+    """Rank 0, once every check passed: the resolved config, and a fresh metrics file for a fresh start."""
+    (run_dir / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2) + "\n")
+    if start == 0 and (run_dir / "metrics.jsonl").exists():  # --resume found no checkpoint: the run restarts
+        (run_dir / "metrics.jsonl").unlink()
 
 
 def train(cfg: JobConfig, run_dir: Path, resume: bool = False) -> list[dict]:
-    """Run the job; returns rank 0's per-step records (other ranks get an empty list)."""
-    import deepspeed
+    """Run the job; returns rank 0's per-step records (other ranks get an empty list).
 
-    mesh = init_distributed(cfg)
-    torch.set_num_threads(cfg.train.threads or max(1, (os.cpu_count() or 1) // mesh.local_world_size))
-    _prepare_run_dir(run_dir, cfg, resume, mesh.rank)
+    With `resume`, continue from the newest checkpoint in the run directory that verifies, falling back to older
+    ones; start fresh when there is none. So one command line serves the first start and every restart."""
+    _check_settings(cfg)
+    t = cfg.train
+    train_tokens, val_tokens = load_tokens(cfg.data, t.seq_len)
+    _check_vocab(train_tokens, cfg.model.vocab_size, "training split")
+    _check_vocab(val_tokens, cfg.model.vocab_size, "validation split")
+    _check_run_dir(run_dir, resume)
+    data = TokenDataset(train_tokens, t.seq_len, t.seed)
+    val = TokenDataset(val_tokens, t.seq_len, t.seed)
+    # What makes step s see the same samples: checkpoints record it, resume insists on it.
+    data_identity = {"seed": t.seed, "global_batch_size": t.global_batch_size, "seq_len": t.seq_len,
+                     "source": cfg.data.source, "train_tokens": int(len(train_tokens))}
 
-    train_tokens, val_tokens = load_tokens(cfg.data, cfg.train.seq_len)
-    data = TokenDataset(train_tokens, cfg.train.seq_len, cfg.train.seed)
-    val = TokenDataset(val_tokens, cfg.train.seq_len, cfg.train.seed)
+    import deepspeed  # here, after the input checks: importing it takes seconds
 
-    model = materialize(parallelize(build_model(cfg.model), mesh, cfg), mesh.device, cfg.train.seed)
-    optimizer, scheduler = build_optimizer(model, cfg)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                           config=deepspeed_config(cfg, mesh.dp))
+    timeout = cfg.parallel.timeout_s
+    with operation("start-up: rendezvous with the other ranks", timeout):
+        mesh = init_distributed(cfg)
+    torch.set_num_threads(t.threads or max(1, (os.cpu_count() or 1) // mesh.local_world_size))
 
+    def say(line: str) -> None:
+        if mesh.rank == 0:
+            tqdm.write(line, file=sys.stderr)
+
+    model = materialize(parallelize(build_model(cfg.model), mesh, cfg), mesh.device, t.seed)
     ckpt_root = run_dir / "checkpoints"
-    start = 0
-    found = latest_checkpoint(ckpt_root) if resume else None
+    found = _checkpoint_to_resume(ckpt_root, model, mesh, data_identity, timeout, say) if resume else None
+
+    optimizer, scheduler = build_optimizer(model, cfg)
+    with operation("start-up: deepspeed.initialize", timeout):
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                               config=deepspeed_config(cfg, mesh.dp))
+    set_group_timeouts(timeout)  # DeepSpeed made more groups
+    start, skipped = 0, 0
     if found is not None:
-        start = load_checkpoint(engine, model, scheduler, found, mesh)
+        path, meta, _ = found
+        with operation(f"resume: loading {path}", timeout):
+            start = load_checkpoint(engine, model, scheduler, *found, mesh)
+        skipped = int(meta.get("skipped_steps", 0))
+        say(f"resuming from {path} (step {start})")
+    elif resume:
+        say(f"no checkpoint in {ckpt_root}: starting fresh")
+    if mesh.rank == 0:
+        _start_run_dir(run_dir, cfg, start)
 
     n_moe = cfg.model.ffn_pattern.count("E") * (cfg.model.n_layers // len(cfg.model.ffn_pattern))
-    logger = MetricsLogger(run_dir, mesh.rank == 0, cfg.train.histogram_every, resume_step=start)
+    logger = MetricsLogger(run_dir, mesh.rank == 0, t.histogram_every, resume_step=start)
     if start == 0:
         logger.text("config", "```\n" + json.dumps(config_to_dict(cfg), indent=2) + "\n```")
-    t = cfg.train
+    guard = NonFiniteGuard(engine, scheduler, mesh, t.max_nonfinite_steps, say, skipped_total=skipped)
     records: list[dict] = []
     if start == 0 and t.eval_every:
-        record = {"step": 0, "eval_loss": evaluate(engine, cfg, val, mesh)}
+        with operation("step 0: evaluation", timeout):
+            record = {"step": 0, "eval_loss": evaluate(engine, cfg, val, mesh)}
         logger.log(record)
         records.append(record)
 
     bar = tqdm(total=t.steps, initial=start, disable=mesh.rank != 0, desc="train", dynamic_ncols=True)
-    for step in range(start, t.steps):
-        tic = time.perf_counter()
-        acc = StepAccumulator(n_moe, cfg.model.moe.num_experts)
-        global_batch = data.global_batch(step, t.global_batch_size)
-        for batch in micro_batches(global_batch, t.micro_batch_size, mesh.dp_rank, mesh.dp):
-            loss, lm, out = _forward_loss(engine, cfg, batch, mesh.device)
-            engine.backward(loss)
-            engine.step()  # DeepSpeed only updates at the gradient-accumulation boundary
-            acc.add(loss, lm, out)
-        done = step + 1
-        record = {"step": done, **acc.reduce()}
-        elapsed = time.perf_counter() - tic
-        grad_norm = engine.get_global_grad_norm()
-        record.update(lr=engine.get_lr()[0], grad_norm=float(grad_norm) if grad_norm is not None else 0.0,
-                      tokens_per_s=t.global_batch_size * t.seq_len / elapsed)
-        if (t.eval_every and done % t.eval_every == 0) or done == t.steps:
-            record["eval_loss"] = evaluate(engine, cfg, val, mesh)
-        if (t.save_every and done % t.save_every == 0) or done == t.steps:
-            save_checkpoint(engine, model, scheduler, ckpt_root, done, cfg, mesh)
-        logger.log(record)
-        records.append(record)
-        bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
-        bar.update(1)
-    bar.close()
-    logger.close()
-    barrier()
+    try:
+        for done in range(start + 1, t.steps + 1):  # the optimizer step being made, numbered as in metrics.jsonl
+            record = _train_step(engine, cfg, data, mesh, guard, n_moe, done)
+            if (t.eval_every and done % t.eval_every == 0) or done == t.steps:
+                with operation(f"step {done}: evaluation", timeout):
+                    record["eval_loss"] = evaluate(engine, cfg, val, mesh)
+            logger.log(record)  # before the checkpoint: a resumed run finds the record of every checkpointed step
+            records.append(record)
+            if (t.save_every and done % t.save_every == 0) or done == t.steps:
+                with operation(f"step {done}: checkpoint save", timeout):
+                    save_checkpoint(engine, model, scheduler, ckpt_root, done, cfg, mesh,
+                                    extra_meta={"skipped_steps": guard.skipped_total, "data": data_identity})
+                if mesh.rank == 0:
+                    prune_checkpoints(ckpt_root, t.keep_last, done)
+            bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+            bar.update(1)
+    finally:  # an error message must not land on the progress bar's line
+        bar.close()
+        logger.close()
+    with operation("end of training: barrier", timeout):
+        barrier()
     return records if mesh.rank == 0 else []

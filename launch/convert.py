@@ -1,0 +1,59 @@
+"""Convert between Hugging Face checkpoint directories (Mixtral, Jamba) and our training checkpoints.
+
+    python launch/convert.py import HF_DIR RUN_DIR [--config BASE.json] [--set KEY=VALUE ...]
+        → RUN_DIR/checkpoints/step_0 (zero Adam moments) and RUN_DIR/config.json; continue training with
+          python launch/train.py --config RUN_DIR/config.json --run-dir RUN_DIR --resume
+    python launch/convert.py export CHECKPOINT HF_DIR [--dtype fp32|bf16|fp16]
+        CHECKPOINT: RUN_DIR/checkpoints/step_N, or a run directory (its newest complete checkpoint)
+
+The model section of an imported run comes from the Hugging Face config (dropless MoE); everything else
+(data, train, deepspeed) from --config and --set, or the defaults.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from moe_dist.config import ConfigError, load_config
+from moe_dist.hf import HFConfigError, export_run_to_hf, import_hf_to_run
+from moe_dist.train.checkpoint import CheckpointError
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="direction", required=True)
+    imp = sub.add_parser("import", help="Hugging Face directory → training run directory (step-0 checkpoint)")
+    imp.add_argument("hf_dir", type=Path)
+    imp.add_argument("run_dir", type=Path)
+    imp.add_argument("--config", default=None, help="job config for everything but the model (default: defaults)")
+    imp.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="dotted overrides of --config")
+    exp = sub.add_parser("export", help="training checkpoint (or run directory) → Hugging Face directory")
+    exp.add_argument("checkpoint", type=Path)
+    exp.add_argument("hf_dir", type=Path)
+    exp.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="weight dtype (default: as stored, fp32)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        if args.direction == "import":
+            base = load_config(args.config, args.set)
+            out = import_hf_to_run(args.hf_dir, args.run_dir, base)
+            print(f"wrote {out}; continue with: python launch/train.py --config {args.run_dir / 'config.json'} "
+                  f"--run-dir {args.run_dir} --resume")
+        else:
+            out = export_run_to_hf(args.checkpoint, args.hf_dir, DTYPES.get(args.dtype))
+            print(f"wrote {out}")
+    except (ConfigError, CheckpointError, HFConfigError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

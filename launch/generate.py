@@ -1,0 +1,109 @@
+"""Sample text from a model: one of our checkpoints, a run directory (its newest checkpoint) or a Hugging
+Face Mixtral/Jamba directory.
+
+    python launch/generate.py --checkpoint runs/mixtral_small --prompt "def main(" --max-new-tokens 200
+    python launch/generate.py --checkpoint HF_DIR --prompt-ids 1,415,2936 --temperature 0   # greedy
+
+Decoding keeps a KV cache per attention layer and the conv/SSM state per Mamba layer (--no-cache recomputes
+the whole sequence each step, for comparison). Tokens: bytes for our byte-level models (vocab 256); for other
+vocabularies the tokenizer files of the Hugging Face directory (or of RUN_DIR/hf/ for an imported run) when
+transformers is installed, otherwise pass --prompt-ids and read ids back. Speed goes to stderr.
+"""
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from moe_dist.hf import HFConfigError, companion_dir, load_model
+from moe_dist.models.decoder import generate
+from moe_dist.train.checkpoint import CheckpointError
+from moe_dist.train.data import VOCAB_SIZE, decode, encode
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", type=Path, required=True, help="checkpoint, run directory or Hugging Face directory")
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text")
+    prompt.add_argument("--prompt-ids", help="prompt as comma-separated token ids (any vocabulary)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling: smallest set with this probability")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-samples", type=int, default=1, help="sequences sampled in one batch")
+    p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence every step")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads (default 1: one-token steps are too small to split; 0 = torch's default)")
+    return p.parse_args(argv)
+
+
+class Tokens:
+    """Text ↔ ids: bytes for vocab 256, else a local Hugging Face tokenizer if there is one; `text` is False
+    when neither applies (ids only)."""
+
+    def __init__(self, vocab_size: int, checkpoint: Path):
+        self.hf = None
+        self.text = vocab_size == VOCAB_SIZE
+        if self.text:
+            return
+        source = checkpoint if (checkpoint / "tokenizer_config.json").is_file() else companion_dir(checkpoint)
+        if source is None or not (source / "tokenizer_config.json").is_file():
+            return
+        try:
+            from transformers import AutoTokenizer
+        except ImportError:
+            return
+        self.hf = AutoTokenizer.from_pretrained(str(source), local_files_only=True)
+        self.text = True
+
+    def encode(self, text: str) -> list[int]:
+        return self.hf.encode(text) if self.hf is not None else encode(text).tolist()
+
+    def decode(self, ids: list[int]) -> str:
+        return self.hf.decode(ids) if self.hf is not None else decode(ids)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        model = load_model(args.checkpoint, DTYPES[args.dtype])
+    except (CheckpointError, HFConfigError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    tokens = Tokens(model.cfg.vocab_size, args.checkpoint)
+    if args.prompt is not None:
+        if not tokens.text:
+            print(f"error: --prompt: no tokenizer for vocabulary {model.cfg.vocab_size} (no tokenizer files next to "
+                  "the checkpoint, or transformers missing); pass --prompt-ids", file=sys.stderr)
+            return 2
+        ids = tokens.encode(args.prompt)
+    else:
+        ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+    if not ids or max(ids) >= model.cfg.vocab_size or min(ids) < 0:
+        print(f"error: the prompt must be non-empty token ids in [0, {model.cfg.vocab_size})", file=sys.stderr)
+        return 2
+    prompt = torch.tensor([ids] * args.num_samples, dtype=torch.long)
+    gen = torch.Generator().manual_seed(args.seed)
+    tic = time.perf_counter()
+    out = generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p, gen,
+                   use_cache=not args.no_cache)
+    elapsed = time.perf_counter() - tic
+    for row in out.tolist():
+        print(tokens.decode(row) if tokens.text and args.prompt is not None else ",".join(map(str, row)))
+    new = args.max_new_tokens * args.num_samples
+    print(f"{new} tokens in {elapsed:.2f} s: {new / elapsed:.1f} tokens/s "
+          f"({'no cache' if args.no_cache else 'KV/SSM cache'}, prompt {len(ids)} tokens)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,114 @@
+"""Summarize a run's TensorBoard events as one PNG, for people without a TensorBoard server.
+
+    python launch/tb_report.py RUN_DIR [--out report.png]      (default: RUN_DIR/tb_report.png)
+
+Panels: loss curves (train loss, LM loss, eval loss), drop fraction per MoE layer over steps, and the token
+share of every expert of every MoE layer over steps as a heatmap (rows grouped by layer). Needs matplotlib
+(`pip install -e '.[report]'`); training itself never imports it.
+"""
+
+import argparse
+import re
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+_SHARE = re.compile(r"moe/layer(\d+)/expert(\d+)_token_share$")
+_DROP = re.compile(r"moe/layer(\d+)/drop_fraction$")
+
+
+def read_scalars(tb_dir: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Every scalar tag of the event files under `tb_dir` → (steps, values), sorted by step."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    out = {}
+    for tag in acc.Tags()["scalars"]:
+        events = sorted(acc.Scalars(tag), key=lambda e: e.step)
+        out[tag] = (np.array([e.step for e in events]), np.array([e.value for e in events]))
+    return out
+
+
+def share_matrix(scalars: dict) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """Token share as (layers·experts rows, steps) with the steps and the number of experts of each layer."""
+    by_layer: dict[int, dict[int, tuple]] = defaultdict(dict)
+    for tag, series in scalars.items():
+        m = _SHARE.match(tag)
+        if m:
+            by_layer[int(m.group(1))][int(m.group(2))] = series
+    if not by_layer:
+        return np.zeros((0, 0)), np.zeros(0), []
+    steps = np.unique(np.concatenate([s for layer in by_layer.values() for s, _ in layer.values()]))
+    rows, experts = [], []
+    for layer in sorted(by_layer):
+        experts.append(len(by_layer[layer]))
+        for e in sorted(by_layer[layer]):
+            s, v = by_layer[layer][e]
+            row = np.full(len(steps), np.nan)
+            row[np.searchsorted(steps, s)] = v
+            rows.append(row)
+    return np.stack(rows), steps, experts
+
+
+def render(scalars: dict, out: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    share, steps, experts = share_matrix(scalars)
+    fig, axes = plt.subplots(3, 1, figsize=(10, 11), gridspec_kw={"height_ratios": [1, 1, 1.6]})
+    fig.suptitle(title)
+    ax = axes[0]
+    for tag, label in (("train/loss", "loss"), ("train/lm_loss", "LM loss"), ("eval/eval_loss", "eval loss")):
+        if tag in scalars:
+            ax.plot(*scalars[tag], label=label, marker="o" if tag.startswith("eval") else None)
+    ax.set(xlabel="step", ylabel="loss", title="losses")
+    ax.legend()
+    ax = axes[1]
+    drops = sorted((int(m.group(1)), tag) for tag in scalars if (m := _DROP.match(tag)))
+    for layer, tag in drops:
+        ax.plot(*scalars[tag], label=f"MoE layer {layer}")
+    ax.set(xlabel="step", ylabel="dropped / routed", title="drop fraction per MoE layer")
+    if drops:
+        ax.legend(fontsize="small", ncol=max(1, len(drops) // 8))
+    ax = axes[2]
+    if len(share):
+        mean = 1.0 / max(experts)
+        im = ax.imshow(share, aspect="auto", interpolation="nearest", cmap="viridis", vmin=0,
+                       vmax=max(2 * mean, np.nanmax(share)), extent=(steps[0] - 0.5, steps[-1] + 0.5, len(share), 0))
+        bounds = np.cumsum([0] + experts)
+        for b in bounds[1:-1]:
+            ax.axhline(b, color="white", linewidth=1)
+        ax.set_yticks((bounds[:-1] + bounds[1:]) / 2, [f"layer {i}" for i in range(len(experts))])
+        fig.colorbar(im, ax=ax, label="token share")
+    ax.set(xlabel="step", title="expert load: token share of each expert (rows: experts, grouped by MoE layer)")
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run_dir", type=Path)
+    p.add_argument("--out", type=Path, default=None, help="PNG path (default: RUN_DIR/tb_report.png)")
+    args = p.parse_args(argv)
+    tb = args.run_dir / "tb"
+    if not tb.is_dir():
+        print(f"error: {tb}: no TensorBoard directory (is {args.run_dir} a run directory?)", file=sys.stderr)
+        return 2
+    scalars = read_scalars(tb)
+    if not scalars:
+        print(f"error: {tb}: no scalar events", file=sys.stderr)
+        return 2
+    out = args.out or args.run_dir / "tb_report.png"
+    render(scalars, out, f"run {args.run_dir.resolve().name}")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""launch/train.py with faults injected, for the reliability tests (a test helper, never used in training).
+
+Run it exactly like launch/train.py (same arguments, under any launcher). Environment:
+
+FAULT, a JSON object with any of
+  "kill_in_save": [{"rank": R, "step": S, "where": "write" | "publish", "attempt": A}, ...]
+      SIGKILL rank R inside the checkpoint save of step S, in launcher attempt A (TORCHELASTIC_RESTART_COUNT,
+      0 for the first), so the restarted job runs clean. "write": after half of R's tensor file is on disk;
+      "publish": rank 0 after meta.json is complete in the temporary directory, just before the rename.
+  "nonfinite": [{"rank": R, "step": S, "what": "grad" | "loss"}, ...]
+      On rank R, in the first micro-batch of optimizer step S (1-based): "grad" puts a NaN into one element
+      of the embedding gradient (the loss stays finite); "loss" makes the loss NaN (the gradients stay finite).
+SAMPLES_DIR: every rank appends {"step", "micro", "starts", "attempt"} for each training micro-batch it consumes
+  (the token-stream offsets of its sequences) to SAMPLES_DIR/rank<R>.jsonl.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import signal
+import sys
+from pathlib import Path
+
+import torch
+
+import moe_dist.train.checkpoint as checkpoint
+import moe_dist.train.loop as loop
+from moe_dist.train.data import TokenDataset
+
+TRAIN = Path(__file__).resolve().parents[2] / "launch" / "train.py"
+FAULT = json.loads(os.environ.get("FAULT") or "{}")
+SAMPLES_DIR = os.environ.get("SAMPLES_DIR")
+RANK = int(os.environ.get("RANK", "0"))
+ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+state = {"step": 0, "micro": 0, "starts": []}  # step: the optimizer step in progress (1-based)
+
+
+def _die() -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _kill_here(where: str) -> bool:
+    return any(k["rank"] == RANK and k["step"] == state["step"] and k["where"] == where and k["attempt"] == ATTEMPT
+               for k in FAULT.get("kill_in_save", []))
+
+
+_global_batch, _windows = TokenDataset.global_batch, TokenDataset._windows
+_micro_batches, _forward_loss = loop.micro_batches, loop._forward_loss
+_write_tensors, _publish = checkpoint._write_tensors, checkpoint._publish
+
+
+def global_batch(self, step, batch_size):
+    state.update(step=step + 1, micro=0)
+    return _global_batch(self, step, batch_size)
+
+
+def windows(self, starts):
+    state["starts"] = [int(s) for s in starts]
+    return _windows(self, starts)
+
+
+def micro_batches(global_batch, micro_batch_size, dp_rank, dp_size):
+    out = _micro_batches(global_batch, micro_batch_size, dp_rank, dp_size)
+    if SAMPLES_DIR:
+        starts, mb = state["starts"], micro_batch_size
+        with open(Path(SAMPLES_DIR) / f"rank{RANK}.jsonl", "a") as f:
+            for m in range(dp_rank, global_batch.shape[0] // mb, dp_size):
+                f.write(json.dumps({"step": state["step"], "micro": m, "starts": starts[m * mb:(m + 1) * mb],
+                                    "attempt": ATTEMPT}) + "\n")
+    return out
+
+
+def forward_loss(engine, cfg, batch, device):
+    loss, lm, out = _forward_loss(engine, cfg, batch, device)
+    if not torch.is_grad_enabled():  # evaluation
+        return loss, lm, out
+    state["micro"] += 1
+    for f in FAULT.get("nonfinite", []):
+        if f["rank"] != RANK or f["step"] != state["step"] or state["micro"] != 1:
+            continue
+        if f["what"] == "loss":
+            loss = loss + torch.tensor(float("nan"))  # a constant: the gradients stay finite
+        else:
+            hook = {}
+
+            def poison(grad):
+                hook["handle"].remove()
+                grad = grad.clone()
+                grad.view(-1)[0] = float("nan")
+                return grad
+
+            hook["handle"] = engine.module.embed.weight.register_hook(poison)
+    return loss, lm, out
+
+
+def write_tensors(tensors, path):
+    _write_tensors(tensors, path)
+    if _kill_here("write"):
+        data = path.read_bytes()
+        path.write_bytes(data[: len(data) // 2])
+        _die()
+
+
+def publish(tmp, final):
+    if _kill_here("publish"):
+        assert (tmp / "meta.json").is_file()
+        _die()
+    _publish(tmp, final)
+
+
+TokenDataset.global_batch, TokenDataset._windows = global_batch, windows
+loop.micro_batches, loop._forward_loss = micro_batches, forward_loss
+checkpoint._write_tensors, checkpoint._publish = write_tensors, publish
+
+if __name__ == "__main__":
+    sys.argv = [str(TRAIN), *sys.argv[1:]]
+    runpy.run_path(str(TRAIN), run_name="__main__")

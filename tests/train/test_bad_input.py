@@ -1,0 +1,200 @@
+"""Bad input: each is a one-line error naming the problem, exit status 2, and nothing already in the run
+directory changes (every file's bytes and modification time are compared before and after).
+
+Inputs rejected before any process group exists run launch/train.py's main() in this process (fast, not slow);
+a checkpoint that does not fit needs the model and the process group, so those cases launch real processes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import runpy
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moe_dist.train.data import sidecar_path, write_memmap
+
+REPO = Path(__file__).resolve().parents[2]
+TRAIN = str(REPO / "launch" / "train.py")
+CONFIG = "configs/debug.json"
+SMALL = ["train.steps=2", "train.save_every=1", "train.eval_every=0"]
+
+PRE_INIT = ["malformed_json", "unknown_key", "wrong_type", "wrong_type_in_file", "missing_data_path", "empty_corpus",
+            "memmap_unknown_dtype", "memmap_read_with_wrong_dtype", "memmap_ids_beyond_vocab", "run_dir_under_a_file",
+            "run_dir_is_a_file", "existing_run_without_resume", "checkpoints_without_resume"]
+CHECKPOINT = ["checkpoint_of_another_model_shape", "checkpoint_of_another_data_order"]
+
+
+def _run(args: list[str], nproc: int = 1) -> subprocess.CompletedProcess:
+    if nproc == 1:
+        cmd = [sys.executable, TRAIN, *args]
+    else:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        torchrun = Path(sys.executable).with_name("torchrun")
+        cmd = [str(torchrun if torchrun.exists() else shutil.which("torchrun")), "--nproc_per_node", str(nproc),
+               "--master_port", str(port), TRAIN, *args]
+    return subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"}, capture_output=True,
+                          text=True, timeout=300)
+
+
+def _snapshot(root: Path) -> dict[str, tuple]:
+    out = {}
+    for p in [root, *sorted(root.rglob("*"))]:
+        st = p.stat()
+        out[str(p.relative_to(root))] = (hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir",
+                                         st.st_size if p.is_file() else 0, st.st_mtime_ns)
+    return out
+
+
+def _fake_run(run: Path) -> Path:
+    """What pre-init checks see of a finished run: its files (contents are never read by them)."""
+    (run / "checkpoints" / "step_1").mkdir(parents=True)
+    (run / "checkpoints" / "step_1" / "meta.json").write_text("{}")
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    (run / "config.json").write_text("{}")
+    return run
+
+
+@pytest.fixture(scope="module")
+def existing(tmp_path_factory):
+    """A finished run: what a bad input must leave untouched."""
+    run = tmp_path_factory.mktemp("existing") / "run"
+    proc = _run(["--config", CONFIG, "--run-dir", str(run), "--set", *SMALL])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert {p.name for p in (run / "checkpoints").iterdir()} == {"step_1", "step_2"}
+    return run
+
+
+def _memmap(path: Path, tokens: np.ndarray, dtype: str = "uint16") -> Path:
+    write_memmap(tokens, path, dtype)
+    return path
+
+
+def _text_corpus(n: int = 5000) -> np.ndarray:
+    return np.frombuffer((b"def f(x):\n    return x + 1\n" * (n // 27 + 1))[:n], dtype=np.uint8).astype(np.int64)
+
+
+def _case_inputs(case: str, tmp: Path) -> tuple[list[str], str]:
+    """(extra command-line arguments, expected fragment of the error) for one bad input."""
+    if case == "malformed_json":
+        bad = tmp / "bad.json"
+        bad.write_text('{"train": {"steps": 2,}}')
+        return ["--config", str(bad)], "invalid JSON at line 1"
+    if case == "unknown_key":
+        return ["--set", "train.stepz=2"], "train.stepz: unknown config key (did you mean 'train.steps'?)"
+    if case == "wrong_type":
+        return ["--set", 'train.steps="two"'], "train.steps: expected int"
+    if case == "wrong_type_in_file":
+        cfg = json.loads((REPO / CONFIG).read_text())
+        cfg["model"]["d_model"] = "64"
+        f = tmp / "typed.json"
+        f.write_text(json.dumps(cfg))
+        return ["--config", str(f)], "model.d_model: expected int"
+    if case == "missing_data_path":
+        return ["--set", "data.source=text", 'data.paths=["/nonexistent/corpus.txt"]'], "is not an existing file"
+    if case == "empty_corpus":
+        (tmp / "empty.txt").write_text("")
+        return ["--set", "data.source=text", f'data.paths=["{tmp / "empty.txt"}"]'], "has 0 tokens"
+    if case == "memmap_unknown_dtype":
+        f = _memmap(tmp / "tokens.bin", _text_corpus())
+        meta = json.loads(sidecar_path(f).read_text())
+        sidecar_path(f).write_text(json.dumps({**meta, "dtype": "float32"}))
+        return ["--set", "data.source=memmap", f'data.paths=["{f}"]'], "needs 'dtype' in ['uint16', 'uint32']"
+    if case == "memmap_read_with_wrong_dtype":  # written as uint32, sidecar claims uint16
+        f = _memmap(tmp / "tokens.bin", _text_corpus(), "uint32")
+        meta = json.loads(sidecar_path(f).read_text())
+        sidecar_path(f).write_text(json.dumps({**meta, "dtype": "uint16"}))
+        return ["--set", "data.source=memmap", f'data.paths=["{f}"]'], "bytes, sidecar implies"
+    if case == "memmap_ids_beyond_vocab":  # e.g. tokens of a 50k-word tokenizer given to a byte-level model
+        f = _memmap(tmp / "tokens.bin", (np.arange(5000) * 37) % 50000)
+        return ["--set", "data.source=memmap", f'data.paths=["{f}"]'], "outside model.vocab_size=256"
+    if case == "checkpoint_of_another_model_shape":
+        return ["--resume", "--set", "model.d_model=32"], "written for a different model shape"
+    if case == "checkpoint_of_another_data_order":
+        return ["--resume", "--set", "train.seed=1"], "resuming would repeat or skip samples"
+    if case == "run_dir_under_a_file":
+        (tmp / "afile").write_text("x")
+        return ["--run-dir", str(tmp / "afile" / "run")], "cannot create the run directory"
+    if case == "run_dir_is_a_file":
+        (tmp / "afile").write_text("x")
+        return ["--run-dir", str(tmp / "afile"), "--resume"], "exists and is not a directory"
+    if case == "existing_run_without_resume":
+        return [], "already holds a run (metrics.jsonl or checkpoints); pass --resume"
+    if case == "checkpoints_without_resume":  # e.g. a run whose metrics.jsonl was deleted
+        (tmp / "existing" / "metrics.jsonl").unlink()
+        return [], "already holds a run (metrics.jsonl or checkpoints); pass --resume"
+    raise ValueError(case)
+
+
+def _arguments(case: str, tmp: Path, run_dir: Path) -> tuple[list[str], str]:
+    extra, expected = _case_inputs(case, tmp)
+    args = ["--config", CONFIG, "--run-dir", str(run_dir), "--set", *SMALL]
+    # A case's --config / --run-dir replaces the default; its --set items join the one --set list.
+    if "--set" in extra:
+        i = extra.index("--set")
+        args, extra = [*args, *extra[i + 1:]], extra[:i]
+    if "--resume" in extra:
+        extra.remove("--resume")
+        args.append("--resume")
+    for flag in ("--config", "--run-dir"):
+        if flag in extra:
+            i = extra.index(flag)
+            args[args.index(flag) + 1] = extra[i + 1]
+    return args, expected
+
+
+def _check_one_line(stderr: str, expected: str) -> str:
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and expected in errors[0], stderr[-3000:]
+    assert "Traceback" not in stderr
+    return errors[0]
+
+
+@pytest.mark.parametrize("case", PRE_INIT)
+def test_bad_input_before_start_up(tmp_path, capsys, case):
+    run = _fake_run(tmp_path / "existing")
+    args, expected = _arguments(case, tmp_path, run)
+    main = runpy.run_path(TRAIN)["main"]
+    before = _snapshot(run)
+    assert main(args) == 2
+    line = _check_one_line(capsys.readouterr().err, expected)
+    assert _snapshot(run) == before
+    print(f"{case}: {line[:200]}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("case", [*CHECKPOINT, "missing_data_path"])
+def test_bad_input_in_a_real_process(tmp_path, existing, case):
+    """Real processes: the exit status, and the checkpoint cases (they build the model and join a group)."""
+    args, expected = _arguments(case, tmp_path, existing)
+    before = _snapshot(existing)
+    proc = _run(args)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    line = _check_one_line(proc.stderr, expected)
+    assert _snapshot(existing) == before
+    print(f"\n{case}: {line[:200]}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_checkpoint_of_another_model_fails_every_rank_without_hanging(existing, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(existing, run)
+    before = _snapshot(run)
+    proc = _run(["--config", CONFIG, "--run-dir", str(run), "--resume", "--set", *SMALL, "model.n_layers=2"], nproc=2)
+    out = proc.stdout + proc.stderr
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert proc.returncode != 0
+    assert errors and all("different model" in line for line in errors), out[-3000:]
+    assert _snapshot(run) == before
