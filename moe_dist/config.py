@@ -291,7 +291,8 @@ def validate(cfg: JobConfig) -> None:
     _check(moe.capacity_factor is None or moe.capacity_factor > 0,
            f"model.moe.capacity_factor: must be positive or null (dropless), got {moe.capacity_factor}")
     _check(cfg.parallel.tp >= 1 and cfg.parallel.ep >= 1, "parallel.tp and parallel.ep must be >= 1")
-    _check(cfg.parallel.tp == 1, f"parallel.tp: tensor parallelism is not implemented yet, got {cfg.parallel.tp}")
+    if cfg.parallel.tp > 1:
+        _check_tensor_parallel(cfg)
     _check(cfg.parallel.ep == 1 or cfg.deepspeed.zero_stage >= 1,
            "deepspeed.zero_stage: expert parallelism (parallel.ep > 1) needs ZeRO stage 1 or 2 (stage 0's gradient "
            "clipping in DeepSpeed averages per-rank norms instead of computing the global norm)")
@@ -309,6 +310,28 @@ def validate(cfg: JobConfig) -> None:
     _check(0.0 < cfg.data.val_fraction < 1.0, f"data.val_fraction: must be in (0, 1), got {cfg.data.val_fraction}")
     _check(cfg.data.source == "stdlib" or bool(cfg.data.paths),
            f"data.paths: required when data.source is {cfg.data.source!r}")
+
+
+def _check_tensor_parallel(cfg: JobConfig) -> None:
+    """Every dimension tensor parallelism splits must divide evenly by parallel.tp (see parallel/tensor_parallel.py)."""
+    m, tp = cfg.model, cfg.parallel.tp
+    a, mb, moe = m.attention, m.mamba, m.moe
+
+    def divides(value: int, key: str, what: str) -> None:
+        _check(value % tp == 0, f"{key}: {what} {value} is not divisible by parallel.tp={tp}")
+
+    divides(m.vocab_size, "model.vocab_size", "the vocabulary (split across tensor-parallel ranks)")
+    if "A" in m.mixer_pattern:
+        divides(a.n_heads, "model.attention.n_heads", "query heads")
+        divides(a.n_kv_heads, "model.attention.n_kv_heads", "key/value heads")
+    if "M" in m.mixer_pattern:
+        divides(mb.expand * m.d_model, "model.mamba.expand", "d_inner = expand * d_model =")
+        _check(not mb.proj_bias, "model.mamba.proj_bias: biases of Mamba's in/out projections are not supported "
+                                 "with parallel.tp > 1")
+    if "D" in m.ffn_pattern:
+        divides(m.d_ff, "model.d_ff", "the dense FFN hidden size")
+    if "E" in m.ffn_pattern:
+        divides(moe.d_ff or m.d_ff, "model.moe.d_ff", "the expert hidden size")
 
 
 def check_layout(cfg: JobConfig, world_size: int) -> int:

@@ -12,8 +12,9 @@ The per-step list of collectives mirrors what a training step of this repository
 `launch/scaling.py`'s instrumented runs (DESIGN.md §2):
 - per micro-batch and MoE layer: 1 all-to-all of per-expert counts, 2 all-to-alls of routed rows forward
   (dispatch, combine) and 2 backward, in the expert-parallel (EP) group;
-- per micro-batch and layer with tensor parallelism (Megatron sequence parallel, tp > 1; predicted only, not
-  implemented in training yet): 2 all-gathers + 2 reduce-scatters forward and the same backward, per sub-block;
+- per micro-batch and layer with tensor parallelism (Megatron sequence parallel, tp > 1; training implements TP
+  without sequence parallelism, see docs/perf_model.md): 2 all-gathers + 2 reduce-scatters forward and the same
+  backward, per sub-block;
 - per step (ZeRO-1, as DeepSpeed does it here): all-reduce of the dense gradients over dp and of the expert
   gradients over the expert-data-parallel group (dp / ep), then all-gather of the updated parameters over the
   same groups, plus a few scalar all-reduces (gradient norm, metrics). ZeRO-2 reduces every micro-batch.

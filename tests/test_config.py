@@ -75,6 +75,35 @@ def test_layout_checks_against_world_size():
         check_layout(cfg, 8)
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (["model.attention.n_heads=3", "model.attention.n_kv_heads=3", "model.attention.head_dim=16"],
+     "model.attention.n_heads: query heads 3 is not divisible by parallel.tp=2"),
+    (["model.attention.n_kv_heads=1"], "model.attention.n_kv_heads: key/value heads 1 is not divisible by parallel.tp=2"),
+    (["model.d_model=65", "model.mamba.expand=1", "model.attention.head_dim=16", "model.mixer_pattern=M"],
+     "model.mamba.expand: d_inner = expand * d_model = 65 is not divisible by parallel.tp=2"),
+    (["model.d_ff=130"], "model.d_ff: the dense FFN hidden size 130 is not divisible by parallel.tp=4"),
+    (["model.moe.d_ff=31"], "model.moe.d_ff: the expert hidden size 31 is not divisible by parallel.tp=2"),
+    (["model.vocab_size=257"],
+     "model.vocab_size: the vocabulary (split across tensor-parallel ranks) 257 is not divisible by parallel.tp=2"),
+    (["model.mamba.proj_bias=true"],
+     "model.mamba.proj_bias: biases of Mamba's in/out projections are not supported with parallel.tp > 1"),
+])
+def test_tensor_parallel_divisibility_errors_name_the_key(overrides, message):
+    tp = message.split("parallel.tp=")[1] if "parallel.tp=" in message else "2"
+    with pytest.raises(ConfigError) as e:
+        load_config(REPO / "configs/debug.json", [f"parallel.tp={tp}", "model.attention.n_kv_heads=4", *overrides])
+    assert str(e.value) == message
+
+
+def test_tensor_parallel_layout_against_world_size():
+    cfg = load_config(REPO / "configs/debug.json", ["parallel.tp=2", "parallel.ep=2"])
+    assert check_layout(cfg, 4) == 2  # dp = world / tp
+    with pytest.raises(ConfigError, match=r"^parallel.tp: 2 does not divide the world size 3$"):
+        check_layout(cfg, 3)
+    with pytest.raises(ConfigError, match=r"^parallel.ep: 2 must divide the data-parallel degree 1 \(world 2 / tp 2\)$"):
+        check_layout(cfg, 2)
+
+
 def test_cli_reports_bad_config_in_one_line_with_exit_2(tmp_path):
     proc = subprocess.run([sys.executable, str(REPO / "launch/train.py"), "--config", str(REPO / "configs/debug.json"),
                            "--set", "model.moe.num_expertz=3", "--run-dir", str(tmp_path / "run")],

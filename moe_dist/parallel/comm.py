@@ -70,3 +70,59 @@ def all_to_all_rows(x: torch.Tensor, out_splits: list[int], in_splits: list[int]
     """Differentiable uneven all-to-all of rows: in_splits[i] rows go to rank i, out_splits[i] arrive from it."""
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
     return dist_fn.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+
+
+# ------------------------------------------------------------------------------- tensor-parallel regions
+# Hand-written rather than torch.distributed.nn.functional.all_reduce: that one sums gradients in backward too,
+# which is right for neither boundary of a tensor-parallel region (Megatron's f and g).
+
+
+class _CopyToRegion(torch.autograd.Function):
+    """Enter a TP region: identity forward; backward sums the partial input gradients of the group's ranks."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    """Leave a TP region: forward sums the ranks' partial outputs; backward is the identity (the sum's gradient
+    reaches every rank's partial output unchanged)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        out = x.contiguous().clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def copy_to_region(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    return _CopyToRegion.apply(x, group)
+
+
+def reduce_from_region(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    return _ReduceFromRegion.apply(x, group)
+
+
+def all_reduce_max(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """In-place max over `group` (not differentiable)."""
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t
+
+
+def all_gather_cat(t: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+    """Not differentiable: every rank's `t` (equal shapes), concatenated along `dim` in group-rank order."""
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)

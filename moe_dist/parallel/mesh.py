@@ -1,13 +1,19 @@
 """Process start-up and the parallel layout: world = dp × tp, with ep dividing dp (DESIGN.md §5).
 
-Ranks are laid out tp-innermost: rank = dp_rank · tp + tp_rank. Inside the data-parallel dimension, expert-
-parallel (EP) groups are blocks of `ep` consecutive dp ranks, and the expert-data-parallel (EDP) groups that
-average expert gradients stride across them (DeepSpeed-MoE/Megatron layout):
+Ranks are laid out tp-innermost: rank = dp_rank · tp + tp_rank, so a tensor-parallel (TP) group is `tp`
+neighbouring ranks (one node's GPUs). Data-parallel (DP) groups hold the ranks with the same tp_rank. Inside the
+data-parallel dimension, expert-parallel (EP) groups are blocks of `ep` consecutive dp ranks, and the expert-
+data-parallel (EDP) groups that average expert gradients stride across them (DeepSpeed-MoE/Megatron layout);
+both stay inside one tp_rank, because experts are tensor-parallel too (each TP rank holds a slice of every
+local expert's hidden dimension):
 
-    dp = 4, ep = 2:   EP groups {0, 1} {2, 3}      EDP groups {0, 2} {1, 3}
+    dp = 4, ep = 2, tp = 1:   EP groups {0, 1} {2, 3}      EDP groups {0, 2} {1, 3}
+    dp = 2, ep = 2, tp = 2:   TP groups {0, 1} {2, 3}      DP = EP groups {0, 2} {1, 3}    EDP groups {0} ... {3}
 
-The groups are created through DeepSpeed's groups API so that its engine reduces expert gradients over exactly
-the groups our all-to-all uses; the handles are kept here, in the Mesh object, never in module globals of ours.
+We create every group ourselves, in the same order on every rank, and register the expert groups under
+DeepSpeed's names (its own constructor would put TP peers into one EDP group, which suits experts replicated
+over TP, not split). DeepSpeed's engine gets the TP and DP groups through `Mesh.mpu`. The handles live in the
+Mesh object, never in module globals of ours.
 """
 
 from __future__ import annotations
@@ -37,17 +43,88 @@ class Mesh:
     ep_group: dist.ProcessGroup | None  # all-to-all group (None when ep == 1)
     edp_group: dist.ProcessGroup | None  # ranks holding the same experts; expert grads are reduced here
     ep_group_name: str  # DeepSpeed's name for the expert group ("ep_size_N")
+    tp: int = 1  # tensor-parallel degree
+    tp_rank: int = 0  # which shard of every tensor-parallel weight this rank holds
+    tp_group: dist.ProcessGroup | None = None  # the `tp` neighbouring ranks (None when tp == 1)
+    dp_group: dist.ProcessGroup | None = None  # ranks with this tp_rank (None when tp == 1: the world)
 
     @property
     def edp_rank(self) -> int:
         return self.dp_rank // self.ep
 
+    @property
+    def mpu(self) -> "ModelParallelUnit | None":
+        """What deepspeed.initialize needs to see the TP layout (its data-parallel group excludes TP peers)."""
+        return ModelParallelUnit(self) if self.tp > 1 else None
+
+
+class ModelParallelUnit:
+    """The Megatron-style `mpu` interface DeepSpeed queries: the TP group is its model-parallel group.
+
+    ZeRO then reduces gradients over the DP group only, and its gradient norm sums the squares of parameters
+    marked `model_parallel` (TP shards) on every TP rank and of the others (replicated) on tp_rank 0 alone."""
+
+    def __init__(self, mesh: Mesh):
+        self.mesh = mesh
+
+    def get_model_parallel_rank(self) -> int:
+        return self.mesh.tp_rank
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.mesh.tp
+
+    def get_model_parallel_group(self) -> dist.ProcessGroup:
+        return self.mesh.tp_group
+
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_group = get_model_parallel_group
+
+    def get_data_parallel_rank(self) -> int:
+        return self.mesh.dp_rank
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.mesh.dp
+
+    def get_data_parallel_group(self) -> dist.ProcessGroup:
+        return self.mesh.dp_group
+
 
 def ep_layout(dp: int, ep: int) -> tuple[list[list[int]], list[list[int]]]:
-    """(EP groups, EDP groups) as lists of dp ranks; pure index math, checked against DeepSpeed's groups."""
+    """(EP groups, EDP groups) as lists of dp ranks; pure index math."""
     ep_groups = [list(range(start, start + ep)) for start in range(0, dp, ep)]
     edp_groups = [list(range(pos, dp, ep)) for pos in range(ep)]
     return ep_groups, edp_groups
+
+
+def layout_groups(dp: int, ep: int, tp: int) -> dict[str, list[list[int]]]:
+    """Every group of the layout as lists of global ranks (rank = dp_rank · tp + tp_rank); pure index math."""
+    ep_dp, edp_dp = ep_layout(dp, ep)
+    return {
+        "tp": [[d * tp + t for t in range(tp)] for d in range(dp)],
+        "dp": [[d * tp + t for d in range(dp)] for t in range(tp)],
+        "ep": [[d * tp + t for d in g] for t in range(tp) for g in ep_dp],
+        "edp": [[d * tp + t for d in g] for t in range(tp) for g in edp_dp],
+    }
+
+
+def _new_groups(all_groups: list[list[int]], rank: int) -> tuple[dist.ProcessGroup, list[int]]:
+    """Create every group of the list (a collective: all ranks, same order); return this rank's and its ranks."""
+    mine = None
+    for ranks in all_groups:
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine = (group, ranks)
+    assert mine is not None, f"rank {rank} is in none of {all_groups}"
+    return mine
+
+
+def _register_expert_groups(name: str, ep: tuple, edp: tuple) -> None:
+    """Hand our EP/EDP groups to DeepSpeed under its group name: its engine and ZeRO look them up there."""
+    from deepspeed.utils import groups
+
+    groups._EXPERT_PARALLEL_GROUP[name], groups._EXPERT_PARALLEL_GROUP_RANKS[name] = ep
+    groups._EXPERT_DATA_PARALLEL_GROUP[name], groups._EXPERT_DATA_PARALLEL_GROUP_RANKS[name] = edp
 
 
 def _free_port() -> int:
@@ -117,22 +194,20 @@ def init_distributed(cfg: JobConfig, timeout_s: float | None = None) -> Mesh:
         deepspeed.init_distributed(dist_backend=backend, timeout=timeout, auto_mpi_discovery=False)  # adopts it
     rank, world_size = dist.get_rank(), dist.get_world_size()
     dp = check_layout(cfg, world_size)
-    ep = cfg.parallel.ep
-    dp_rank = rank // cfg.parallel.tp
+    ep, tp = cfg.parallel.ep, cfg.parallel.tp
+    dp_rank = rank // tp
     name = f"ep_size_{ep}"
-    ep_group = edp_group = None
+    layout = layout_groups(dp, ep, tp)
+    tp_group = dp_group = ep_group = edp_group = None
+    if tp > 1:
+        tp_group, _ = _new_groups(layout["tp"], rank)
+        dp_group, _ = _new_groups(layout["dp"], rank)
     if ep > 1:
         if name not in groups._get_expert_parallel_group_dict():
-            groups._create_expert_and_data_parallel(ep)
+            _register_expert_groups(name, _new_groups(layout["ep"], rank), _new_groups(layout["edp"], rank))
         ep_group, edp_group = groups._get_expert_parallel_group(name), groups._get_expert_data_parallel_group(name)
-        expected_ep, expected_edp = ep_layout(dp, ep)
-        got_ep = sorted(dist.get_process_group_ranks(ep_group))
-        got_edp = sorted(dist.get_process_group_ranks(edp_group))
-        if got_ep not in expected_ep or got_edp not in expected_edp:
-            raise RuntimeError(f"DeepSpeed built EP group {got_ep} / EDP group {got_edp}, expected one of "
-                               f"{expected_ep} / {expected_edp}")
     set_group_timeouts(timeout_s if timeout_s is not None else cfg.parallel.timeout_s)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     return Mesh(rank=rank, world_size=world_size, local_rank=local_rank, local_world_size=local_world, device=device,
                 dp=dp, dp_rank=dp_rank, ep=ep, ep_rank=dp_rank % ep, ep_group=ep_group, edp_group=edp_group,
-                ep_group_name=name)
+                ep_group_name=name, tp=tp, tp_rank=rank % tp, tp_group=tp_group, dp_group=dp_group)

@@ -7,7 +7,9 @@ at, skipped-step count, the data identity, sha256 of every file) and `config.jso
 tensors are read with safetensors (a JSON header and raw bytes), metadata with `json`, so loading runs no
 code whatever the files contain.
 
-Because names are global, a checkpoint written at one (dp, ep) layout loads at any other. Ranks write into
+Because names are global and tensors whole (tensor-parallel shards are gathered on save and sliced on load
+along each parameter's `tp_dim`), a checkpoint written at one (dp, ep, tp) layout loads at any other.
+Ranks write into
 `.step_N.tmp/` and fsync; rank 0 writes meta.json last and publishes the directory by renaming it once every
 rank has finished, so a run killed mid-save never leaves a `step_N/` that resume would pick. On load every file
 is checked against its sha256 before a single tensor is read (`verify_checkpoint`); resume.py falls back to
@@ -35,6 +37,7 @@ from moe_dist.config import JobConfig, config_to_dict
 from moe_dist.layers.moe import Experts
 from moe_dist.parallel.comm import barrier
 from moe_dist.parallel.mesh import Mesh
+from moe_dist.parallel.tensor_parallel import gather_shards, shard
 
 FORMAT_VERSION = 1
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -57,6 +60,23 @@ class _Stored:
     names: list[str]  # global tensor names: one, or one per local expert of a stacked expert parameter
     stacked: bool
     writer: bool  # whether this rank writes it (every stored tensor has exactly one writer)
+    tp_dim: int | None = None  # the parameter's dim split over tensor-parallel ranks (apply_tp), if any
+    tp_parts: int = 1  # blocks of that dim split separately (Mamba in_proj's x and z halves)
+
+    def whole(self, local: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+        """Collective over the TP group for a TP-sharded parameter: the full tensor from this rank's slice."""
+        return local if self.tp_dim is None else gather_shards(local, mesh.tp_group, self.tp_dim, self.tp_parts)
+
+    def local(self, full: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+        """This rank's slice of a full tensor."""
+        return full if self.tp_dim is None else shard(full, self.tp_dim, mesh.tp_rank, mesh.tp, self.tp_parts)
+
+    def full_shape(self, mesh: Mesh) -> tuple:
+        """Shape of each stored tensor (one expert's, for a stacked parameter), whatever the TP layout."""
+        shape = list(self.param.shape)
+        if self.tp_dim is not None:
+            shape[self.tp_dim] *= mesh.tp
+        return tuple(shape[1:] if self.stacked else shape)
 
 
 def _stored(model: nn.Module, mesh: Mesh) -> list[_Stored]:
@@ -65,11 +85,12 @@ def _stored(model: nn.Module, mesh: Mesh) -> list[_Stored]:
     out = []
     for name, p in model.named_parameters():
         module = experts.get(id(p))
+        tp = {"tp_dim": getattr(p, "tp_dim", None), "tp_parts": getattr(p, "tp_parts", 1)}
         if module is None:
-            out.append(_Stored(p, [name], False, mesh.rank == 0))
-        else:  # one copy of each expert is written: by the first expert-data-parallel replica
+            out.append(_Stored(p, [name], False, mesh.rank == 0, **tp))
+        else:  # one copy of each expert is written: by the first expert-data-parallel replica (tp_rank 0)
             names = [f"{name}.{module.expert_offset + j}" for j in range(p.shape[0])]
-            out.append(_Stored(p, names, True, mesh.edp_rank == 0))
+            out.append(_Stored(p, names, True, mesh.edp_rank == 0 and mesh.tp_rank == 0, **tp))
     return out
 
 
@@ -151,7 +172,8 @@ def save_checkpoint(engine, model: nn.Module, scheduler, ckpt_root: Path, step: 
     _link_optimizer_state(engine)
     tensors: dict[str, torch.Tensor] = {}
     for st in _stored(model, mesh):
-        full = _full_state(engine, st.param)  # collective under ZeRO: every rank gathers, one writes
+        # collective under ZeRO (over the parameter's data-parallel group) and TP: every rank gathers, one writes
+        full = {key: st.whole(value, mesh) for key, value in _full_state(engine, st.param).items()}
         if not st.writer:
             continue
         for key, value in full.items():
@@ -164,7 +186,7 @@ def save_checkpoint(engine, model: nn.Module, scheduler, ckpt_root: Path, step: 
     if mesh.rank == 0:
         files = {f.name: _sha256(f) for f in sorted(tmp.glob("*.safetensors"))}
         meta = {"format": FORMAT_VERSION, "step": step, "adam_step": _adam_step(engine),
-                "lr": scheduler.get_last_lr()[0], "layout": {"dp": mesh.dp, "ep": mesh.ep, "tp": cfg.parallel.tp},
+                "lr": scheduler.get_last_lr()[0], "layout": {"dp": mesh.dp, "ep": mesh.ep, "tp": mesh.tp},
                 **(extra_meta or {}), "files": files}
         _write_manifest(tmp, meta, cfg)
         _publish(tmp, final)
@@ -239,7 +261,7 @@ def _expected(model: nn.Module, mesh: Mesh) -> tuple[dict[str, tuple], set[str]]
     """({tensor name this rank reads on load: shape}, every tensor name of the whole model, all ranks')."""
     local, every = {}, set()
     for st in _stored(model, mesh):
-        shape = tuple(st.param.shape[1:] if st.stacked else st.param.shape)
+        shape = st.full_shape(mesh)
         for name in st.names:
             local[name] = shape
         if st.stacked:  # st.names are this rank's experts; the model has ep times as many
@@ -307,7 +329,7 @@ def load_checkpoint(engine, model: nn.Module, scheduler, path: Path, meta: dict,
         for key in ("param", *MOMENTS):
             names = [n if key == "param" else f"{key}.{n}" for n in st.names]
             v = torch.stack([read(n) for n in names]) if st.stacked else read(names[0])
-            values[key] = v.to(p.device)
+            values[key] = st.local(v, mesh).contiguous().to(p.device)
         with torch.no_grad():
             p.copy_(values["param"].to(p.dtype))
         if hasattr(p, "_hp_mapping"):

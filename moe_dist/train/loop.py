@@ -19,10 +19,11 @@ import torch
 from tqdm import tqdm
 
 from moe_dist.config import ConfigError, JobConfig, config_to_dict
-from moe_dist.models.decoder import build_model, lm_loss, materialize
+from moe_dist.models.decoder import build_model, lm_loss
 from moe_dist.parallel.comm import agree_on_error, all_reduce_sum, barrier
 from moe_dist.parallel.mesh import Mesh, init_distributed, set_group_timeouts
 from moe_dist.parallel.parallelize import parallelize
+from moe_dist.parallel.tensor_parallel import vocab_parallel_lm_loss
 from moe_dist.train.checkpoint import CheckpointMismatch, check_fits, load_checkpoint, save_checkpoint
 from moe_dist.train.data import TokenDataset, load_tokens, micro_batches
 from moe_dist.train.guard import NonFiniteGuard, operation
@@ -35,10 +36,10 @@ class RunDirError(RuntimeError):
     """The run directory cannot be used as asked (it holds a run and --resume was not given, or is not writable)."""
 
 
-def _forward_loss(engine, cfg: JobConfig, batch: torch.Tensor, device: torch.device):
-    batch = batch.to(device)
+def _forward_loss(engine, cfg: JobConfig, batch: torch.Tensor, mesh: Mesh):
+    batch = batch.to(mesh.device)
     out = engine(batch[:, :-1])
-    lm = lm_loss(out.logits, batch[:, 1:])
+    lm = lm_loss(out.logits, batch[:, 1:]) if mesh.tp == 1 else vocab_parallel_lm_loss(out.logits, batch[:, 1:], mesh)
     moe = cfg.model.moe
     return lm + moe.aux_loss_coef * out.aux_loss + moe.z_loss_coef * out.z_loss, lm, out
 
@@ -49,7 +50,7 @@ def evaluate(engine, cfg: JobConfig, val: TokenDataset, mesh: Mesh) -> float:
     engine.eval()
     total = torch.zeros(2, dtype=torch.float64)
     for batch in val.eval_batches(cfg.train.eval_batches // mesh.dp, cfg.train.micro_batch_size, mesh.dp_rank, mesh.dp):
-        _, lm, _ = _forward_loss(engine, cfg, batch, mesh.device)
+        _, lm, _ = _forward_loss(engine, cfg, batch, mesh)
         total += torch.tensor([lm.item(), 1.0], dtype=torch.float64)
     engine.train()
     all_reduce_sum(total)
@@ -62,13 +63,13 @@ def _train_step(engine, cfg: JobConfig, data: TokenDataset, mesh: Mesh, guard: N
     step's record. Every collective runs inside `operation`, so a failure names the step and what was running."""
     t, timeout = cfg.train, cfg.parallel.timeout_s
     tic = time.perf_counter()
-    acc = StepAccumulator(n_moe, cfg.model.moe.num_experts)
+    acc = StepAccumulator(n_moe, cfg.model.moe.num_experts, counted=mesh.tp_rank == 0)
     batches = micro_batches(data.global_batch(step - 1, t.global_batch_size), t.micro_batch_size, mesh.dp_rank,
                             mesh.dp)
     for i, batch in enumerate(batches):
         last = i == len(batches) - 1
         with operation(f"step {step}: forward of micro-batch {i} (MoE all-to-all)", timeout):
-            loss, lm, out = _forward_loss(engine, cfg, batch, mesh.device)
+            loss, lm, out = _forward_loss(engine, cfg, batch, mesh)
         guard.observe_loss(loss)
         with operation(f"step {step}: backward{' and gradient reduction' if last else ''} of micro-batch {i}", timeout):
             engine.backward(loss)
@@ -171,14 +172,14 @@ def train(cfg: JobConfig, run_dir: Path, resume: bool = False) -> list[dict]:
         if mesh.rank == 0:
             tqdm.write(line, file=sys.stderr)
 
-    model = materialize(parallelize(build_model(cfg.model), mesh, cfg), mesh.device, t.seed)
+    model = parallelize(build_model(cfg.model), mesh, cfg)
     ckpt_root = run_dir / "checkpoints"
     found = _checkpoint_to_resume(ckpt_root, model, mesh, data_identity, timeout, say) if resume else None
 
     optimizer, scheduler = build_optimizer(model, cfg)
     with operation("start-up: deepspeed.initialize", timeout):
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                               config=deepspeed_config(cfg, mesh.dp))
+                                               config=deepspeed_config(cfg, mesh.dp), mpu=mesh.mpu)
     set_group_timeouts(timeout)  # DeepSpeed made more groups
     start, skipped = 0, 0
     if found is not None:

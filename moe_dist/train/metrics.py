@@ -48,12 +48,15 @@ class StepAccumulator:
     the global step statistics.
     """
 
-    def __init__(self, n_moe_layers: int, num_experts: int):
+    def __init__(self, n_moe_layers: int, num_experts: int, counted: bool = True):
         self.n_layers, self.E = n_moe_layers, num_experts
+        self.counted = counted  # False on tensor-parallel peers of a counted rank: they saw the same tokens
         self.total = torch.zeros(1 + len(SCALARS) + n_moe_layers * (2 * num_experts + _LAYER_EXTRA),
                                  dtype=torch.float64)
 
     def add(self, loss: torch.Tensor, lm: torch.Tensor, out: DecoderOutput) -> None:
+        if not self.counted:
+            return
         parts = [torch.ones(1), loss.detach().reshape(1), lm.detach().reshape(1),
                  out.aux_loss.detach().reshape(1), out.z_loss.detach().reshape(1)]
         for s in out.moe_stats:

@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import re
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 
 CONFIG = "configs/debug.json"
 STEPS, SAVE = 8, 4
@@ -22,27 +20,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 def _train(records):
     return [r for r in records if "loss" in r]
-
-
-def _checkpoint_tensors(step_dir: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a checkpoint; asserts that no tensor is stored twice."""
-    out: dict[str, torch.Tensor] = {}
-    for f in sorted(step_dir.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as sf:
-            for key in sf.keys():
-                assert key not in out, f"{key} stored twice"
-                out[key] = sf.get_tensor(key)
-    return out
-
-
-def _assert_same_trajectory(got, ref, first_step=1):
-    got, ref = _train(got), [r for r in _train(ref) if r["step"] >= first_step]
-    assert [r["step"] for r in got] == [r["step"] for r in ref]
-    for g, r in zip(got, ref):
-        assert g["loss"] == pytest.approx(r["loss"], rel=1e-5), g["step"]
-        assert g["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-4), g["step"]  # clipping at 1.0 is active
-        for lg, lr in zip(g["moe"], r["moe"]):
-            assert lg["tokens_per_expert"] == lr["tokens_per_expert"]  # global expert load, not rank 0's
 
 
 @pytest.fixture(scope="module")
@@ -68,13 +45,13 @@ def runs(tmp_path_factory, run_train, metrics):
 
 @pytest.mark.parametrize("layout", [(2, 2, "capacity", 1), (2, 2, "dropless", 2), (4, 2, "capacity", 2),
                                     (4, 4, "dropless", 1)], ids=lambda t: f"dp{t[0]}-ep{t[1]}-{t[2]}-zero{t[3]}")
-def test_ep_run_equals_one_process(runs, layout):
+def test_ep_run_equals_one_process(runs, checkpoint_tensors, same_trajectory, layout):
     read = runs["read"]
     got_dir, ref_dir = runs[layout], runs[("ref", layout[2])]
-    _assert_same_trajectory(read(got_dir), read(ref_dir))
+    same_trajectory(read(got_dir), read(ref_dir))
     for r in _train(read(got_dir)):
         assert all(layer["a2a_bytes_per_rank"] > 0 for layer in r["moe"])
-    got, ref = _checkpoint_tensors(got_dir / f"checkpoints/step_{STEPS}"), _checkpoint_tensors(ref_dir / f"checkpoints/step_{STEPS}")
+    got, ref = checkpoint_tensors(got_dir / f"checkpoints/step_{STEPS}"), checkpoint_tensors(ref_dir / f"checkpoints/step_{STEPS}")
     assert got.keys() == ref.keys()
     for name in ref:
         # fp32 tolerance relative to the tensor's scale: summation order differs between layouts
@@ -90,7 +67,7 @@ def test_ep_run_equals_one_process(runs, layout):
     (("ref", "capacity"), "capacity", 2, 2),  # ep=1 -> ep=2
     ((4, 4, "dropless", 1), "dropless", 2, 2),  # ep=4 -> ep=2
 ], ids=["ep2-to-ep1", "ep2-to-ep4", "ep1-to-ep2", "ep4-to-ep2"])
-def test_checkpoint_reshards_across_ep_sizes(runs, source, mode, resume_world, resume_ep):
+def test_checkpoint_reshards_across_ep_sizes(runs, same_trajectory, source, mode, resume_world, resume_ep):
     read, run = runs["read"], runs["run"]
     d = runs["root"] / f"resume_{'_'.join(map(str, source))}_to_w{resume_world}_ep{resume_ep}"
     shutil.copytree(runs[source], d)
@@ -99,4 +76,4 @@ def test_checkpoint_reshards_across_ep_sizes(runs, source, mode, resume_world, r
     run(launcher, resume_world, ["--config", CONFIG, "--run-dir", str(d), "--resume", "--set", *BASE, *MODES[mode],
                                  f"parallel.ep={resume_ep}", "deepspeed.zero_stage=1"])
     resumed = [r for r in _train(read(d)) if r["step"] > SAVE]
-    _assert_same_trajectory(resumed, read(runs[("ref", mode)]), first_step=SAVE + 1)
+    same_trajectory(resumed, read(runs[("ref", mode)]), first_step=SAVE + 1)

@@ -1,0 +1,229 @@
+"""apply_tp: Megatron-style tensor parallelism applied to an unchanged single-device model.
+
+Every layer keeps its math; apply_tp replaces weights by this rank's shard and marks the boundaries of each
+tensor-parallel region with two autograd functions (comm.py): `copy_to_region` (f: identity forward, gradient
+all-reduce backward) where a replicated activation enters, `reduce_from_region` (g: all-reduce forward,
+identity backward) where partial outputs leave. Hooks place them, so parameter names stay the global ones.
+
+    attention   wq/wk/wv column-parallel by heads (query and kv heads alike, so grouped queries keep their kv
+                head), wo row-parallel                                   → 1 all-reduce (B·S·D) forward
+    Mamba       in_proj column-parallel (x and z halves split separately), conv1d, dt_proj, A_log, D local per
+                channel, x_proj row-parallel: its (Δ, B, C) output is summed (g) and, after Jamba's inner norms,
+                re-enters the region (f), out_proj row-parallel          → 2 all-reduces: B·S·(R+2N), B·S·D
+    dense FFN   w1/w3 column-parallel, w2 row-parallel                   → 1 all-reduce (B·S·D)
+    experts     every expert's hidden dimension split (expert tensor parallelism); the router stays replicated.
+                Tokens never move between TP ranks: TP peers hold the same tokens and route them identically,
+                each sends them through its own EP group (same tp_rank, see mesh.py) to the ranks holding the
+                same hidden slice of the chosen experts, so the all-to-all carries B·S·K·D per TP rank; the
+                combined partial outputs are summed over TP after the combine (B·S·D, not B·S·K·D), and the
+                router weights enter the region through f so their gradient is the full one.
+    vocabulary  embedding rows and LM-head rows split; cross-entropy from the logit shards
+                (`vocab_parallel_lm_loss`): max, sum of exponentials and the target's logit are all-reduced
+                (3 · B·S floats), the (B·S, V) logits are never gathered.
+
+Initialization: apply_tp runs after `materialize`, slicing the full tensors every rank initialized from the
+same seed (as Megatron's CPU initialization does), so values do not depend on the layout; the price is one
+transient full copy of the local model per rank. Sharded parameters carry `tp_dim` (and `tp_parts` for
+in_proj's two halves) for layout-independent checkpoints, and `model_parallel = True` so DeepSpeed's gradient
+norm counts each shard once and each replicated parameter once (on tp_rank 0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from moe_dist.layers.attention import Attention
+from moe_dist.layers.mamba import Mamba
+from moe_dist.layers.mlp import SwiGLU
+from moe_dist.layers.moe import MoE, Routing
+from moe_dist.parallel.comm import all_reduce_max, all_reduce_sum, copy_to_region, reduce_from_region
+from moe_dist.parallel.mesh import Mesh
+
+
+# ------------------------------------------------------------------------------------------ shard math
+
+
+def shard(full: torch.Tensor, dim: int, rank: int, tp: int, parts: int = 1) -> torch.Tensor:
+    """Rank `rank`'s slice along `dim`; with parts > 1 the dim holds `parts` equal blocks, each split alone."""
+    blocks = full.chunk(parts, dim)
+    return torch.cat([b.chunk(tp, dim)[rank] for b in blocks], dim)
+
+
+def unshard(shards: list[torch.Tensor], dim: int, parts: int = 1) -> torch.Tensor:
+    """Inverse of `shard`: the full tensor from every rank's slice, in rank order."""
+    per_rank = [s.chunk(parts, dim) for s in shards]
+    return torch.cat([per_rank[r][b] for b in range(parts) for r in range(len(shards))], dim)
+
+
+def gather_shards(t: torch.Tensor, group: dist.ProcessGroup, dim: int, parts: int = 1) -> torch.Tensor:
+    """Collective over the TP group: the full tensor from each rank's slice (not differentiable)."""
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, t.contiguous(), group=group)
+    return unshard(out, dim, parts)
+
+
+def _shard_param(module: nn.Module, name: str, dim: int, mesh: Mesh, parts: int = 1) -> None:
+    """Replace module.<name> by this rank's slice, keeping the parameter's marks (apply_ep's expert group)."""
+    full = getattr(module, name)
+    p = nn.Parameter(shard(full.detach(), dim, mesh.tp_rank, mesh.tp, parts).clone(), requires_grad=full.requires_grad)
+    p.__dict__.update(vars(full))
+    p.tp_dim, p.tp_parts, p.model_parallel = dim, parts, True
+    setattr(module, name, p)
+
+
+def _region(module: nn.Module, group: dist.ProcessGroup) -> None:
+    """The module's first input enters the region (f) and its output leaves it (g)."""
+    module.register_forward_pre_hook(lambda m, args: (copy_to_region(args[0], group), *args[1:]))
+    module.register_forward_hook(lambda m, args, out: reduce_from_region(out, group))
+
+
+# ------------------------------------------------------------------------------------------ layers
+
+
+def _attention(attn: Attention, mesh: Mesh) -> None:
+    for lin in (attn.wq, attn.wk, attn.wv):
+        _shard_param(lin, "weight", 0, mesh)  # heads are contiguous blocks of rows
+    _shard_param(attn.wo, "weight", 1, mesh)
+    attn.n_heads //= mesh.tp
+    attn.n_kv_heads //= mesh.tp
+    _region(attn, mesh.tp_group)
+
+
+def _mamba(mamba: Mamba, mesh: Mesh) -> None:
+    group = mesh.tp_group
+    _shard_param(mamba.in_proj, "weight", 0, mesh, parts=2)  # rows: [x channels; z channels]
+    for name in ("weight", "bias"):
+        if getattr(mamba.conv1d, name) is not None:
+            _shard_param(mamba.conv1d, name, 0, mesh)
+    _shard_param(mamba.x_proj, "weight", 1, mesh)
+    _shard_param(mamba.dt_proj, "weight", 0, mesh)
+    _shard_param(mamba.dt_proj, "bias", 0, mesh)
+    _shard_param(mamba, "A_log", 0, mesh)
+    _shard_param(mamba, "D", 0, mesh)
+    _shard_param(mamba.out_proj, "weight", 1, mesh)
+    mamba.d_inner //= mesh.tp
+    conv = mamba.conv1d
+    conv.in_channels = conv.out_channels = conv.groups = mamba.d_inner
+    _region(mamba, group)
+    # x_proj sums over all channels: its partial (Δ, B, C) are all-reduced (g); every rank's channels then use
+    # them, so their gradient is summed again (f) -- after Jamba's norms, whose weights need the full gradient.
+    if mamba.inner_norms:
+        mamba.x_proj.register_forward_hook(lambda m, args, out: reduce_from_region(out, group))
+        for norm in (mamba.dt_norm, mamba.b_norm, mamba.c_norm):
+            norm.register_forward_hook(lambda m, args, out: copy_to_region(out, group))
+    else:
+        mamba.x_proj.register_forward_hook(
+            lambda m, args, out: copy_to_region(reduce_from_region(out, group), group))
+
+
+def _swiglu(ffn: SwiGLU, mesh: Mesh) -> None:
+    _shard_param(ffn.w1, "weight", 0, mesh)
+    _shard_param(ffn.w3, "weight", 0, mesh)
+    _shard_param(ffn.w2, "weight", 1, mesh)
+    _region(ffn, mesh.tp_group)
+
+
+class TensorParallelDispatcher:
+    """Wraps the layer's dispatcher (local or all-to-all): the routed tokens and their router weights enter the
+    TP region, the combined partial expert outputs are summed over TP."""
+
+    def __init__(self, inner, group: dist.ProcessGroup):
+        self.inner, self.group = inner, group
+        self.permutation = inner.permutation
+
+    def dispatch(self, x_TD: torch.Tensor, routing: Routing):
+        routing = dataclasses.replace(routing, weight_A=copy_to_region(routing.weight_A, self.group))
+        return self.inner.dispatch(copy_to_region(x_TD, self.group), routing)
+
+    def combine(self, y_RD: torch.Tensor, state) -> torch.Tensor:
+        return reduce_from_region(self.inner.combine(y_RD, state), self.group)
+
+
+def _moe(moe: MoE, mesh: Mesh) -> None:
+    experts = moe.experts
+    _shard_param(experts, "w1", 2, mesh)  # (E, D, F): F split
+    _shard_param(experts, "w3", 2, mesh)
+    _shard_param(experts, "w2", 1, mesh)  # (E, F, D)
+    moe.dispatcher = TensorParallelDispatcher(moe.dispatcher, mesh.tp_group)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [tp_rank·V/tp, (tp_rank+1)·V/tp) of the embedding; other ids give zeros here, summed over TP (g)."""
+
+    def __init__(self, weight: nn.Parameter, start: int, group: dist.ProcessGroup):
+        super().__init__()
+        self.weight, self.start, self.group = weight, start, group
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return reduce_from_region(out.masked_fill(outside[..., None], 0.0), self.group)
+
+
+def _vocabulary(model: nn.Module, mesh: Mesh) -> None:
+    _shard_param(model.embed, "weight", 0, mesh)
+    rows = model.embed.weight.shape[0]
+    model.embed = VocabParallelEmbedding(model.embed.weight, mesh.tp_rank * rows, mesh.tp_group)
+    if model.head is not None:
+        _shard_param(model.head, "weight", 0, mesh)
+    # The final norm's output feeds only the LM head (tied or not): enter the region there.
+    model.norm.register_forward_hook(lambda m, args, out: copy_to_region(out, mesh.tp_group))
+
+
+def apply_tp(model: nn.Module, mesh: Mesh) -> nn.Module:
+    """Shard a materialized model over the TP group (after apply_ep, which shards experts over EP)."""
+    if mesh.tp == 1:
+        return model
+    _vocabulary(model, mesh)
+    for module in list(model.modules()):
+        if isinstance(module, Attention):
+            _attention(module, mesh)
+        elif isinstance(module, Mamba):
+            _mamba(module, mesh)
+        elif isinstance(module, SwiGLU):
+            _swiglu(module, mesh)
+        elif isinstance(module, MoE):
+            _moe(module, mesh)
+    return model
+
+
+# ------------------------------------------------------------------------------------------ loss
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy from logit shards (N, V/tp) in fp32; only (N,) vectors cross ranks."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, start: int, group: dist.ProcessGroup):
+        n, v = logits.shape
+        top = all_reduce_max(logits.max(dim=-1).values, group)
+        shifted = logits - top[:, None]
+        exp = shifted.exp()
+        sum_exp = all_reduce_sum(exp.sum(dim=-1), group)
+        local = targets - start
+        inside = (local >= 0) & (local < v)
+        local = local.clamp(0, v - 1)
+        target_logit = all_reduce_sum(shifted.gather(1, local[:, None]).squeeze(1) * inside, group)
+        ctx.save_for_backward(exp.div_(sum_exp[:, None]), local, inside)
+        return sum_exp.log() - target_logit
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        softmax, local, inside = ctx.saved_tensors
+        g = softmax.clone()
+        g[torch.arange(g.shape[0], device=g.device), local] -= inside.to(g.dtype)
+        return g * grad[:, None], None, None, None
+
+
+def vocab_parallel_lm_loss(logits: torch.Tensor, targets: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    """`lm_loss` for vocabulary-sharded logits (B, S, V/tp): mean next-token cross-entropy, replicated on TP."""
+    start = mesh.tp_rank * logits.shape[-1]
+    per_token = _VocabParallelCrossEntropy.apply(logits.float().flatten(0, 1), targets.flatten(), start,
+                                                 mesh.tp_group)
+    return per_token.mean()
