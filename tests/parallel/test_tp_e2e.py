@@ -59,3 +59,12 @@ def test_checkpoint_reshards_tp2_to_tp1_to_tp2(runs, run_train, metrics, same_tr
     run_train("deepspeed", 2, ["--config", CONFIG, "--run-dir", str(tp2), "--resume", "--set", *BASE,
                                "parallel.tp=2"])
     same_trajectory([r for r in metrics(tp2) if r["step"] > 6], metrics(runs["ref"]), first_step=7)
+
+
+def test_checkpoint_reshards_across_combined_layouts(runs, run_train, metrics, same_trajectory):
+    """The (dp, ep, tp) = (2, 2, 2) run's step-4 checkpoint resumed at (4, 4, 1): every dimension changes."""
+    d = runs["root"] / "resume_222_to_441"
+    shutil.copytree(runs[(2, 2, 2)], d)
+    shutil.rmtree(d / f"checkpoints/step_{STEPS}")
+    run_train("deepspeed", 4, ["--config", CONFIG, "--run-dir", str(d), "--resume", "--set", *BASE, "parallel.ep=4"])
+    same_trajectory([r for r in metrics(d) if r["step"] > SAVE], metrics(runs["ref"]), first_step=SAVE + 1)
