@@ -39,8 +39,11 @@ def test_tp_run_equals_one_process(runs, metrics, checkpoint_tensors, same_traje
     ref = checkpoint_tensors(runs["ref"] / f"checkpoints/step_{STEPS}")
     assert got.keys() == ref.keys()  # every tensor whole, under its global name, once
     for name in ref:
+        # fp32, relative to the tensor's scale. TP splits sums (heads, channels, expert hidden units) into partial
+        # sums, so rounding differs; Adam amplifies it where gradients are tiny (a rarely routed expert's w2:
+        # worst seen 1.0e-4 of the scale after 8 steps, while losses agree to 1e-7).
         scale = ref[name].abs().max().item()
-        torch.testing.assert_close(got[name], ref[name], rtol=1e-5, atol=1e-4 * scale, msg=name)
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-5, atol=3e-4 * scale, msg=name)
 
 
 def test_checkpoint_reshards_tp2_to_tp1_to_tp2(runs, run_train, metrics, same_trajectory):
