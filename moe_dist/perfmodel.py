@@ -12,9 +12,12 @@ The per-step list of collectives mirrors what a training step of this repository
 `launch/scaling.py`'s instrumented runs (DESIGN.md §2):
 - per micro-batch and MoE layer: 1 all-to-all of per-expert counts, 2 all-to-alls of routed rows forward
   (dispatch, combine) and 2 backward, in the expert-parallel (EP) group;
-- per micro-batch and layer with tensor parallelism (Megatron sequence parallel, tp > 1; training implements TP
-  without sequence parallelism, see docs/perf_model.md): 2 all-gathers + 2 reduce-scatters forward and the same
-  backward, per sub-block;
+- per micro-batch with tensor parallelism (tp > 1, as moe_dist/parallel/tensor_parallel.py issues it, checked
+  against launch/comm_report.py): an all-reduce of the activations (tokens · d_model) leaving each sub-block
+  forward and entering it backward, one forward for the embedding and one backward for the LM head; per Mamba
+  layer an all-reduce of x_proj's (Δ, B, C) forward and backward; per MoE layer one of the router weights
+  backward; 3 of one float per token for the vocabulary-parallel loss. Every TP rank sends the whole
+  micro-batch through its EP all-to-all (no sequence parallelism: tokens are replicated over TP);
 - per step (ZeRO-1, as DeepSpeed does it here): all-reduce of the dense gradients over dp and of the expert
   gradients over the expert-data-parallel group (dp / ep), then all-gather of the updated parameters over the
   same groups, plus a few scalar all-reduces (gradient norm, metrics). ZeRO-2 reduces every micro-batch.
@@ -146,6 +149,8 @@ class ModelCost:
     n_moe_layers: int
     n_layers: int
     d_model: int
+    n_mamba_layers: int = 0
+    ssm_proj_width: int = 0  # x_proj's output per token: dt_rank + 2 · d_state
 
 
 def model_cost(cfg: JobConfig) -> ModelCost:
@@ -172,7 +177,9 @@ def model_cost(cfg: JobConfig) -> ModelCost:
     scan = 9.0 * m.mamba.expand * m.d_model * m.mamba.d_state  # discretize + recurrence + readout (Mamba §3)
     fwd = 2.0 * matmul + n_attn * attn + n_mamba * scan
     n_moe = sum(1 for i in range(m.n_layers) if m.ffn_pattern[i % len(m.ffn_pattern)] == "E")
-    return ModelCost(fwd, int(dense), int(expert), n_moe, m.n_layers, m.d_model)
+    dt_rank = m.mamba.dt_rank or math.ceil(m.d_model / 16)
+    return ModelCost(fwd, int(dense), int(expert), n_moe, m.n_layers, m.d_model, n_mamba,
+                     dt_rank + 2 * m.mamba.d_state)
 
 
 def _group_placement(ranks: list[int], ranks_per_node: int) -> tuple[int, int]:
@@ -222,15 +229,15 @@ def step_calls(cfg: JobConfig, layout: Layout, ranks_per_node: int, cost: ModelC
         if n > 1 and count > 0:
             calls.append(Call(kind, label, n, g, float(payload), float(count)))
 
-    # Expert parallelism: rows of this rank's (sequence-parallel) token shard, k assignments each.
-    rows_bytes = tokens_mb / layout.tp * moe.top_k * cost.d_model * act
+    # Expert parallelism: the micro-batch's rows, k assignments each (the same on every TP rank).
+    rows_bytes = tokens_mb * moe.top_k * cost.d_model * act
     add("all_to_all", "moe_counts", "ep", moe.num_experts * 8, micro * cost.n_moe_layers)
     add("all_to_all", "moe_rows", "ep", rows_bytes, 4 * micro * cost.n_moe_layers)
-    # Tensor parallelism with sequence parallelism: per sub-block (mixer, FFN) an all-gather before and a
-    # reduce-scatter after, forward and backward.
-    tp_act = tokens_mb * cost.d_model * act
-    add("all_gather", "tp_act", "tp", tp_act, 4 * micro * cost.n_layers)
-    add("reduce_scatter", "tp_act", "tp", tp_act, 4 * micro * cost.n_layers)
+    # Tensor parallelism (no sequence parallelism): all-reduces at the region boundaries, see the docstring.
+    add("all_reduce", "tp_act", "tp", tokens_mb * cost.d_model * act, micro * (4 * cost.n_layers + 2))
+    add("all_reduce", "tp_ssm", "tp", tokens_mb * cost.ssm_proj_width * act, 2 * micro * cost.n_mamba_layers)
+    add("all_reduce", "tp_router", "tp", tokens_mb * moe.top_k * 4, micro * cost.n_moe_layers)
+    add("all_reduce", "tp_loss", "tp", tokens_mb * 4, 3 * micro)
     # ZeRO-1 data parallelism (ZeRO-2: gradients reduced every micro-batch).
     reduces = micro if cfg.deepspeed.zero_stage >= 2 else 1
     dense_local = cost.dense_params / layout.tp

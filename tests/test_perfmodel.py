@@ -116,6 +116,17 @@ def test_step_schedule_matches_an_instrumented_training_step():
     assert not any(c.label == "tp_act" for c in calls.values())
 
 
+def test_tensor_parallel_schedule_matches_the_measured_one():
+    # launch/comm_report.py measured, for configs/mixtral_small.json at tp=2 (3 attention + 3 Mamba layers, 6 MoE
+    # FFNs, one 8x128-token micro-batch, fp32): 28,504,064 bytes of TP all-reduces per rank per micro-batch.
+    cfg = load_config(CONFIGS / "mixtral_small.json")
+    calls = pm.step_calls(cfg, pm.Layout(dp=1, ep=1, tp=2), ranks_per_node=2)
+    tp = [c for c in calls if c.label.startswith("tp_")]
+    assert all(c.kind == "all_reduce" and c.group_size == 2 for c in tp)
+    micro = pm.micro_batches_per_rank(cfg, pm.Layout(dp=1, ep=1, tp=2))
+    assert sum(c.payload_bytes * c.count for c in tp) == 28_504_064 * micro
+
+
 def test_group_placement_follows_mesh_rank_order():
     shapes = pm.group_shapes(pm.Layout(dp=128, ep=8, tp=8), ranks_per_node=8)
     assert shapes["tp"] == (8, 8)  # tensor parallel stays inside a node
