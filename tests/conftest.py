@@ -4,27 +4,15 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from support import console_script, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = str(REPO / "launch" / "train.py")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _console_script(name: str) -> str:
-    path = Path(sys.executable).with_name(name)
-    return str(path) if path.exists() else shutil.which(name)
 
 
 class Runner:
@@ -38,9 +26,9 @@ class Runner:
             assert nproc == 1
             return [sys.executable, TRAIN, *args]
         if launcher == "deepspeed":
-            return [_console_script("deepspeed"), "--num_gpus", str(nproc), "--master_port", str(free_port()), TRAIN, *args]
+            return [console_script("deepspeed"), "--num_gpus", str(nproc), "--master_port", str(free_port()), TRAIN, *args]
         if launcher == "torchrun":
-            return [_console_script("torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(free_port()),
+            return [console_script("torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(free_port()),
                     TRAIN, *args]
         raise ValueError(launcher)
 

@@ -4,14 +4,12 @@ and through its DeepSpeed plugin) — and each run starts from the same first-st
 from __future__ import annotations
 
 import os
-import shutil
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from support import console_script, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = str(REPO / "launch" / "train.py")
@@ -20,23 +18,12 @@ ARGS = ["--config", "configs/debug.json", "--set", "train.steps=2", "train.eval_
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _exe(name: str) -> str:
-    path = Path(sys.executable).with_name(name)
-    return str(path) if path.exists() else shutil.which(name)
-
-
 def _command(launcher: str, port: int) -> list[str]:
-    accelerate = [_exe("accelerate"), "launch", "--num_processes", "2", "--num_machines", "1",
+    accelerate = [console_script("accelerate"), "launch", "--num_processes", "2", "--num_machines", "1",
                   "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port)]
     return {
-        "deepspeed": [_exe("deepspeed"), "--num_gpus", "2", "--master_port", str(port)],
-        "torchrun": [_exe("torchrun"), "--nproc_per_node", "2", "--master_port", str(port)],
+        "deepspeed": [console_script("deepspeed"), "--num_gpus", "2", "--master_port", str(port)],
+        "torchrun": [console_script("torchrun"), "--nproc_per_node", "2", "--master_port", str(port)],
         # --multi_gpu is accelerate's torch.distributed launcher; on a CPU machine it starts CPU processes.
         "accelerate": [*accelerate, "--multi_gpu"],
         # The DeepSpeed plugin's settings go to the processes as ACCELERATE_DEEPSPEED_* variables; train.py
@@ -53,7 +40,7 @@ def runs(tmp_path_factory, metrics):
     out = {}
     for launcher in ("deepspeed", "torchrun", "accelerate", "accelerate-deepspeed"):
         run_dir = root / launcher
-        cmd = [*_command(launcher, _free_port()), TRAIN, *ARGS, "--run-dir", str(run_dir)]
+        cmd = [*_command(launcher, free_port()), TRAIN, *ARGS, "--run-dir", str(run_dir)]
         tic = time.perf_counter()
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
         print(f"{launcher}: {time.perf_counter() - tic:.1f} s end to end")

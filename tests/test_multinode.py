@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from support import console_script, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = str(REPO / "launch" / "train.py")
@@ -27,17 +25,6 @@ ARGS = ["--config", "configs/debug.json", "--set", f"train.steps={STEPS}", "trai
         "train.save_every=0", "train.eval_batches=4", "parallel.ep=4", "parallel.timeout_s=120"]
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _exe(name: str) -> str:
-    path = Path(sys.executable).with_name(name)
-    return str(path) if path.exists() else shutil.which(name)
 
 
 @pytest.fixture(scope="module")
@@ -96,19 +83,19 @@ def _drills(tmp_path: Path, timeout_s: int) -> dict[str, tuple[list[str], str]]:
                 "--set", f"parallel.timeout_s={timeout_s}"]
 
     def ds(rank, port):
-        return [_exe("deepspeed"), "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(rank),
+        return [console_script("deepspeed"), "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(rank),
                 "--master_addr", "127.0.0.1", "--master_port", str(port)]
 
     def tr(rank, port):
-        return [_exe("torchrun"), "--nnodes", "2", "--nproc_per_node", "1", "--node_rank", str(rank),
+        return [console_script("torchrun"), "--nnodes", "2", "--nproc_per_node", "1", "--node_rank", str(rank),
                 "--master_addr", "127.0.0.1", "--master_port", str(port), "--rdzv_conf", f"timeout={timeout_s}"]
 
     def acc(rank, port):
-        return [_exe("accelerate"), "launch", "--multi_gpu", "--num_machines", "2", "--machine_rank", str(rank),
+        return [console_script("accelerate"), "launch", "--multi_gpu", "--num_machines", "2", "--machine_rank", str(rank),
                 "--num_processes", "2", "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
                 "--rdzv_conf", f"timeout={timeout_s}", "--mixed_precision", "no", "--dynamo_backend", "no"]
 
-    p = {name: _free_port() for name in ("a", "b", "c", "d", "e")}
+    p = {name: free_port() for name in ("a", "b", "c", "d", "e")}
     return {
         # Nothing listens on the master port (wrong port, or the master node is down): the client gives up.
         "deepspeed: master unreachable": ([*ds(1, p["a"]), *args("a")], f"127.0.0.1, {p['a']}"),

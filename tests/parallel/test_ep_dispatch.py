@@ -1,14 +1,13 @@
 """The all-to-all dispatcher on 2 gloo ranks (torchrun) against one process, with adversarial routings."""
 
 import importlib.util
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
+from support import console_script
 
 from moe_dist.config import load_config
 from moe_dist.layers.moe import MoE
@@ -49,8 +48,7 @@ def _reference(scenario: str):
 
 @pytest.mark.parametrize("scenario", ["all_to_other_rank", "rank_routes_nothing_locally"])
 def test_all_to_all_dispatch_matches_one_process(tmp_path, port, scenario):
-    torchrun = Path(sys.executable).with_name("torchrun")
-    cmd = [str(torchrun) if torchrun.exists() else shutil.which("torchrun"), "--nproc_per_node", "2",
+    cmd = [console_script("torchrun"), "--nproc_per_node", "2",
            "--master_port", str(port), str(WORKER), str(tmp_path), scenario]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]

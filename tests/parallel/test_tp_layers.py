@@ -2,14 +2,12 @@
 and backward: outputs, input gradients and every parameter's gradient (sharded ones against the matching slice)."""
 
 import json
-import shutil
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from support import console_script, free_port
 
 from moe_dist.parallel.tensor_parallel import shard, unshard
 
@@ -21,18 +19,13 @@ VARIANTS = ["norms_untied", "plain_tied"]  # Jamba's inner norms with an untied 
 @pytest.fixture(scope="module")
 def tp_results(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("tp") / "out.json"
-    torchrun = Path(sys.executable).with_name("torchrun")
-    cmd = [str(torchrun) if torchrun.exists() else shutil.which("torchrun"), "--nproc_per_node", "2",
-           "--master_port", str(_free_port()), str(WORKER), str(out)]
+    cmd = [console_script("torchrun"), "--nproc_per_node", "2",
+           "--master_port", str(free_port()), str(WORKER), str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(2)]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

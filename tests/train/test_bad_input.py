@@ -12,13 +12,13 @@ import json
 import os
 import runpy
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from support import console_script, free_port
 
 from moe_dist.train.data import sidecar_path, write_memmap
 
@@ -37,12 +37,8 @@ def _run(args: list[str], nproc: int = 1) -> subprocess.CompletedProcess:
     if nproc == 1:
         cmd = [sys.executable, TRAIN, *args]
     else:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        torchrun = Path(sys.executable).with_name("torchrun")
-        cmd = [str(torchrun if torchrun.exists() else shutil.which("torchrun")), "--nproc_per_node", str(nproc),
-               "--master_port", str(port), TRAIN, *args]
+        cmd = [console_script("torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(free_port()),
+               TRAIN, *args]
     return subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"}, capture_output=True,
                           text=True, timeout=300)
 

@@ -16,7 +16,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -27,6 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
+from support import console_script, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = str(Path(__file__).with_name("fault_worker.py"))
@@ -36,17 +36,6 @@ BASE = ["--config", CONFIG, "--resume", "--set", f"train.steps={STEPS}", "train.
 TIMEOUT = 300  # per job; a hang fails the test instead of stalling CI
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _console_script(name: str) -> str:
-    path = Path(sys.executable).with_name(name)
-    return str(path) if path.exists() else shutil.which(name)
 
 
 class Job:
@@ -128,9 +117,9 @@ def jobs():
 
     def start(nproc: int, args: list[str], max_restarts: int = 0, fault: dict | None = None,
               samples: Path | None = None, launcher: str = "torchrun") -> Job:
-        port = _free_port()
+        port = free_port()
         if launcher == "torchrun":
-            cmd = [_console_script("torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(port),
+            cmd = [console_script("torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(port),
                    "--max-restarts", str(max_restarts), "--shutdown-timeout", "2", WORKER, *args]
         else:
             assert nproc == 1
@@ -196,8 +185,8 @@ def _tensors(step_dir: Path) -> dict[str, torch.Tensor]:
 def reference(tmp_path_factory):
     """The uninterrupted run every fault below is compared with: 2 ranks, ZeRO 1, a checkpoint every step."""
     root = tmp_path_factory.mktemp("reference")
-    port = _free_port()
-    cmd = [_console_script("torchrun"), "--nproc_per_node", "2", "--master_port", str(port), WORKER,
+    port = free_port()
+    cmd = [console_script("torchrun"), "--nproc_per_node", "2", "--master_port", str(port), WORKER,
            *BASE, "--run-dir", str(root / "run")]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "SAMPLES_DIR": str(root / "samples")}
     (root / "samples").mkdir()
