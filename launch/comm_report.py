@@ -26,11 +26,15 @@ from moe_dist.parallel.mesh import init_distributed
 from moe_dist.parallel.parallelize import parallelize
 from moe_dist.parallel.tensor_parallel import vocab_parallel_lm_loss
 
-WRAPPED = {"all_reduce": "tensor", "all_to_all_single": "input", "all_gather": "tensor"}
+# torch.distributed function → (keyword, position) of the tensor this rank contributes
+WRAPPED = {"all_reduce": ("tensor", 0), "all_to_all_single": ("input", 1), "all_gather": ("tensor", 1),
+           "all_gather_single": ("input_tensor", 1), "reduce_scatter_single": ("input", 1),
+           "all_gather_into_tensor": ("input_tensor", 1), "reduce_scatter_tensor": ("input", 1)}
 
 
 def _payload(name: str, args: tuple, kwargs: dict) -> int:
-    t = kwargs.get(WRAPPED[name], args[1] if name == "all_to_all_single" else args[0])
+    keyword, position = WRAPPED[name]
+    t = kwargs.get(keyword, args[position] if len(args) > position else None)
     return t.numel() * t.element_size()
 
 
@@ -45,7 +49,9 @@ def main(argv=None) -> int:
 
     where = ["other", "forward"]  # [layer, phase]
     table: dict[tuple, list[int]] = collections.defaultdict(lambda: [0, 0])  # key → [calls, bytes]
-    originals = {name: getattr(dist, name) for name in WRAPPED}
+    renamed = {"all_gather_into_tensor": "all_gather_single", "reduce_scatter_tensor": "reduce_scatter_single"}
+    originals = {name: getattr(dist, name) for name in WRAPPED
+                 if hasattr(dist, name) and not hasattr(dist, renamed.get(name, ""))}  # the name comm.py calls
 
     def wrap(name):
         def counted(*a, **k):
@@ -70,9 +76,9 @@ def main(argv=None) -> int:
     warnings.filterwarnings("ignore", message="Full backward hook is firing")  # the embedding's input is token ids
     for name, module in layers:
         fwd, bwd = label(name)
-        module.register_forward_pre_hook(fwd)
-        module.register_full_backward_pre_hook(bwd)
-    for name in WRAPPED:
+        module.register_forward_pre_hook(fwd, prepend=True)  # before the TP region's own entry hook
+        module.register_full_backward_pre_hook(bwd, prepend=True)
+    for name in originals:
         setattr(dist, name, wrap(name))
 
     t = cfg.train
@@ -88,7 +94,8 @@ def main(argv=None) -> int:
 
     if mesh.rank == 0:
         kinds = [type(b.mixer).__name__ + "/" + type(b.ffn).__name__ for b in model.blocks]
-        print(f"layout dp={mesh.dp} ep={mesh.ep} tp={mesh.tp}; micro-batch {t.micro_batch_size}x{t.seq_len} tokens, "
+        sp = " sequence_parallel" if cfg.parallel.sequence_parallel else ""
+        print(f"layout dp={mesh.dp} ep={mesh.ep} tp={mesh.tp}{sp}; micro-batch {t.micro_batch_size}x{t.seq_len} tokens, "
               f"d_model {cfg.model.d_model}, {cfg.train.dtype}; blocks: {', '.join(kinds)}")
         print("| layer | phase | collective | group size | calls | bytes per rank |")
         print("|---|---|---|---|---|---|")

@@ -79,6 +79,7 @@ class ModelConfig:
 class ParallelConfig:
     tp: int = 1  # tensor-parallel degree
     ep: int = 1  # expert-parallel degree (divides the data-parallel degree)
+    sequence_parallel: bool = False  # with tp > 1: norms and residuals hold 1/tp of the sequence (less memory)
     timeout_s: float = 600.0  # rendezvous and collective timeout: a missing or hung rank fails the job after this
 
 
@@ -332,6 +333,8 @@ def _check_tensor_parallel(cfg: JobConfig) -> None:
         divides(m.d_ff, "model.d_ff", "the dense FFN hidden size")
     if "E" in m.ffn_pattern:
         divides(moe.d_ff or m.d_ff, "model.moe.d_ff", "the expert hidden size")
+    if cfg.parallel.sequence_parallel:
+        divides(cfg.train.seq_len, "train.seq_len", "with parallel.sequence_parallel, the sequence length")
 
 
 def check_layout(cfg: JobConfig, world_size: int) -> int:

@@ -85,6 +85,8 @@ def test_layout_checks_against_world_size():
     (["model.moe.d_ff=31"], "model.moe.d_ff: the expert hidden size 31 is not divisible by parallel.tp=2"),
     (["model.vocab_size=257"],
      "model.vocab_size: the vocabulary (split across tensor-parallel ranks) 257 is not divisible by parallel.tp=2"),
+    (["parallel.sequence_parallel=true", "train.seq_len=33"],
+     "train.seq_len: with parallel.sequence_parallel, the sequence length 33 is not divisible by parallel.tp=2"),
     (["model.mamba.proj_bias=true"],
      "model.mamba.proj_bias: biases of Mamba's in/out projections are not supported with parallel.tp > 1"),
 ])

@@ -121,8 +121,67 @@ def all_reduce_max(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return t
 
 
-def all_gather_cat(t: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
-    """Not differentiable: every rank's `t` (equal shapes), concatenated along `dim` in group-rank order."""
+def all_gather_list(t: torch.Tensor, group: dist.ProcessGroup) -> list[torch.Tensor]:
+    """Not differentiable: every rank's `t` (equal shapes), in group-rank order."""
     parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, t.contiguous(), group=group)
-    return torch.cat(parts, dim=dim)
+    return parts
+
+
+def _all_gather_single(out: torch.Tensor, src: torch.Tensor, group: dist.ProcessGroup) -> None:
+    # torch 2.13 renamed all_gather_into_tensor (the old name warns); older torch has only the old one.
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, src, group=group)
+
+
+def _reduce_scatter_single(out: torch.Tensor, src: torch.Tensor, group: dist.ProcessGroup) -> None:
+    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, src, group=group)
+
+
+def _all_gather_along(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    src = x.movedim(dim, 0).contiguous()
+    out = src.new_empty((src.shape[0] * dist.get_world_size(group), *src.shape[1:]))
+    _all_gather_single(out, src, group=group)
+    return out.movedim(0, dim)
+
+
+def _reduce_scatter_along(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    src = x.movedim(dim, 0).contiguous()
+    out = src.new_empty((src.shape[0] // dist.get_world_size(group), *src.shape[1:]))
+    _reduce_scatter_single(out, src, group=group)
+    return out.movedim(0, dim)
+
+
+class _GatherSequence(torch.autograd.Function):
+    """Enter a sequence-parallel TP region: all-gather the ranks' sequence slices along `dim`; backward sums the
+    ranks' partial gradients and keeps this rank's slice (reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
+        return _all_gather_along(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _reduce_scatter_along(grad, ctx.dim, ctx.group), None, None
+
+
+class _ScatterSequence(torch.autograd.Function):
+    """Leave a sequence-parallel TP region: sum the partial outputs and keep this rank's sequence slice
+    (reduce-scatter); backward all-gathers the slices' gradients."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
+        return _reduce_scatter_along(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_gather_along(grad, ctx.dim, ctx.group), None, None
+
+
+def gather_sequence(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    return _GatherSequence.apply(x, dim, group)
+
+
+def scatter_sequence(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    return _ScatterSequence.apply(x, dim, group)

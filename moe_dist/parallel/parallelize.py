@@ -14,4 +14,4 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: JobConfig) -> nn.Module:
     experts are allocated), allocate and initialize from the seed, then split over TP (slicing the initialized
     tensors keeps values independent of the layout; see tensor_parallel.py)."""
     model = materialize(apply_ep(model, mesh), mesh.device, cfg.train.seed)
-    return apply_tp(model, mesh)
+    return apply_tp(model, mesh, cfg.parallel.sequence_parallel)

@@ -1,9 +1,13 @@
 """apply_tp: Megatron-style tensor parallelism applied to an unchanged single-device model.
 
 Every layer keeps its math; apply_tp replaces weights by this rank's shard and marks the boundaries of each
-tensor-parallel region with two autograd functions (comm.py): `copy_to_region` (f: identity forward, gradient
-all-reduce backward) where a replicated activation enters, `reduce_from_region` (g: all-reduce forward,
-identity backward) where partial outputs leave. Hooks place them, so parameter names stay the global ones.
+tensor-parallel region with autograd functions from comm.py, placed by hooks so parameter names stay global:
+`copy_to_region` (f: identity forward, gradient all-reduce backward) where a replicated activation enters,
+`reduce_from_region` (g: all-reduce forward, identity backward) where partial outputs leave. With sequence
+parallelism (`parallel.sequence_parallel`) the residual stream and the norms outside the regions hold 1/tp of
+the sequence: f becomes an all-gather along the sequence (reduce-scatter backward), g a reduce-scatter (all-
+gather backward) -- the same bytes, 1/tp of those activations -- and the norm weights, which then see only
+this rank's tokens, get their gradients summed over TP.
 
     attention   wq/wk/wv column-parallel by heads (query and kv heads alike, so grouped queries keep their kv
                 head), wo row-parallel                                   → 1 all-reduce (B·S·D) forward
@@ -11,12 +15,14 @@ identity backward) where partial outputs leave. Hooks place them, so parameter n
                 channel, x_proj row-parallel: its (Δ, B, C) output is summed (g) and, after Jamba's inner norms,
                 re-enters the region (f), out_proj row-parallel          → 2 all-reduces: B·S·(R+2N), B·S·D
     dense FFN   w1/w3 column-parallel, w2 row-parallel                   → 1 all-reduce (B·S·D)
-    experts     every expert's hidden dimension split (expert tensor parallelism); the router stays replicated.
-                Tokens never move between TP ranks: TP peers hold the same tokens and route them identically,
-                each sends them through its own EP group (same tp_rank, see mesh.py) to the ranks holding the
-                same hidden slice of the chosen experts, so the all-to-all carries B·S·K·D per TP rank; the
-                combined partial outputs are summed over TP after the combine (B·S·D, not B·S·K·D), and the
-                router weights enter the region through f so their gradient is the full one.
+    MoE         every expert's hidden dimension split (expert tensor parallelism); the router is replicated
+                inside the region. Tokens never move between TP ranks: TP peers hold the same tokens and route
+                them identically, each sends them through its own EP group (same tp_rank, see mesh.py) to the
+                ranks holding the same hidden slice of the chosen experts, so the all-to-all carries B·S·K·D
+                per TP rank; the combined partial outputs are summed when they leave the region (B·S·D, not
+                B·S·K·D). The router weights re-enter the region (f), so their gradient is the full one, and
+                the router's input gradient, identical on every TP rank, is scaled by 1/tp because the region
+                entry sums the ranks' input gradients.
     vocabulary  embedding rows and LM-head rows split; cross-entropy from the logit shards
                 (`vocab_parallel_lm_loss`): max, sum of exponentials and the target's logit are all-reduced
                 (3 · B·S floats), the (B·S, V) logits are never gathered.
@@ -40,8 +46,9 @@ from torch import nn
 from moe_dist.layers.attention import Attention
 from moe_dist.layers.mamba import Mamba
 from moe_dist.layers.mlp import SwiGLU
-from moe_dist.layers.moe import MoE, Routing
-from moe_dist.parallel.comm import all_reduce_max, all_reduce_sum, copy_to_region, reduce_from_region
+from moe_dist.layers.moe import MoE
+from moe_dist.parallel.comm import (all_gather_list, all_reduce_max, all_reduce_sum, copy_to_region, gather_sequence,
+                                     reduce_from_region, scatter_sequence)
 from moe_dist.parallel.mesh import Mesh
 
 
@@ -62,9 +69,7 @@ def unshard(shards: list[torch.Tensor], dim: int, parts: int = 1) -> torch.Tenso
 
 def gather_shards(t: torch.Tensor, group: dist.ProcessGroup, dim: int, parts: int = 1) -> torch.Tensor:
     """Collective over the TP group: the full tensor from each rank's slice (not differentiable)."""
-    out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(out, t.contiguous(), group=group)
-    return unshard(out, dim, parts)
+    return unshard(all_gather_list(t, group), dim, parts)
 
 
 def _shard_param(module: nn.Module, name: str, dim: int, mesh: Mesh, parts: int = 1) -> None:
@@ -76,25 +81,55 @@ def _shard_param(module: nn.Module, name: str, dim: int, mesh: Mesh, parts: int 
     setattr(module, name, p)
 
 
-def _region(module: nn.Module, group: dist.ProcessGroup) -> None:
-    """The module's first input enters the region (f) and its output leaves it (g)."""
-    module.register_forward_pre_hook(lambda m, args: (copy_to_region(args[0], group), *args[1:]))
-    module.register_forward_hook(lambda m, args, out: reduce_from_region(out, group))
+@dataclasses.dataclass(frozen=True)
+class _Boundaries:
+    """How activations enter (f) and leave (g) a TP region: all-reduces, or sequence all-gather/reduce-scatter."""
+
+    group: dist.ProcessGroup
+    sequence_parallel: bool
+
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        return gather_sequence(x, 1, self.group) if self.sequence_parallel else copy_to_region(x, self.group)
+
+    def leave(self, x: torch.Tensor) -> torch.Tensor:
+        return scatter_sequence(x, 1, self.group) if self.sequence_parallel else reduce_from_region(x, self.group)
+
+
+def _region(module: nn.Module, b: _Boundaries) -> None:
+    """The module's first input (batch, seq, d_model) enters the region and its output leaves it (an MoE layer's
+    output is (tensor, routing stats))."""
+    module.register_forward_pre_hook(lambda m, args: (b.enter(args[0]), *args[1:]))
+
+    def leave(m, args, out):
+        return (b.leave(out[0]), *out[1:]) if isinstance(out, tuple) else b.leave(out)
+
+    module.register_forward_hook(leave)
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.factor, None
 
 
 # ------------------------------------------------------------------------------------------ layers
 
 
-def _attention(attn: Attention, mesh: Mesh) -> None:
+def _attention(attn: Attention, mesh: Mesh, b: _Boundaries) -> None:
     for lin in (attn.wq, attn.wk, attn.wv):
         _shard_param(lin, "weight", 0, mesh)  # heads are contiguous blocks of rows
     _shard_param(attn.wo, "weight", 1, mesh)
     attn.n_heads //= mesh.tp
     attn.n_kv_heads //= mesh.tp
-    _region(attn, mesh.tp_group)
+    _region(attn, b)
 
 
-def _mamba(mamba: Mamba, mesh: Mesh) -> None:
+def _mamba(mamba: Mamba, mesh: Mesh, b: _Boundaries) -> None:
     group = mesh.tp_group
     _shard_param(mamba.in_proj, "weight", 0, mesh, parts=2)  # rows: [x channels; z channels]
     for name in ("weight", "bias"):
@@ -109,7 +144,7 @@ def _mamba(mamba: Mamba, mesh: Mesh) -> None:
     mamba.d_inner //= mesh.tp
     conv = mamba.conv1d
     conv.in_channels = conv.out_channels = conv.groups = mamba.d_inner
-    _region(mamba, group)
+    _region(mamba, b)
     # x_proj sums over all channels: its partial (Δ, B, C) are all-reduced (g); every rank's channels then use
     # them, so their gradient is summed again (f) -- after Jamba's norms, whose weights need the full gradient.
     if mamba.inner_norms:
@@ -121,75 +156,78 @@ def _mamba(mamba: Mamba, mesh: Mesh) -> None:
             lambda m, args, out: copy_to_region(reduce_from_region(out, group), group))
 
 
-def _swiglu(ffn: SwiGLU, mesh: Mesh) -> None:
+def _swiglu(ffn: SwiGLU, mesh: Mesh, b: _Boundaries) -> None:
     _shard_param(ffn.w1, "weight", 0, mesh)
     _shard_param(ffn.w3, "weight", 0, mesh)
     _shard_param(ffn.w2, "weight", 1, mesh)
-    _region(ffn, mesh.tp_group)
+    _region(ffn, b)
 
 
-class TensorParallelDispatcher:
-    """Wraps the layer's dispatcher (local or all-to-all): the routed tokens and their router weights enter the
-    TP region, the combined partial expert outputs are summed over TP."""
-
-    def __init__(self, inner, group: dist.ProcessGroup):
-        self.inner, self.group = inner, group
-        self.permutation = inner.permutation
-
-    def dispatch(self, x_TD: torch.Tensor, routing: Routing):
-        routing = dataclasses.replace(routing, weight_A=copy_to_region(routing.weight_A, self.group))
-        return self.inner.dispatch(copy_to_region(x_TD, self.group), routing)
-
-    def combine(self, y_RD: torch.Tensor, state) -> torch.Tensor:
-        return reduce_from_region(self.inner.combine(y_RD, state), self.group)
-
-
-def _moe(moe: MoE, mesh: Mesh) -> None:
+def _moe(moe: MoE, mesh: Mesh, b: _Boundaries) -> None:
     experts = moe.experts
     _shard_param(experts, "w1", 2, mesh)  # (E, D, F): F split
     _shard_param(experts, "w3", 2, mesh)
     _shard_param(experts, "w2", 1, mesh)  # (E, F, D)
-    moe.dispatcher = TensorParallelDispatcher(moe.dispatcher, mesh.tp_group)
+    _region(moe, b)
+    group, scale = mesh.tp_group, 1.0 / mesh.tp
+    moe.router.register_forward_pre_hook(lambda m, args: (_ScaleGrad.apply(args[0], scale),))
+
+    def weights_enter(m, args, out):
+        routing, stats = out
+        return dataclasses.replace(routing, weight_A=copy_to_region(routing.weight_A, group)), stats
+
+    moe.router.register_forward_hook(weights_enter)
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Rows [tp_rank·V/tp, (tp_rank+1)·V/tp) of the embedding; other ids give zeros here, summed over TP (g)."""
+    """Rows [tp_rank·V/tp, (tp_rank+1)·V/tp) of the embedding; other ids give zeros here, summed over TP."""
 
-    def __init__(self, weight: nn.Parameter, start: int, group: dist.ProcessGroup):
+    def __init__(self, weight: nn.Parameter, start: int, boundaries: _Boundaries):
         super().__init__()
-        self.weight, self.start, self.group = weight, start, group
+        self.weight, self.start, self.boundaries = weight, start, boundaries
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.start
         outside = (local < 0) | (local >= self.weight.shape[0])
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
-        return reduce_from_region(out.masked_fill(outside[..., None], 0.0), self.group)
+        return self.boundaries.leave(out.masked_fill(outside[..., None], 0.0))
 
 
-def _vocabulary(model: nn.Module, mesh: Mesh) -> None:
+def _vocabulary(model: nn.Module, mesh: Mesh, b: _Boundaries) -> None:
     _shard_param(model.embed, "weight", 0, mesh)
     rows = model.embed.weight.shape[0]
-    model.embed = VocabParallelEmbedding(model.embed.weight, mesh.tp_rank * rows, mesh.tp_group)
+    model.embed = VocabParallelEmbedding(model.embed.weight, mesh.tp_rank * rows, b)
     if model.head is not None:
         _shard_param(model.head, "weight", 0, mesh)
     # The final norm's output feeds only the LM head (tied or not): enter the region there.
-    model.norm.register_forward_hook(lambda m, args, out: copy_to_region(out, mesh.tp_group))
+    model.norm.register_forward_hook(lambda m, args, out: b.enter(out))
 
 
-def apply_tp(model: nn.Module, mesh: Mesh) -> nn.Module:
+def _sum_grad_over_tp(p: nn.Parameter, group: dist.ProcessGroup) -> None:
+    """Sequence parallelism: a norm outside the regions sees only this rank's tokens; sum its weight's gradient
+    over TP (a tensor hook runs before the gradient is accumulated, so DeepSpeed sees the sum)."""
+    p.register_hook(lambda g: all_reduce_sum(g.contiguous().clone(), group))
+
+
+def apply_tp(model: nn.Module, mesh: Mesh, sequence_parallel: bool = False) -> nn.Module:
     """Shard a materialized model over the TP group (after apply_ep, which shards experts over EP)."""
     if mesh.tp == 1:
         return model
-    _vocabulary(model, mesh)
+    b = _Boundaries(mesh.tp_group, sequence_parallel)
+    _vocabulary(model, mesh, b)
     for module in list(model.modules()):
         if isinstance(module, Attention):
-            _attention(module, mesh)
+            _attention(module, mesh, b)
         elif isinstance(module, Mamba):
-            _mamba(module, mesh)
+            _mamba(module, mesh, b)
         elif isinstance(module, SwiGLU):
-            _swiglu(module, mesh)
+            _swiglu(module, mesh, b)
         elif isinstance(module, MoE):
-            _moe(module, mesh)
+            _moe(module, mesh, b)
+    if sequence_parallel:
+        for norm in [model.norm, *(n for blk in model.blocks for n in (blk.mixer_norm, blk.ffn_norm))]:
+            for p in norm.parameters():
+                _sum_grad_over_tp(p, mesh.tp_group)
     return model
 
 

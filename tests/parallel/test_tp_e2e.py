@@ -1,6 +1,7 @@
-"""Tensor parallelism end to end under DeepSpeed: (dp, ep, tp) layouts equal one process with gradient
-accumulation step by step (losses, clipped-gradient norms, expert load, final parameters and Adam moments), and
-checkpoints reshard tp=2 → tp=1 → tp=2 on the same trajectory. (dp, ep, tp) = (4, 4, 1) is test_ep_e2e.py's."""
+"""Tensor parallelism end to end under DeepSpeed: (dp, ep, tp) layouts, with and without sequence parallelism,
+equal one process with gradient accumulation step by step (losses, clipped-gradient norms, expert load, final
+parameters and Adam moments), and checkpoints reshard tp=2 → tp=1 → tp=2 and across combined layouts on the
+same trajectory. (dp, ep, tp) = (4, 4, 1) is test_ep_e2e.py's."""
 
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ import torch
 CONFIG = "configs/debug.json"  # attention, Mamba, dense and MoE layers
 STEPS, SAVE = 8, 4
 BASE = [f"train.steps={STEPS}", f"train.save_every={SAVE}", "train.eval_every=0", "train.eval_batches=4"]
-LAYOUTS = {  # (dp, ep, tp): world size, overrides
-    (1, 1, 2): (2, ["parallel.tp=2"]),
-    (2, 2, 2): (4, ["parallel.tp=2", "parallel.ep=2"]),
-    (2, 1, 2): (4, ["parallel.tp=2", "deepspeed.zero_stage=2"]),
+LAYOUTS = {  # dp-ep-tp: world size, overrides
+    "dp1-ep1-tp2": (2, ["parallel.tp=2"]),
+    "dp2-ep2-tp2": (4, ["parallel.tp=2", "parallel.ep=2"]),
+    "dp2-ep1-tp2": (4, ["parallel.tp=2", "deepspeed.zero_stage=2"]),
+    "dp2-ep2-tp2-sequence-parallel": (4, ["parallel.tp=2", "parallel.ep=2", "parallel.sequence_parallel=true"]),
 }
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -27,12 +29,12 @@ def runs(tmp_path_factory, run_train):
     out = {"ref": root / "ref", "root": root}
     run_train("python", 1, ["--config", CONFIG, "--run-dir", str(out["ref"]), "--set", *BASE])
     for layout, (world, extra) in LAYOUTS.items():
-        out[layout] = root / "dp{}_ep{}_tp{}".format(*layout)
+        out[layout] = root / layout
         run_train("deepspeed", world, ["--config", CONFIG, "--run-dir", str(out[layout]), "--set", *BASE, *extra])
     return out
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS), ids=lambda t: "dp{}-ep{}-tp{}".format(*t))
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_tp_run_equals_one_process(runs, metrics, checkpoint_tensors, same_trajectory, layout):
     same_trajectory(metrics(runs[layout]), metrics(runs["ref"]))
     got = checkpoint_tensors(runs[layout] / f"checkpoints/step_{STEPS}")
@@ -50,7 +52,7 @@ def test_checkpoint_reshards_tp2_to_tp1_to_tp2(runs, run_train, metrics, same_tr
     """Resume the tp=2 run's step-4 checkpoint in one process (saving at step 6), then that run's step-6
     checkpoint at tp=2 again: every step continues the uninterrupted single-process trajectory."""
     tp1 = runs["root"] / "resume_tp1"
-    shutil.copytree(runs[(1, 1, 2)], tp1)
+    shutil.copytree(runs["dp1-ep1-tp2"], tp1)
     shutil.rmtree(tp1 / f"checkpoints/step_{STEPS}")
     run_train("python", 1, ["--config", CONFIG, "--run-dir", str(tp1), "--resume", "--set", *BASE,
                             "train.save_every=2"])
@@ -65,9 +67,10 @@ def test_checkpoint_reshards_tp2_to_tp1_to_tp2(runs, run_train, metrics, same_tr
 
 
 def test_checkpoint_reshards_across_combined_layouts(runs, run_train, metrics, same_trajectory):
-    """The (dp, ep, tp) = (2, 2, 2) run's step-4 checkpoint resumed at (4, 4, 1): every dimension changes."""
+    """The (dp, ep, tp) = (2, 2, 2) sequence-parallel run's step-4 checkpoint resumed at (4, 4, 1): every
+    dimension changes."""
     d = runs["root"] / "resume_222_to_441"
-    shutil.copytree(runs[(2, 2, 2)], d)
+    shutil.copytree(runs["dp2-ep2-tp2-sequence-parallel"], d)
     shutil.rmtree(d / f"checkpoints/step_{STEPS}")
     run_train("deepspeed", 4, ["--config", CONFIG, "--run-dir", str(d), "--resume", "--set", *BASE, "parallel.ep=4"])
     same_trajectory([r for r in metrics(d) if r["step"] > SAVE], metrics(runs["ref"]), first_step=SAVE + 1)

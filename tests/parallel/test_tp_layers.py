@@ -1,5 +1,6 @@
-"""Each tensor-parallel layer (tp = 2, two gloo ranks under torchrun) against its single-device version, forward
-and backward: outputs, input gradients and every parameter's gradient (sharded ones against the matching slice)."""
+"""Each tensor-parallel layer (tp = 2, two gloo ranks under torchrun; with and without sequence parallelism) against
+its single-device version, forward and backward: outputs, input gradients and every parameter's gradient (sharded
+ones against the matching slice)."""
 
 import json
 import subprocess
@@ -13,7 +14,8 @@ from moe_dist.parallel.tensor_parallel import shard, unshard
 
 WORKER = Path(__file__).with_name("tp_worker.py")
 LAYERS = ["attention", "mamba", "swiglu", "moe", "model"]
-VARIANTS = ["norms_untied", "plain_tied"]  # Jamba's inner norms with an untied head; plain Mamba, tied head
+# Jamba's inner norms with an untied head; plain Mamba with a tied head; the first with sequence parallelism
+VARIANTS = ["norms_untied", "plain_tied", "sp_norms_untied"]
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,9 @@ BASE = ["model.d_model=32", "model.d_ff=64", "model.n_layers=2", "model.mixer_pa
         "model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.capacity_factor=1.0", "parallel.tp=2",
         "deepspeed.zero_stage=1"]
 VARIANTS = {"norms_untied": ["model.mamba.inner_norms=true", "model.tie_embeddings=false"],
-            "plain_tied": ["model.mamba.inner_norms=false", "model.tie_embeddings=true"]}
+            "plain_tied": ["model.mamba.inner_norms=false", "model.tie_embeddings=true"],
+            "sp_norms_untied": ["model.mamba.inner_norms=true", "model.tie_embeddings=false",
+                                "parallel.sequence_parallel=true"]}
 
 
 def _diff(got: torch.Tensor, want: torch.Tensor) -> dict:
@@ -39,21 +41,23 @@ def _compare_grads(ref: torch.nn.Module, sharded: torch.nn.Module, mesh, prefix:
         out[f"{prefix}.grad.{name}"] = _diff(p_tp.grad, want)
 
 
-def _run_module(ref, sharded, x, mesh, prefix: str, out: dict) -> None:
-    """Forward both on x, backward a random projection of the output (+ MoE losses), compare everything."""
+def _run_module(ref, sharded, x, mesh, prefix: str, out: dict, sp: bool) -> None:
+    """Forward both on x, backward a random projection of the output (+ MoE losses), compare everything. With
+    sequence parallelism the sharded module takes and returns this rank's slice of the sequence (dim 1)."""
+    local = (lambda t: shard(t, 1, mesh.tp_rank, mesh.tp)) if sp else (lambda t: t)
+    w = torch.randn(x.shape, generator=torch.Generator().manual_seed(1))
     results = []
-    for module in (ref, sharded):
-        xi = x.clone().requires_grad_(True)
+    for module, view in ((ref, lambda t: t), (sharded, local)):
+        xi = view(x).clone().requires_grad_(True)
         y = module(xi)
         extra = 0.0
         if isinstance(y, tuple):  # MoE: (output, routing stats)
             y, stats = y
             extra = stats.aux_loss + stats.z_loss
-        w = torch.randn(y.shape, generator=torch.Generator().manual_seed(1))
-        ((y * w).sum() + extra).backward()
+        ((y * view(w)).sum() + extra).backward()
         results.append((y.detach(), xi.grad))
-    out[f"{prefix}.out"] = _diff(results[1][0], results[0][0])
-    out[f"{prefix}.grad.input"] = _diff(results[1][1], results[0][1])
+    out[f"{prefix}.out"] = _diff(results[1][0], local(results[0][0]))
+    out[f"{prefix}.grad.input"] = _diff(results[1][1], local(results[0][1]))
     _compare_grads(ref, sharded, mesh, prefix, out)
 
 
@@ -65,13 +69,14 @@ def main(path: str) -> None:
         if mesh is None:
             mesh = init_distributed(cfg)
         ref = materialize(build_model(cfg.model), "cpu", seed=0)
-        tp_model = apply_tp(copy.deepcopy(ref), mesh)
+        tp_model = apply_tp(copy.deepcopy(ref), mesh, cfg.parallel.sequence_parallel)
         x = torch.randn(2, 16, cfg.model.d_model, generator=torch.Generator().manual_seed(0))
         for i, (b_ref, b_tp) in enumerate(zip(ref.blocks, tp_model.blocks)):
             kind = type(b_ref.mixer).__name__.lower()
-            _run_module(b_ref.mixer, b_tp.mixer, x, mesh, f"{variant}.{kind}", out)
+            sp = cfg.parallel.sequence_parallel
+            _run_module(b_ref.mixer, b_tp.mixer, x, mesh, f"{variant}.{kind}", out, sp)
             kind = "moe" if isinstance(b_ref.ffn, MoE) else "swiglu"
-            _run_module(b_ref.ffn, b_tp.ffn, x, mesh, f"{variant}.{kind}", out)
+            _run_module(b_ref.ffn, b_tp.ffn, x, mesh, f"{variant}.{kind}", out, sp)
         # Whole model: vocabulary-parallel embedding, head and loss; every parameter's gradient.
         ref.zero_grad()
         tp_model.zero_grad()
