@@ -35,6 +35,11 @@ class RunDirError(RuntimeError):
     """The run directory cannot be used as asked (it holds a run and --resume was not given, or is not writable)."""
 
 
+def maybe_compile(model, cfg: JobConfig):
+    """The model to call: `torch.compile`d when train.compile is set, the model itself otherwise."""
+    return torch.compile(model) if cfg.train.compile else model
+
+
 def _forward_loss(engine, cfg: JobConfig, batch: torch.Tensor, device: torch.device):
     batch = batch.to(device)
     out = engine(batch[:, :-1])

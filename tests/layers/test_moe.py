@@ -561,3 +561,37 @@ def test_moe_float64_with_aligned_sizes_takes_the_fallback():
     x = torch.randn(5, 16, dtype=torch.float64)
     out, _ = moe(x)
     assert out.dtype == torch.float64 and out.shape == x.shape and torch.isfinite(out).all()
+
+
+# ------------------------------------------------------------------ PyTorch permutation path vs reference
+
+
+@pytest.mark.parametrize("T, K, keep", [(7, 2, "some"), (13, 3, "all"), (5, 1, "none"), (1, 4, "some")])
+@pytest.mark.parametrize("dtype, tol", [(F64, 1e-12), (torch.bfloat16, 2e-2)])
+def test_permute_rows_match_reference(T, K, keep, dtype, tol):
+    """The gather-only PyTorch path equals `(un)permute_tokens_ref`: outputs, and the gradients of x, y and the
+    weights (dropped assignments included: zero weight gradient, no contribution)."""
+    from moe_dist.kernels.reference import permute_tokens_ref, unpermute_tokens_ref
+
+    g = torch.Generator().manual_seed(T * 10 + K)
+    D, A = 6, K * T
+    order = torch.randperm(A, generator=g)
+    n_keep = {"all": A, "none": 0, "some": A * 2 // 3}[keep]
+    rows_R = order[:n_keep]
+    x = torch.randn(T, D, generator=g, dtype=F64).to(dtype)
+    w = torch.rand(A, generator=g, dtype=torch.float32)
+    gy_TD = torch.randn(T, D, generator=g, dtype=F64).to(dtype)
+    results = []
+    for perm, unperm in ((moe_mod.permute_rows, moe_mod.unpermute_rows), (permute_tokens_ref, unpermute_tokens_ref)):
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        x_RD = perm(xi, rows_R, K)
+        y_RD = x_RD * 1.5  # stands in for the experts
+        out = unperm(y_RD, rows_R, wi, T)
+        out.backward(gy_TD)
+        results.append((x_RD.detach(), out.detach(), xi.grad, wi.grad))
+    for got, want in zip(*results):
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got.double(), want.double(), rtol=tol, atol=tol)
+    dropped = torch.ones(A, dtype=torch.bool)
+    dropped[rows_R] = False
+    assert torch.equal(results[0][3][dropped], torch.zeros(int(dropped.sum())))
