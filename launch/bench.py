@@ -38,30 +38,56 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def median_ms(fn, device: torch.device, repeats: int, warmup: int = 2) -> float:
-    """Median wall time of `fn()` in ms (synchronized on CUDA) after `warmup` unmeasured calls."""
+def interleaved_ms(fns: dict, device: torch.device, repeats: int, warmup: int = 2) -> dict:
+    """Median wall time in ms of each of `fns` (synchronized on CUDA), the calls interleaved round by round so
+    that all of them see the same machine load (other jobs share these cores)."""
     for _ in range(warmup):
-        fn()
-    times = []
+        for fn in fns.values():
+            fn()
+    times = {name: [] for name in fns}
     for _ in range(repeats):
-        _sync(device)
-        tic = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append((time.perf_counter() - tic) * 1e3)
-    return statistics.median(times)
+        for name, fn in fns.items():
+            _sync(device)
+            tic = time.perf_counter()
+            fn()
+            _sync(device)
+            times[name].append((time.perf_counter() - tic) * 1e3)
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def matmul_peak_gflops(shapes: list[tuple[int, int, int]], dtype: torch.dtype, device: torch.device,
-                       repeats: int = 5) -> float:
-    """This machine's dense matmul rate for `dtype`: the median over `shapes` (M, K, N) of each one's median rate."""
-    rates = []
+def matmul_fns(shapes: list[tuple[int, int, int]], dtype: torch.dtype, device: torch.device) -> dict:
+    """Dense matmuls (M, K, N) of `dtype`, keyed by their FLOP count, to time alongside the thing measured."""
+    fns = {}
     for m, k, n in shapes:
         a = torch.randn(m, k, dtype=dtype, device=device)
         b = torch.randn(k, n, dtype=dtype, device=device)
-        ms = median_ms(lambda: torch.mm(a, b), device, repeats)
-        rates.append(2 * m * k * n / ms / 1e6)
-    return statistics.median(rates)
+        fns[("mm", m, k, n)] = lambda a=a, b=b: torch.mm(a, b)
+    return fns
+
+
+def peak_gflops(ms: dict) -> float:
+    """This machine's dense matmul rate: the median over the timed ("mm", M, K, N) shapes of 2·M·K·N / time."""
+    return statistics.median(2 * m * k * n / t / 1e6 for (tag, m, k, n), t in
+                             ((key, t) for key, t in ms.items() if isinstance(key, tuple)))
+
+
+def keep_freed_memory() -> None:
+    """glibc malloc: serve every tensor from the heap and never return freed memory to the OS. By default large
+    blocks are mmap'ed and unmapped on free, so every fresh large tensor page-faults on first touch, which on
+    CPU costs as much as the arithmetic on it (jemalloc/tcmalloc do the same job; this needs no extra package)."""
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6")
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+    libc.mallopt(M_MMAP_THRESHOLD, 1 << 30)
+    libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)
+
+
+def setup_cpu(args) -> None:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.malloc == "keep" and sys.platform == "linux":
+        keep_freed_memory()
 
 
 def resolve_device(name: str) -> torch.device:
@@ -85,7 +111,8 @@ def _moe_setup(args):
     from moe_dist.layers.moe import MoE
 
     device, dtype = resolve_device(args.device), DTYPES[args.dtype]
-    cfg = MoEConfig(num_experts=args.experts, top_k=args.top_k, d_ff=args.d_ff, capacity_factor=args.capacity_factor)
+    cfg = MoEConfig(num_experts=args.experts, top_k=args.top_k, d_ff=args.d_ff, capacity_factor=args.capacity_factor,
+                    backend=args.backend)
     torch.manual_seed(0)
     moe = MoE(args.d_model, args.d_ff, cfg, init_std=0.02, n_layers=2).to(device)
     moe.init_weights()
@@ -128,11 +155,13 @@ def bench_moe(args) -> dict:
     stats = _moe_fwd_bwd(moe, x, dy)
     kept = stats.assignments - int(stats.dropped.item())
     T, D, Fh, E, K = args.tokens, args.d_model, args.d_ff, args.experts, args.top_k
-    fwd_bwd_ms = median_ms(lambda: _moe_fwd_bwd(moe, x, dy), device, args.repeats)
     # Peak reference: dense matmuls with all T·K rows as one expert, in the shapes of the forward and both
-    # gradient GEMMs of w1/w3 (D → F) and w2 (F → D).
+    # gradient GEMMs of w1/w3 (D → F) and w2 (F → D), timed in turn with the layer.
     rows = T * K
-    peak = matmul_peak_gflops([(rows, D, Fh), (rows, Fh, D), (D, rows, Fh), (Fh, rows, D)], dtype, device)
+    fns = {"layer": lambda: _moe_fwd_bwd(moe, x, dy),
+           **matmul_fns([(rows, D, Fh), (rows, Fh, D), (D, rows, Fh), (Fh, rows, D)], dtype, device)}
+    ms = interleaved_ms(fns, device, args.repeats)
+    fwd_bwd_ms, peak = ms["layer"], peak_gflops(ms)
     gemm_flops = 3 * 3 * 2 * kept * D * Fh  # 3 expert GEMMs, ×3 for forward + the two backward GEMMs each
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -141,17 +170,20 @@ def bench_moe(args) -> dict:
         peak_mem = (torch.cuda.max_memory_allocated(device) - base) / 2**20
         mem_note = "torch.cuda.max_memory_allocated rise over one forward+backward"
     else:
-        child = [sys.executable, __file__, "_moe_mem", *sys.argv[2:]]
+        child = [sys.executable, __file__, "_moe_mem", *sys.argv[2:], "--malloc", "default"]
         out = subprocess.run(child, capture_output=True, text=True, check=True)
         peak_mem = float(out.stdout.strip().splitlines()[-1])
         mem_note = "peak-RSS rise over one forward+backward in a fresh process (after a warm-up pass)"
-    print(f"moe T={T} D={D} F={Fh} E={E} K={K} cf={args.capacity_factor} {args.dtype} on {device}; "
+    print(f"moe T={T} D={D} F={Fh} E={E} K={K} cf={args.capacity_factor} {args.dtype} on {device}, "
+          f"{torch.get_num_threads()} threads, malloc {args.malloc}; "
           f"kept rows {kept}/{stats.assignments}; peak_mem_mb = {mem_note}")
     return {"bench": "moe", "device": str(device), "dtype": args.dtype, "tokens": T, "d_model": D, "d_ff": Fh,
             "experts": E, "top_k": K, "capacity_factor": args.capacity_factor, "kept_rows": kept,
+            "threads": torch.get_num_threads(), "malloc": args.malloc,
             "fwd_bwd_ms": round(fwd_bwd_ms, 3), "gemm_peak_gflops": round(peak, 1),
             "achieved_gemm_gflops": round(gemm_flops / fwd_bwd_ms / 1e6, 1),
-            "roofline_fraction": round(gemm_flops / fwd_bwd_ms / 1e6 / peak, 4), "peak_mem_mb": round(peak_mem, 2)}
+            "roofline_fraction": round(gemm_flops / fwd_bwd_ms / 1e6 / peak, 4), "peak_mem_mb": round(peak_mem, 2),
+            "weight_grad_mb": round(sum(p.numel() * p.element_size() for p in moe.parameters()) / 2**20, 2)}
 
 
 # ----------------------------------------------------------------------------------------------- scan
@@ -178,8 +210,11 @@ def bench_scan(args) -> dict:
         y = fn(*inputs, delta_softplus=True, **kw)
         torch.autograd.grad(y, inputs, dy)
 
-    fast_ms = median_ms(lambda: run(selective_scan, chunk_size=args.chunk_size), device, args.repeats)
-    ref_ms = median_ms(lambda: run(selective_scan_ref), device, args.ref_repeats, warmup=1)
+    fast_ms = interleaved_ms({"scan": lambda: run(selective_scan, chunk_size=args.chunk_size)}, device,
+                             args.repeats)["scan"]
+    # no warm-up for the reference: one call takes minutes at training sizes (its autograd graph has a node per
+    # timestep, and the backward of each timestep's slice materializes a whole (B, D, L, N) gradient)
+    ref_ms = interleaved_ms({"ref": lambda: run(selective_scan_ref)}, device, args.ref_repeats, warmup=0)["ref"]
     print(f"scan B={Bt} L={L} D={Dm} N={N} fp32 on {device}: chunked (chunk {args.chunk_size}) vs sequential reference")
     return {"bench": "scan", "device": str(device), "batch": Bt, "seq": L, "dim": Dm, "state": N,
             "chunk_size": args.chunk_size, "fwd_bwd_ms": round(fast_ms, 3), "reference_ms": round(ref_ms, 3),
@@ -286,7 +321,7 @@ def bench_step(args) -> dict:
     cfg = load_config(args.config, args.set)
     device = resolve_device(args.device)
     t, moe_cfg = cfg.train, cfg.model.moe
-    if device.type == "cpu":
+    if device.type == "cpu" and not args.threads:
         torch.set_num_threads(t.threads or os.cpu_count() or 1)
     dtype = DTYPES[t.dtype]
     try:
@@ -325,17 +360,13 @@ def bench_step(args) -> dict:
                     torch._foreach_copy_(params, master_params)
                 model.zero_grad(set_to_none=True)
 
-    step(0)  # warm-up (and compilation)
-    times = []
-    for s in range(1, args.steps + 1):
-        _sync(device)
-        tic = time.perf_counter()
-        step(s)
-        _sync(device)
-        times.append(time.perf_counter() - tic)
-    step_s = statistics.median(times)
+    step(0)  # compilation, when train.compile is on
+    steps = iter(range(1, 1 << 30))
+    fns = {"step": lambda: step(next(steps)),
+           **matmul_fns([(4096, 1024, 1024), (1024, 4096, 1024), (2048, 2048, 2048)], dtype, device)}
+    ms = interleaved_ms(fns, device, args.steps, warmup=1)
+    step_s, peak = ms["step"] / 1e3, peak_gflops(ms)
     tokens = t.global_batch_size * t.seq_len
-    peak = matmul_peak_gflops([(4096, 1024, 1024), (1024, 4096, 1024), (2048, 2048, 2048)], dtype, device)
     tokens_per_s = tokens / step_s
     result = {"bench": "step", "device": str(device), "config": args.config, "dtype": t.dtype,
               "compile": t.compile, "tokens_per_step": tokens, "step_ms": round(step_s * 1e3, 1),
@@ -347,7 +378,7 @@ def bench_step(args) -> dict:
         with profile(activities=activities) as prof:
             _sync(device)
             tic = time.perf_counter()
-            step(args.steps + 1)
+            step(next(steps))
             _sync(device)
             total = time.perf_counter() - tic
         secs = section_times(prof.events(), device.type == "cuda")
@@ -367,7 +398,8 @@ def bench_step(args) -> dict:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
-    for name in ("moe", "_moe_mem"):
+    parsers = []
+    for name in ("_moe_mem", "moe"):
         m = sub.add_parser(name, help="forward+backward of one MoE layer" if name == "moe" else argparse.SUPPRESS)
         m.add_argument("--tokens", type=int, required=True)
         m.add_argument("--d-model", type=int, required=True)
@@ -376,10 +408,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         m.add_argument("--top-k", type=int, required=True)
         m.add_argument("--capacity-factor", type=lambda s: None if s in ("null", "none") else float(s), default=1.25,
                        help="per-expert capacity factor; 'null' = dropless (default 1.25)")
-        m.add_argument("--backend", default="native", help="model.moe.backend: native | megablocks")
+        m.add_argument("--backend", choices=["native", "megablocks"], default="native", help="model.moe.backend")
         m.add_argument("--dtype", choices=list(DTYPES), default="bf16")
         m.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
         m.add_argument("--repeats", type=int, default=10)
+        parsers.append(m)
     s = sub.add_parser("scan", help="forward+backward of the training selective scan vs the sequential reference")
     s.add_argument("--batch", type=int, required=True)
     s.add_argument("--seq", type=int, required=True)
@@ -394,6 +427,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     t.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE")
     t.add_argument("--steps", type=int, default=4, help="measured optimizer steps (after one warm-up step)")
     t.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    for sp in (*parsers, s, t):
+        sp.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default / train.threads)")
+        sp.add_argument("--malloc", choices=["keep", "default"], default="keep",
+                        help="keep: glibc keeps freed memory for reuse (no page faults on fresh tensors); default: as is")
     return p.parse_args(argv)
 
 
@@ -406,6 +443,7 @@ def main(argv=None) -> int:
                 raise ConfigError(f"--{key.replace('_', '-')}: must be positive, got {getattr(args, key)}")
         if args.cmd in ("moe", "_moe_mem") and args.top_k > args.experts:
             raise ConfigError(f"--top-k: must be at most --experts={args.experts}, got {args.top_k}")
+        setup_cpu(args)
         if args.cmd == "_moe_mem":
             moe_memory_child(args)
             return 0

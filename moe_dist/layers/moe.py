@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe_dist.config import MoEConfig
+from moe_dist.config import ConfigError, MoEConfig
 from moe_dist.layers.impl import resolve
 
 
@@ -271,11 +271,33 @@ def grouped_mm(x_RI: torch.Tensor, w_EIO: torch.Tensor, rows_per_expert_E: torch
     return torch.cat([c @ w_EIO[e] for e, c in enumerate(chunks)]) if len(chunks) else x_RI.new_zeros(0, w_EIO.shape[2])
 
 
+def native_swiglu(x_RD: torch.Tensor, w1_EDF: torch.Tensor, w3_EDF: torch.Tensor, w2_EFD: torch.Tensor,
+                  rows_per_expert_E: torch.Tensor) -> torch.Tensor:
+    """SwiGLU experts over expert-sorted rows with torch's grouped GEMM (or the per-expert fallback). (R, D) → (R, D)."""
+    h_RF = F.silu(grouped_mm(x_RD, w1_EDF, rows_per_expert_E)) * grouped_mm(x_RD, w3_EDF, rows_per_expert_E)
+    return grouped_mm(h_RF, w2_EFD, rows_per_expert_E)
+
+
+def expert_swiglu(backend: str) -> Callable[..., torch.Tensor]:
+    """The expert computation of `model.moe.backend`, chosen once; "megablocks" raises a ConfigError naming the key
+    where MegaBlocks cannot run (not installed, no CUDA)."""
+    if backend == "native":
+        return native_swiglu
+    if backend == "megablocks":
+        from moe_dist.layers.megablocks_backend import check_megablocks, megablocks_swiglu
+
+        check_megablocks()
+        return megablocks_swiglu
+    raise ConfigError(f"model.moe.backend: expected 'native' or 'megablocks', got {backend!r}")
+
+
 class Experts(nn.Module):
     """E SwiGLU experts with stacked weights, run as grouped GEMMs over expert-sorted rows."""
 
-    def __init__(self, num_experts: int, d_model: int, d_ff: int, init_std: float, n_layers: int):
+    def __init__(self, num_experts: int, d_model: int, d_ff: int, init_std: float, n_layers: int,
+                 backend: str = "native"):
         super().__init__()
+        self.swiglu = expert_swiglu(backend)
         self.w1 = nn.Parameter(torch.empty(num_experts, d_model, d_ff))  # gate (E, D, F)
         self.w3 = nn.Parameter(torch.empty(num_experts, d_model, d_ff))  # up   (E, D, F)
         self.w2 = nn.Parameter(torch.empty(num_experts, d_ff, d_model))  # down (E, F, D)
@@ -295,15 +317,14 @@ class Experts(nn.Module):
             nn.init.normal_(self.w2[j], std=self.out_std, generator=gen)
 
     def forward(self, x_RD: torch.Tensor, rows_per_expert_E: torch.Tensor) -> torch.Tensor:
-        h_RF = F.silu(grouped_mm(x_RD, self.w1, rows_per_expert_E)) * grouped_mm(x_RD, self.w3, rows_per_expert_E)
-        return grouped_mm(h_RF, self.w2, rows_per_expert_E)
+        return self.swiglu(x_RD, self.w1, self.w3, self.w2, rows_per_expert_E)
 
 
 class MoE(nn.Module):
     def __init__(self, d_model: int, d_ff: int, cfg: MoEConfig, init_std: float, n_layers: int):
         super().__init__()
         self.router = Router(d_model, cfg, init_std)
-        self.experts = Experts(cfg.num_experts, d_model, cfg.d_ff or d_ff, init_std, n_layers)
+        self.experts = Experts(cfg.num_experts, d_model, cfg.d_ff or d_ff, init_std, n_layers, cfg.backend)
         self.dispatcher: Dispatcher = LocalDispatcher(Permutation.from_impl(cfg.impl))
 
     def init_weights(self) -> None:

@@ -595,3 +595,69 @@ def test_permute_rows_match_reference(T, K, keep, dtype, tol):
     dropped = torch.ones(A, dtype=torch.bool)
     dropped[rows_R] = False
     assert torch.equal(results[0][3][dropped], torch.zeros(int(dropped.sum())))
+
+
+# ------------------------------------------------------------------------------- model.moe.backend
+
+
+def test_unknown_or_unusable_backend_is_a_config_error_naming_the_key():
+    from moe_dist.config import ConfigError
+    from moe_dist.layers.megablocks_backend import megablocks_unavailable
+
+    with pytest.raises(ConfigError, match=r"^model\.moe\.backend: expected 'native' or 'megablocks', got 'tutel'$"):
+        moe_mod.expert_swiglu("tutel")
+    why = megablocks_unavailable()
+    if why is None:
+        pytest.skip("megablocks is usable here: nothing to refuse")
+    with pytest.raises(ConfigError, match=r"^model\.moe\.backend='megablocks': not usable here: .*; use 'native'$"):
+        MoE(16, 32, MoEConfig(num_experts=4, top_k=2, backend="megablocks"), init_std=0.02, n_layers=2)
+
+
+def test_train_refuses_an_unusable_megablocks_backend_with_exit_2(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from moe_dist.layers.megablocks_backend import megablocks_unavailable
+
+    if megablocks_unavailable() is None:
+        pytest.skip("megablocks is usable here: nothing to refuse")
+    repo = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, str(repo / "launch" / "train.py"), "--config", str(repo / "configs" / "debug.json"),
+                           "--set", "model.moe.backend=megablocks", "--run-dir", str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=120, cwd=repo)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: model.moe.backend='megablocks': not usable here")
+
+
+def _megablocks_skip_reason():
+    from moe_dist.layers.megablocks_backend import megablocks_unavailable
+
+    return megablocks_unavailable() or ""
+
+
+@pytest.mark.skipif(bool(_megablocks_skip_reason()), reason=f"MegaBlocks backend: {_megablocks_skip_reason()}")
+@pytest.mark.parametrize("capacity_factor", [1.0, None])
+def test_megablocks_backend_matches_native(capacity_factor):
+    """Same weights and input: the MegaBlocks expert GEMMs give our layer's outputs and gradients (bf16, CUDA),
+    within twice the bf16 error of the native layer against its fp32 self."""
+    torch.manual_seed(0)
+    layers = {}
+    for name, backend, dtype in (("native", "native", torch.bfloat16), ("megablocks", "megablocks", torch.bfloat16),
+                                 ("fp32", "native", torch.float32)):
+        cfg = MoEConfig(num_experts=8, top_k=2, capacity_factor=capacity_factor, backend=backend)
+        layers[name] = MoE(64, 128, cfg, init_std=0.02, n_layers=2).cuda()
+    layers["native"].init_weights()
+    for name in ("megablocks", "fp32"):
+        layers[name].load_state_dict(layers["native"].state_dict())
+    x = torch.randn(4, 37, 64, device="cuda")
+    results = {}
+    for name, layer in layers.items():
+        layer.to(torch.float32 if name == "fp32" else torch.bfloat16)
+        xi = x.to(next(layer.parameters()).dtype).requires_grad_()
+        out, stats = layer(xi)
+        (out.float().square().sum() + stats.aux_loss + stats.z_loss).backward()
+        results[name] = [out.float(), xi.grad.float()] + [p.grad.float() for p in layer.parameters()]
+    for mb, nat, ref in zip(results["megablocks"], results["native"], results["fp32"]):
+        bound = 2 * (nat - ref).abs().max().item() + 1e-3
+        assert (mb - ref).abs().max().item() <= bound
