@@ -117,7 +117,7 @@ def _moe_setup(args):
     moe = MoE(args.d_model, args.d_ff, cfg, init_std=0.02, n_layers=2).to(device)
     moe.init_weights()
     with torch.no_grad():
-        moe.router.weight.normal_(std=1.0)  # unit-scale logits: routing spread over the experts as after training
+        moe.router.weight.normal_(std=1.0)  # logits of std √D on random inputs: routing spread over all experts
     moe = moe.to(dtype)
     x = torch.randn(args.tokens, args.d_model, dtype=dtype, device=device, requires_grad=True)
     dy = torch.randn(args.tokens, args.d_model, dtype=dtype, device=device)
@@ -125,8 +125,10 @@ def _moe_setup(args):
 
 
 def _moe_fwd_bwd(moe, x, dy):
+    """Forward, then the gradients of x and every weight (output gradient dy, aux + z loss with weight 1)."""
     y, stats = moe(x)
-    (torch.autograd.grad((y, stats.aux_loss + stats.z_loss), [x, *moe.parameters()], (dy, torch.ones_like(stats.aux_loss))))
+    losses = stats.aux_loss + stats.z_loss
+    torch.autograd.grad([y, losses], [x, *moe.parameters()], [dy, torch.ones_like(losses)])
     return stats
 
 

@@ -261,6 +261,8 @@ def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
 def grouped_mm(x_RI: torch.Tensor, w_EIO: torch.Tensor, rows_per_expert_E: torch.Tensor) -> torch.Tensor:
     """(R, I) rows sorted by expert × (E, I, O) stacked weights → (R, O): row r uses its expert's weight."""
     if _grouped_mm_ok(x_RI, w_EIO):
+        # Measured on CPU bf16 (2 cores, 64 experts of 384 rows): grouped_mm runs as fast as a per-expert mm loop
+        # into slices of one output (about 0.85 of a large matmul's rate either way), so the library call stays.
         offs_E = torch.cumsum(rows_per_expert_E, 0).to(torch.int32)
         y = F.grouped_mm(x_RI, w_EIO, offs=offs_E)
         if y.requires_grad:
