@@ -57,7 +57,7 @@ class MoEConfig:
     aux_loss_coef: float = 0.01  # coefficient of the Switch/GShard load-balancing loss
     z_loss_coef: float = 0.001  # coefficient of the ST-MoE router z-loss
     impl: Literal["auto", "torch", "triton"] = "auto"  # token permutation kernels (gather/scatter around experts)
-    backend: Literal["native", "megablocks"] = "native"  # expert computation: ours, or MegaBlocks' dMoE (CUDA only)
+    backend: Literal["native", "megablocks"] = "native"  # expert GEMMs: torch grouped_mm, or MegaBlocks (CUDA only)
 
 
 @dataclass
@@ -114,7 +114,7 @@ class TrainConfig:
     threads: int = 0  # torch CPU threads per process (0 = cores / local processes)
     keep_last: int = 0  # checkpoints kept: after each save all but the newest N are deleted (0 = keep all)
     max_nonfinite_steps: int = 5  # stop after this many optimizer steps in a row skipped for NaN/Inf (0 = never)
-    compile: bool = False  # torch.compile each block's mixer and the dense parts (README "Benchmarks")
+    compile: bool = False  # torch.compile norms, attention and dense FFNs in place (MoE and Mamba stay eager)
 
 
 @dataclass
