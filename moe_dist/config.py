@@ -57,6 +57,7 @@ class MoEConfig:
     aux_loss_coef: float = 0.01  # coefficient of the Switch/GShard load-balancing loss
     z_loss_coef: float = 0.001  # coefficient of the ST-MoE router z-loss
     impl: Literal["auto", "torch", "triton"] = "auto"  # token permutation kernels (gather/scatter around experts)
+    backend: Literal["native", "megablocks"] = "native"  # expert GEMMs: torch grouped_mm, or MegaBlocks (CUDA only)
 
 
 @dataclass
@@ -114,6 +115,7 @@ class TrainConfig:
     threads: int = 0  # torch CPU threads per process (0 = cores / local processes)
     keep_last: int = 0  # checkpoints kept: after each save all but the newest N are deleted (0 = keep all)
     max_nonfinite_steps: int = 5  # stop after this many optimizer steps in a row skipped for NaN/Inf (0 = never)
+    compile: bool = False  # torch.compile norms, attention and dense FFNs in place (MoE and Mamba stay eager)
 
 
 @dataclass
@@ -294,6 +296,8 @@ def validate(cfg: JobConfig) -> None:
     _check(cfg.parallel.tp >= 1 and cfg.parallel.ep >= 1, "parallel.tp and parallel.ep must be >= 1")
     if cfg.parallel.tp > 1:
         _check_tensor_parallel(cfg)
+        _check(not t.compile, "train.compile: not supported with parallel.tp > 1 (the tensor-parallel region hooks "
+                              "issue collectives inside the compiled modules)")
     _check(cfg.parallel.ep == 1 or cfg.deepspeed.zero_stage >= 1,
            "deepspeed.zero_stage: expert parallelism (parallel.ep > 1) needs ZeRO stage 1 or 2 (stage 0's gradient "
            "clipping in DeepSpeed averages per-rank norms instead of computing the global norm)")

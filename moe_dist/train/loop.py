@@ -36,6 +36,25 @@ class RunDirError(RuntimeError):
     """The run directory cannot be used as asked (it holds a run and --resume was not given, or is not writable)."""
 
 
+def maybe_compile(model, cfg: JobConfig):
+    """train.compile: torch.compile, in place, the parts of the model with static shapes (norms, attention mixers,
+    dense FFNs). MoE layers (data-dependent row counts) and the Mamba scan (a hand-written autograd Function over
+    chunks) stay eager. Compiling in place keeps parameter names, so checkpoints are unchanged. Returns `model`."""
+    if cfg.train.compile:
+        from moe_dist.layers.attention import Attention
+        from moe_dist.layers.mlp import SwiGLU
+
+        for block in model.blocks:
+            block.mixer_norm.compile()
+            block.ffn_norm.compile()
+            if isinstance(block.mixer, Attention):
+                block.mixer.compile()
+            if isinstance(block.ffn, SwiGLU):
+                block.ffn.compile()
+        model.norm.compile()
+    return model
+
+
 def _forward_loss(engine, cfg: JobConfig, batch: torch.Tensor, mesh: Mesh):
     batch = batch.to(mesh.device)
     out = engine(batch[:, :-1])
@@ -172,7 +191,7 @@ def train(cfg: JobConfig, run_dir: Path, resume: bool = False) -> list[dict]:
         if mesh.rank == 0:
             tqdm.write(line, file=sys.stderr)
 
-    model = parallelize(build_model(cfg.model), mesh, cfg)
+    model = maybe_compile(parallelize(build_model(cfg.model), mesh, cfg), cfg)
     ckpt_root = run_dir / "checkpoints"
     found = _checkpoint_to_resume(ckpt_root, model, mesh, data_identity, timeout, say) if resume else None
 

@@ -561,3 +561,103 @@ def test_moe_float64_with_aligned_sizes_takes_the_fallback():
     x = torch.randn(5, 16, dtype=torch.float64)
     out, _ = moe(x)
     assert out.dtype == torch.float64 and out.shape == x.shape and torch.isfinite(out).all()
+
+
+# ------------------------------------------------------------------ PyTorch permutation path vs reference
+
+
+@pytest.mark.parametrize("T, K, keep", [(7, 2, "some"), (13, 3, "all"), (5, 1, "none"), (1, 4, "some")])
+@pytest.mark.parametrize("dtype, tol", [(F64, 1e-12), (torch.bfloat16, 2e-2)])
+def test_permute_rows_match_reference(T, K, keep, dtype, tol):
+    """The gather-only PyTorch path equals `(un)permute_tokens_ref`: outputs, and the gradients of x, y and the
+    weights (dropped assignments included: zero weight gradient, no contribution)."""
+    from moe_dist.kernels.reference import permute_tokens_ref, unpermute_tokens_ref
+
+    g = torch.Generator().manual_seed(T * 10 + K)
+    D, A = 6, K * T
+    order = torch.randperm(A, generator=g)
+    n_keep = {"all": A, "none": 0, "some": A * 2 // 3}[keep]
+    rows_R = order[:n_keep]
+    x = torch.randn(T, D, generator=g, dtype=F64).to(dtype)
+    w = torch.rand(A, generator=g, dtype=torch.float32)
+    gy_TD = torch.randn(T, D, generator=g, dtype=F64).to(dtype)
+    results = []
+    for perm, unperm in ((moe_mod.permute_rows, moe_mod.unpermute_rows), (permute_tokens_ref, unpermute_tokens_ref)):
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        x_RD = perm(xi, rows_R, K)
+        y_RD = x_RD * 1.5  # stands in for the experts
+        out = unperm(y_RD, rows_R, wi, T)
+        out.backward(gy_TD)
+        results.append((x_RD.detach(), out.detach(), xi.grad, wi.grad))
+    for got, want in zip(*results):
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got.double(), want.double(), rtol=tol, atol=tol)
+    dropped = torch.ones(A, dtype=torch.bool)
+    dropped[rows_R] = False
+    assert torch.equal(results[0][3][dropped], torch.zeros(int(dropped.sum())))
+
+
+# ------------------------------------------------------------------------------- model.moe.backend
+
+
+def test_unknown_or_unusable_backend_is_a_config_error_naming_the_key():
+    from moe_dist.config import ConfigError
+    from moe_dist.layers.megablocks_backend import megablocks_unavailable
+
+    with pytest.raises(ConfigError, match=r"^model\.moe\.backend: expected 'native' or 'megablocks', got 'tutel'$"):
+        moe_mod.expert_swiglu("tutel")
+    why = megablocks_unavailable()
+    if why is None:
+        pytest.skip("megablocks is usable here: nothing to refuse")
+    with pytest.raises(ConfigError, match=r"^model\.moe\.backend='megablocks': not usable here: .*; use 'native'$"):
+        MoE(16, 32, MoEConfig(num_experts=4, top_k=2, backend="megablocks"), init_std=0.02, n_layers=2)
+
+
+def test_train_refuses_an_unusable_megablocks_backend_with_exit_2(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from moe_dist.layers.megablocks_backend import megablocks_unavailable
+
+    if megablocks_unavailable() is None:
+        pytest.skip("megablocks is usable here: nothing to refuse")
+    repo = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, str(repo / "launch" / "train.py"), "--config", str(repo / "configs" / "debug.json"),
+                           "--set", "model.moe.backend=megablocks", "--run-dir", str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=120, cwd=repo)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: model.moe.backend='megablocks': not usable here")
+
+
+def _megablocks_skip_reason():
+    from moe_dist.layers.megablocks_backend import megablocks_unavailable
+
+    return megablocks_unavailable() or ""
+
+
+@pytest.mark.skipif(bool(_megablocks_skip_reason()), reason=f"MegaBlocks backend: {_megablocks_skip_reason()}")
+@pytest.mark.parametrize("capacity_factor", [1.0, None])
+def test_megablocks_backend_matches_native(capacity_factor):
+    """Same weights and input: the MegaBlocks expert GEMMs give our layer's outputs and gradients (bf16, CUDA),
+    within twice the bf16 error of the native layer against its fp32 self."""
+    torch.manual_seed(0)
+    layers = {}
+    for name, backend, dtype in (("native", "native", torch.bfloat16), ("megablocks", "megablocks", torch.bfloat16),
+                                 ("fp32", "native", torch.float32)):
+        cfg = MoEConfig(num_experts=8, top_k=2, capacity_factor=capacity_factor, backend=backend)
+        layers[name] = MoE(64, 128, cfg, init_std=0.02, n_layers=2).cuda()
+    layers["native"].init_weights()
+    for name in ("megablocks", "fp32"):
+        layers[name].load_state_dict(layers["native"].state_dict())
+    x = torch.randn(4, 37, 64, device="cuda")
+    results = {}
+    for name, layer in layers.items():
+        layer.to(torch.float32 if name == "fp32" else torch.bfloat16)
+        xi = x.to(next(layer.parameters()).dtype).requires_grad_()
+        out, stats = layer(xi)
+        (out.float().square().sum() + stats.aux_loss + stats.z_loss).backward()
+        results[name] = [out.float(), xi.grad.float()] + [p.grad.float() for p in layer.parameters()]
+    for mb, nat, ref in zip(results["megablocks"], results["native"], results["fp32"]):
+        bound = 2 * (nat - ref).abs().max().item() + 1e-3
+        assert (mb - ref).abs().max().item() <= bound

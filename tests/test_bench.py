@@ -1,0 +1,71 @@
+"""launch/bench.py: every subcommand at tiny sizes, as a subprocess; the last stdout line is one JSON object with
+the documented keys and sane figures. No timing thresholds (timings are noisy; the bench reports them)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = str(REPO / "launch" / "bench.py")
+
+
+def run_bench(*args: str, expect_rc: int = 0) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, BENCH, *args], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == expect_rc, proc.stderr[-2000:]
+    return proc
+
+
+def last_json(proc: subprocess.CompletedProcess) -> dict:
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("dtype, cf", [("bf16", "1.0"), ("fp32", "null")])
+def test_moe(dtype, cf):
+    out = last_json(run_bench("moe", "--tokens", "64", "--d-model", "32", "--d-ff", "64", "--experts", "4",
+                              "--top-k", "2", "--capacity-factor", cf, "--dtype", dtype, "--repeats", "2"))
+    for key in ("fwd_bwd_ms", "gemm_peak_gflops", "roofline_fraction", "peak_mem_mb"):
+        assert out[key] > 0, key
+    assert out["dtype"] == dtype and out["tokens"] == 64
+    assert 0 < out["kept_rows"] <= 64 * 2
+    if cf == "null":
+        assert out["kept_rows"] == 128  # dropless keeps every assignment
+    # roofline_fraction is exactly the expert-GEMM FLOP rate over the measured peak
+    flops = 3 * 3 * 2 * out["kept_rows"] * 32 * 64
+    assert out["roofline_fraction"] == pytest.approx(flops / out["fwd_bwd_ms"] / 1e6 / out["gemm_peak_gflops"],
+                                                     rel=0.02)
+
+
+def test_scan():
+    out = last_json(run_bench("scan", "--batch", "1", "--seq", "40", "--dim", "8", "--state", "4", "--repeats", "2"))
+    for key in ("fwd_bwd_ms", "reference_ms", "speedup"):
+        assert out[key] > 0, key
+    assert out["speedup"] == pytest.approx(out["reference_ms"] / out["fwd_bwd_ms"], rel=0.02)
+
+
+def test_step():
+    out = last_json(run_bench("step", "--config", "configs/debug.json", "--steps", "1",
+                              "--set", "train.global_batch_size=4", "train.micro_batch_size=2", "train.seq_len=32"))
+    assert out["tokens_per_step"] == 4 * 32
+    assert out["tokens_per_s"] > 0 and out["flops_per_token"] > 0 and out["gemm_peak_gflops"] > 0
+    assert 0 < out["mfu"] < 1
+    shares = out["time_share"]
+    assert set(shares) == {"attention", "mamba", "moe.router", "moe.dispatch", "moe.experts", "moe.combine",
+                           "optimizer", "other"}
+    assert all(v >= 0 for v in shares.values())
+    for key in ("attention", "mamba", "moe.router", "moe.experts", "optimizer"):  # debug.json has all of them
+        assert shares[key] > 0, key
+    assert sum(shares.values()) == pytest.approx(1.0, abs=0.01)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["moe", "--tokens", "0", "--d-model", "8", "--d-ff", "8", "--experts", "2", "--top-k", "1"], "--tokens"),
+    (["moe", "--tokens", "8", "--d-model", "8", "--d-ff", "8", "--experts", "2", "--top-k", "3"], "--top-k"),
+    (["step", "--config", "configs/debug.json", "--set", "model.moe.top_kk=2"], "model.moe.top_kk"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, needle):
+    proc = run_bench(*args, expect_rc=2)
+    lines = proc.stderr.strip().splitlines()
+    assert lines[-1].startswith("error: ") and needle in lines[-1]
