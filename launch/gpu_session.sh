@@ -6,6 +6,7 @@
 #   3. benchmarks, alone on the GPU: gpu_check.py's kernel benchmarks and launch/bench.py (moe, scan, step).
 # Logs go to runs/gpu_session (and, where $OUT is set, one archive of them and the runs' metrics to
 # $OUT/gpu_session.tgz). Usage, from the repository root:  bash launch/gpu_session.sh
+# A shorter rerun: KERNEL_TESTS="tests/kernels/test_permute.py ..." SKIP_BENCH=1 bash launch/gpu_session.sh
 # Where packages are missing (a machine with torch and triton but no DeepSpeed), put wheels in .gpu/whl and
 # a tarball of an installed deepspeed package in .gpu/deepspeed.tgz: they are unpacked into /tmp/site.
 set -u
@@ -25,7 +26,11 @@ cat "$LOGS/env.txt"
 stamp() { echo "[$(date +%T)] $*"; }
 
 stamp "kernel tests on CUDA (background)"
-$PY launch/gpu_check.py --tests-only > "$LOGS/kernel_tests.log" 2>&1 &
+if [ -n "${KERNEL_TESTS:-}" ]; then  # a rerun: only these pytest node ids / files
+  MOE_DIST_KERNEL_DEVICE=cuda $PY -m pytest -q -p no:cacheprovider $KERNEL_TESTS > "$LOGS/kernel_tests.log" 2>&1 &
+else
+  $PY launch/gpu_check.py --tests-only > "$LOGS/kernel_tests.log" 2>&1 &
+fi
 TESTS=$!
 
 SET="train.steps=30 train.eval_every=0 train.save_every=0 train.image_every=0"
@@ -50,8 +55,13 @@ echo "exit $?"; grep -h eval_loss runs/gpu_default/metrics.jsonl | cut -c1-200 |
 cat "$LOGS/default_eval.txt"
 
 stamp "waiting for the kernel tests"
-wait $TESTS; echo "kernel tests exit $?"; grep -E "^--- |passed|failed" "$LOGS/kernel_tests.log"
+wait $TESTS; echo "kernel tests exit $?"; grep -E "^--- |passed|failed|Error" "$LOGS/kernel_tests.log" | head -n 30
 
+if [ "${SKIP_BENCH:-0}" = 1 ]; then
+  stamp "done (benchmarks skipped)"
+  [ -n "${OUT:-}" ] && tar czf "$OUT/gpu_session.tgz" runs/gpu_session runs/gpu_*/metrics.jsonl 2>/dev/null
+  exit 0
+fi
 stamp "benchmarks"
 timeout 150 $PY launch/gpu_check.py --bench-only > "$LOGS/kernel_bench.log" 2>&1; tail -n 20 "$LOGS/kernel_bench.log"
 B="timeout 90 $PY launch/bench.py"

@@ -16,9 +16,16 @@ def _device() -> torch.device:
 
 
 def all_reduce_sum(t: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """In-place sum over `group` (the world by default); a no-op without an initialized process group."""
+    """In-place sum over `group` (the world by default); a no-op without an initialized process group. Host
+    tensors (metrics, flags) travel through the backend's device: NCCL reduces CUDA tensors only."""
     if _active():
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+        device = _device()
+        if t.device != device:
+            buf = t.to(device)
+            dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)
+            t.copy_(buf)
+        else:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return t
 
 

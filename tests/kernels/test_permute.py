@@ -58,8 +58,9 @@ def test_matches_reference(case, dtype, device, within_torch_error):
 
     def run(permute, unpermute, x_TD, y_RD, weight_A, grad_RD, grad_TD):
         x, y, w = leaves(x_TD, y_RD, weight_A)
-        x_RD = permute(x, rows_R, K)
-        out_TD = unpermute(y, rows_R, w, T)
+        rows = rows_R.to(x.device)  # the fp64 reference runs on the CPU
+        x_RD = permute(x, rows, K)
+        out_TD = unpermute(y, rows, w, T)
         x_RD.backward(grad_RD)
         out_TD.backward(grad_TD)
         return x_RD.detach(), out_TD.detach(), x.grad, y.grad, w.grad
