@@ -22,7 +22,6 @@ from typing import Callable, Optional
 
 import torch
 
-from moe_dist.kernels.reference import permute_tokens_ref, unpermute_tokens_ref
 
 IMPLS = ("auto", "torch", "triton")
 
@@ -88,13 +87,3 @@ def resolve(impl: str, key: str, what: str, torch_fn: Callable, kernel: str) -> 
         return torch_fn(*args, **kwargs)
 
     return auto
-
-
-def token_permutation(impl: str = "auto", key: str = "model.moe.impl") -> tuple[Callable, Callable]:
-    """(permute_tokens, unpermute_tokens) for the MoE dispatcher, with the signatures of their references:
-    permute_tokens(x_TD, rows_R, top_k) -> x_RD and unpermute_tokens(y_RD, rows_R, weight_A, num_tokens) -> out_TD.
-    PyTorch path: index ops (`moe_dist.kernels.reference`); Triton: `moe_dist.kernels.permute`."""
-    return (
-        resolve(impl, key, "token permutation", permute_tokens_ref, "permute.permute_tokens"),
-        resolve(impl, key, "token permutation", unpermute_tokens_ref, "permute.unpermute_tokens"),
-    )

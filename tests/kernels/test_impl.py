@@ -15,6 +15,7 @@ import moe_dist.layers.impl as impl
 from moe_dist.kernels.reference import flash_attention_ref, permute_tokens_ref, unpermute_tokens_ref
 from moe_dist.layers.attention import attention_kernel
 from moe_dist.layers.mamba import select_scan
+from moe_dist.layers.moe import Permutation
 
 
 def torch_path(x, *args, **kwargs):
@@ -53,7 +54,7 @@ def test_auto_without_cuda_is_the_torch_function_and_imports_no_kernel(cpu_only,
 @pytest.mark.parametrize("key, build", [
     ("model.attention.impl", lambda: attention_kernel("triton")),
     ("model.mamba.impl", lambda: select_scan("triton", 16)),
-    ("model.moe.impl", lambda: impl.token_permutation("triton")),
+    ("model.moe.impl", lambda: Permutation.from_impl("triton")),
 ])
 def test_triton_without_cuda_is_a_one_line_error_naming_the_key(key, build, cpu_only):
     with pytest.raises(ValueError) as err:
