@@ -122,17 +122,18 @@ def build_model(cfg: ModelConfig, device: torch.device | str = "meta") -> Decode
 def materialize(model: Decoder, device: torch.device | str, seed: int) -> Decoder:
     """Allocate storage for a meta-built model and initialize it deterministically from `seed`.
 
-    Python attributes set on the meta parameters (apply_ep's expert-group marks) are carried over: to_empty
-    replaces each Parameter object when it changes device type.
+    Values are drawn on the CPU and then moved to `device`, so a seed gives the same model on every device (CUDA's
+    generator draws other numbers than the CPU's). Python attributes set on the meta parameters (apply_ep's
+    expert-group marks) are carried over: to_empty replaces each Parameter object when it changes device type.
     """
     annotations = {name: dict(vars(p)) for name, p in model.named_parameters()}
-    model.to_empty(device=device)
+    model.to_empty(device="cpu")
     for name, p in model.named_parameters():
         p.__dict__.update(annotations[name])
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model.init_weights()
-    return model
+    return model.to(device)  # moves parameter data in place: the Parameter objects and their marks stay
 
 
 def param_counts(cfg: ModelConfig) -> dict[str, int]:
