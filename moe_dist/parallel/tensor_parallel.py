@@ -107,6 +107,8 @@ def _region(module: nn.Module, b: _Boundaries) -> None:
 
 
 class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; backward multiplies the gradient by `factor`."""
+
     @staticmethod
     def forward(ctx, x: torch.Tensor, factor: float) -> torch.Tensor:
         ctx.factor = factor
