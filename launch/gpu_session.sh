@@ -8,7 +8,13 @@
 # $OUT/gpu_session.tgz). Usage, from the repository root:  bash launch/gpu_session.sh
 # A shorter rerun: KERNEL_TESTS="tests/kernels/test_permute.py ..." SKIP_BENCH=1 bash launch/gpu_session.sh
 # Where packages are missing (a machine with torch and triton but no DeepSpeed), put wheels in .gpu/whl and
-# a tarball of an installed deepspeed package in .gpu/deepspeed.tgz: they are unpacked into /tmp/site.
+# a tarball of an installed deepspeed package in .gpu/deepspeed.tgz: they are unpacked into /tmp/site. Built
+# here for a Python 3.12 GPU image (list .gpu/ in .git/info/exclude and carry it):
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux2014_x86_64 -d .gpu/whl pydantic pydantic_core hjson annotated_types typing_inspection
+#   tar czf .gpu/deepspeed.tgz -C "$(python -c 'import deepspeed, os; print(os.path.dirname(deepspeed.__path__[0]))')" \
+#     deepspeed deepspeed-*.dist-info
+# (pin the versions this machine has: `pip show pydantic pydantic_core`; pydantic_core must match pydantic.)
 set -u
 LOGS=runs/gpu_session
 mkdir -p "$LOGS"
