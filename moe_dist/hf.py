@@ -22,10 +22,8 @@ config (router_aux_loss_coef, jitter noise) are not mapped: ours stay at their d
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
-import os
 import shutil
 from pathlib import Path
 from typing import Optional
@@ -37,7 +35,7 @@ from safetensors.torch import save_file
 from moe_dist.config import (AttentionConfig, ConfigError, JobConfig, MambaConfig, ModelConfig, MoEConfig,
                              config_from_dict, config_to_dict)
 from moe_dist.models.decoder import Decoder, build_model, layer_kinds
-from moe_dist.train.checkpoint import FORMAT_VERSION, MOMENTS, latest_checkpoint, verify_checkpoint
+from moe_dist.train.checkpoint import MOMENTS, latest_checkpoint, verify_checkpoint, write_whole_checkpoint
 from moe_dist.train.optim import lr_lambda
 
 ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "jamba": "JambaForCausalLM"}
@@ -344,14 +342,6 @@ def save_hf_model(model: Decoder, path: str | Path, dtype: Optional[torch.dtype]
 # ----------------------------------------------------------------------------------------------- training checkpoints
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def resolve_checkpoint(path: str | Path) -> Path:
     """A checkpoint directory from itself (RUN_DIR/checkpoints/step_N) or from a run directory (its newest)."""
     path = Path(path)
@@ -409,17 +399,9 @@ def write_initial_checkpoint(model: Decoder, cfg: JobConfig, run_dir: str | Path
             tensors[n] = w.contiguous()
             for moment in MOMENTS:
                 tensors[f"{moment}.{n}"] = torch.zeros_like(w)
-    tmp, final = root / ".step_0.tmp", root / "step_0"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file(tensors, str(tmp / "rank00000.safetensors"))
-    config_text = json.dumps(config_to_dict(cfg), indent=2) + "\n"
-    meta = {"format": FORMAT_VERSION, "step": 0, "adam_step": 0, "lr": cfg.train.lr * lr_lambda(cfg)(0),
-            "layout": {"dp": 1, "ep": 1, "tp": 1}, "files": {"rank00000.safetensors": _sha256(tmp / "rank00000.safetensors")}}
-    (tmp / "config.json").write_text(config_text)
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-    os.replace(tmp, final)
-    (run_dir / "config.json").write_text(config_text)
+    meta = {"adam_step": 0, "lr": cfg.train.lr * lr_lambda(cfg)(0), "layout": {"dp": 1, "ep": 1, "tp": 1}}
+    final = write_whole_checkpoint(root, 0, tensors, meta, cfg)
+    (run_dir / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2) + "\n")
     return final
 
 

@@ -194,6 +194,20 @@ def save_checkpoint(engine, model: nn.Module, scheduler, ckpt_root: Path, step: 
     return final
 
 
+def write_whole_checkpoint(ckpt_root: Path, step: int, tensors: dict[str, torch.Tensor], meta: dict,
+                           cfg: JobConfig) -> Path:
+    """One process holding every tensor (imported weights): the files, manifest and atomic publish of
+    `save_checkpoint`, in one tensor file. `meta` holds the fields besides "format" and "files"."""
+    final, tmp = ckpt_root / f"step_{step}", ckpt_root / f".step_{step}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    _write_tensors(tensors, tmp / "rank00000.safetensors")
+    files = {"rank00000.safetensors": _sha256(tmp / "rank00000.safetensors")}
+    _write_manifest(tmp, {"format": FORMAT_VERSION, "step": step, **meta, "files": files}, cfg)
+    _publish(tmp, final)
+    return final
+
+
 def _adam_step(engine) -> int:
     steps = [int(s["step"]) for s in _inner_optimizer(engine).state.values() if "step" in s]
     return max(steps, default=0)
