@@ -59,3 +59,15 @@ def metrics():
 def port() -> int:
     """A free TCP port on localhost for a launcher's rendezvous."""
     return free_port()
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models: a single thread, as thread-pool hand-offs cost more than these ops (and much more on a
+    loaded 2-core machine)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

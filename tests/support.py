@@ -19,3 +19,8 @@ def console_script(name: str) -> str:
     """The launcher (deepspeed, torchrun, accelerate) installed beside this Python, else the one on PATH."""
     path = Path(sys.executable).with_name(name)
     return str(path) if path.exists() else shutil.which(name)
+
+
+def train_records(records: list[dict]) -> list[dict]:
+    """The per-step training records of a metrics.jsonl (evaluation-only records, e.g. step 0, left out)."""
+    return [r for r in records if "loss" in r]

@@ -15,14 +15,7 @@ from moe_dist.models.decoder import build_model, generate, materialize, sample_n
 
 REPO = Path(__file__).resolve().parents[1]
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: a single thread, as thread-pool hand-offs cost more than these ops (and much more on a
-    loaded 2-core machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 HYBRID = {"mixer_pattern": "AM", "ffn_pattern": "ED", "attention": {"n_heads": 4, "n_kv_heads": 2, "sliding_window": 5}}

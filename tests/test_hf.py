@@ -27,14 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 ATOL = 2e-5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: a single thread, as thread-pool hand-offs cost more than these ops (and much more on a
-    loaded 2-core machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _perturb(model: torch.nn.Module, seed: int) -> None:

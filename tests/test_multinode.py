@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support import console_script, free_port
+from support import console_script, free_port, train_records
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = str(REPO / "launch" / "train.py")
@@ -35,15 +35,11 @@ def netns():
     assert proc.returncode == 0, proc.stderr
 
 
-def _train(records):
-    return [r for r in records if "loss" in r]
-
-
 def test_two_nodes_equal_one_node(tmp_path, netns, run_train, metrics):
     tic = time.perf_counter()
     run_train("torchrun", 4, [*ARGS, "--run-dir", str(tmp_path / "one_node")])  # the quicker launcher
     one_node_s = time.perf_counter() - tic
-    ref = _train(metrics(tmp_path / "one_node"))
+    ref = train_records(metrics(tmp_path / "one_node"))
     assert len(ref) == STEPS
 
     tic = time.perf_counter()
@@ -57,7 +53,7 @@ def test_two_nodes_equal_one_node(tmp_path, netns, run_train, metrics):
     assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
 
     for launcher in ("deepspeed", "torchrun"):
-        got = _train(metrics(tmp_path / "two_nodes" / launcher))
+        got = train_records(metrics(tmp_path / "two_nodes" / launcher))
         assert [r["step"] for r in got] == [r["step"] for r in ref], launcher
         assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in ref], rel=1e-6), launcher
         for g, r in zip(got, ref):

@@ -7,10 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-
-
-def _train(records: list[dict]) -> list[dict]:
-    return [r for r in records if "loss" in r]
+from support import train_records
 
 
 def _checkpoint_tensors(step_dir: Path) -> dict[str, torch.Tensor]:
@@ -26,7 +23,7 @@ def _checkpoint_tensors(step_dir: Path) -> dict[str, torch.Tensor]:
 
 def _same_trajectory(got: list[dict], ref: list[dict], first_step: int = 1) -> None:
     """Per-step losses (rel 1e-5), clipped-gradient norms (rel 1e-4) and global expert load (exact) agree."""
-    got, ref = _train(got), [r for r in _train(ref) if r["step"] >= first_step]
+    got, ref = train_records(got), [r for r in train_records(ref) if r["step"] >= first_step]
     assert [r["step"] for r in got] == [r["step"] for r in ref]
     for g, r in zip(got, ref):
         assert g["loss"] == pytest.approx(r["loss"], rel=1e-5), g["step"]

@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 import torch
+from support import train_records
 
 CONFIG = "configs/debug.json"
 STEPS, SAVE = 8, 4
@@ -16,10 +17,6 @@ MODES = {"capacity": [], "dropless": ["model.moe.capacity_factor=null"]}
 NUM_EXPERTS = 4  # configs/debug.json
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
-
-
-def _train(records):
-    return [r for r in records if "loss" in r]
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +46,7 @@ def test_ep_run_equals_one_process(runs, checkpoint_tensors, same_trajectory, la
     read = runs["read"]
     got_dir, ref_dir = runs[layout], runs[("ref", layout[2])]
     same_trajectory(read(got_dir), read(ref_dir))
-    for r in _train(read(got_dir)):
+    for r in train_records(read(got_dir)):
         assert all(layer["a2a_bytes_per_rank"] > 0 for layer in r["moe"])
     got, ref = checkpoint_tensors(got_dir / f"checkpoints/step_{STEPS}"), checkpoint_tensors(ref_dir / f"checkpoints/step_{STEPS}")
     assert got.keys() == ref.keys()
@@ -75,5 +72,5 @@ def test_checkpoint_reshards_across_ep_sizes(runs, same_trajectory, source, mode
     launcher = "python" if resume_world == 1 else "deepspeed"
     run(launcher, resume_world, ["--config", CONFIG, "--run-dir", str(d), "--resume", "--set", *BASE, *MODES[mode],
                                  f"parallel.ep={resume_ep}", "deepspeed.zero_stage=1"])
-    resumed = [r for r in _train(read(d)) if r["step"] > SAVE]
+    resumed = [r for r in train_records(read(d)) if r["step"] > SAVE]
     same_trajectory(resumed, read(runs[("ref", mode)]), first_step=SAVE + 1)

@@ -6,6 +6,7 @@ import json
 import shutil
 
 import pytest
+from support import train_records
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 CONFIG = "configs/debug.json"
@@ -15,12 +16,8 @@ REQUIRED = {"step", "loss", "lm_loss", "aux_loss", "z_loss", "lr", "grad_norm", 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
-def _train_records(records: list[dict]) -> list[dict]:
-    return [r for r in records if "loss" in r]
-
-
 def _losses(records):
-    return [r["loss"] for r in _train_records(records)]
+    return [r["loss"] for r in train_records(records)]
 
 
 def test_single_process_matches_two_process_deepspeed_for_every_zero_stage(tmp_path, run_train, metrics):
@@ -35,7 +32,7 @@ def test_single_process_matches_two_process_deepspeed_for_every_zero_stage(tmp_p
         got = metrics(run_dir)
         assert _losses(got) == pytest.approx(ref_losses, rel=1e-5, abs=1e-6), f"zero stage {stage}"
         # Expert load is the global count: every assignment of the global batch is counted once.
-        for r in _train_records(got):
+        for r in train_records(got):
             for layer in r["moe"]:
                 assert sum(layer["tokens_per_expert"]) == 8 * 32 * 2  # global batch × seq_len × top_k
 
@@ -44,7 +41,7 @@ def test_deepspeed_two_process_outputs(tmp_path, run_train, metrics):
     run_dir = tmp_path / "run"
     run_train("deepspeed", 2, ["--config", CONFIG, "--run-dir", str(run_dir)])
     records = metrics(run_dir)
-    train = _train_records(records)
+    train = train_records(records)
     assert [r["step"] for r in train] == list(range(1, STEPS + 1))
     for r in train:
         assert REQUIRED <= r.keys(), REQUIRED - r.keys()
@@ -77,7 +74,7 @@ def test_resume_reproduces_uninterrupted_losses(tmp_path, run_train, metrics):
     assert refused.returncode != 0 and "--resume" in refused.stderr
     run_train("deepspeed", 2, [*args, "--resume"])
     resumed = metrics(run_dir)
-    assert [r["step"] for r in _train_records(resumed)] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in train_records(resumed)] == list(range(1, STEPS + 1))
     assert _losses(resumed) == full  # exact: same data, same state, same order of operations
 
 
