@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from moe_dist.config import ConfigError, MoEConfig, load_config
+from moe_dist.train.host import configure_host
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -69,25 +70,6 @@ def peak_gflops(ms: dict) -> float:
     """This machine's dense matmul rate: the median over the timed ("mm", M, K, N) shapes of 2·M·K·N / time."""
     return statistics.median(2 * m * k * n / t / 1e6 for (tag, m, k, n), t in
                              ((key, t) for key, t in ms.items() if isinstance(key, tuple)))
-
-
-def keep_freed_memory() -> None:
-    """glibc malloc: serve every tensor from the heap and never return freed memory to the OS. By default large
-    blocks are mmap'ed and unmapped on free, so every fresh large tensor page-faults on first touch, which on
-    CPU costs as much as the arithmetic on it (jemalloc/tcmalloc do the same job; this needs no extra package)."""
-    import ctypes
-
-    libc = ctypes.CDLL("libc.so.6")
-    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-    libc.mallopt(M_MMAP_THRESHOLD, 1 << 30)
-    libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)
-
-
-def setup_cpu(args) -> None:
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.malloc == "keep" and sys.platform == "linux":
-        keep_freed_memory()
 
 
 def resolve_device(name: str) -> torch.device:
@@ -321,10 +303,9 @@ def bench_step(args) -> dict:
     from moe_dist.train.optim import build_optimizer
 
     cfg = load_config(args.config, args.set)
-    device = resolve_device(args.device)
     t, moe_cfg = cfg.train, cfg.model.moe
-    if device.type == "cpu" and not args.threads:
-        torch.set_num_threads(t.threads or os.cpu_count() or 1)
+    configure_host(args.threads or t.threads or os.cpu_count() or 1, t.flush_denormal, t.cpu_malloc)  # as train does
+    device = resolve_device(args.device)
     dtype = DTYPES[t.dtype]
     try:
         train_tokens, _ = load_tokens(cfg.data, t.seq_len)
@@ -429,10 +410,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     t.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE")
     t.add_argument("--steps", type=int, default=4, help="measured optimizer steps (after one warm-up step)")
     t.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    for sp in (*parsers, s, t):
-        sp.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default / train.threads)")
+    t.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = train.threads, else all cores)")
+    for sp in (*parsers, s):
+        sp.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
         sp.add_argument("--malloc", choices=["keep", "default"], default="keep",
-                        help="keep: glibc keeps freed memory for reuse (no page faults on fresh tensors); default: as is")
+                        help="keep (as train.cpu_malloc): glibc keeps freed memory for reuse, no page faults on fresh "
+                             "tensors; default: glibc as it is")
+        sp.add_argument("--flush-denormal", action=argparse.BooleanOptionalAction, default=True,
+                        help="flush subnormal floats to zero, as train.flush_denormal (default: on)")
     return p.parse_args(argv)
 
 
@@ -445,7 +430,8 @@ def main(argv=None) -> int:
                 raise ConfigError(f"--{key.replace('_', '-')}: must be positive, got {getattr(args, key)}")
         if args.cmd in ("moe", "_moe_mem") and args.top_k > args.experts:
             raise ConfigError(f"--top-k: must be at most --experts={args.experts}, got {args.top_k}")
-        setup_cpu(args)
+        if args.cmd != "step":  # step applies its config's settings
+            configure_host(args.threads, args.flush_denormal, args.malloc)
         if args.cmd == "_moe_mem":
             moe_memory_child(args)
             return 0

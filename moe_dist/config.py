@@ -113,6 +113,8 @@ class TrainConfig:
     histogram_every: int = 10  # TensorBoard histogram period in steps
     image_every: int = 10  # TensorBoard expert-load image period in steps (0 = off)
     threads: int = 0  # torch CPU threads per process (0 = cores / local processes)
+    flush_denormal: bool = True  # CPU: flush subnormal floats to zero (a saturated router's gradients crawl otherwise)
+    cpu_malloc: Literal["keep", "default"] = "keep"  # CPU: keep: glibc keeps freed memory (no page faults on new tensors)
     keep_last: int = 0  # checkpoints kept: after each save all but the newest N are deleted (0 = keep all)
     max_nonfinite_steps: int = 5  # stop after this many optimizer steps in a row skipped for NaN/Inf (0 = never)
     compile: bool = False  # torch.compile norms, attention and dense FFNs in place (MoE and Mamba stay eager)

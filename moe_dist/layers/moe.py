@@ -115,31 +115,29 @@ class Router(nn.Module):
         return Routing(rows_R=rows_R, tokens_per_expert_E=kept_E, weight_A=weight_A, num_tokens=T), stats
 
 
-def _row_of_assignment(rows_R: torch.Tensor, num_assignments: int) -> torch.Tensor:
-    """Inverse of rows_R: the row of every assignment a, or R (a zero pad row) where a was dropped. (A,) int64."""
-    R = rows_R.shape[0]
-    row_A = torch.full((num_assignments,), R, dtype=torch.long, device=rows_R.device)
-    return row_A.index_put_((rows_R,), torch.arange(R, device=rows_R.device))
+def _slots(rows_R: torch.Tensor, num_tokens: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where every assignment's row is: row_KT[k, t] indexes rows_R's order (0 where the assignment was dropped),
+    kept_KT is 1.0 for a kept assignment and 0.0 for a dropped one. (K, T) int64 and (K, T) fp32."""
+    R, dev = rows_R.shape[0], rows_R.device
+    row_A = torch.zeros(top_k * num_tokens, dtype=torch.long, device=dev).index_put_((rows_R,), torch.arange(R, device=dev))
+    kept_A = torch.zeros(top_k * num_tokens, dtype=torch.float32, device=dev).index_fill_(0, rows_R, 1.0)
+    return row_A.view(top_k, num_tokens), kept_A.view(top_k, num_tokens)
 
 
-def _padded(rows_RD: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """rows in `dtype` with one zero row appended (what dropped slots read): one converting copy. (R + 1, D)"""
-    out = torch.empty(rows_RD.shape[0] + 1, rows_RD.shape[1], dtype=dtype, device=rows_RD.device)
-    out[:-1].copy_(rows_RD)
-    out[-1].zero_()
-    return out
+def _sum_slots(rows_RD: torch.Tensor, row_KT: torch.Tensor, scale_KT: torch.Tensor) -> torch.Tensor:
+    """out[t] = Σ_k scale[k, t] · rows[row_KT[k, t]] in the compute dtype (fp32 at least). (T, D).
 
-
-def _sum_slots(rows_RD: torch.Tensor, row_KT: torch.Tensor, scale_KT: Optional[torch.Tensor]) -> torch.Tensor:
-    """out[t] = Σ_k scale[k, t] · rows[row_KT[k, t]] (scale 1 if None; row R reads zeros), in the compute dtype
-    (fp32 at least). (T, D). One gather and one fused multiply-add per top-k slot: gathers instead of a
-    scatter-add (index_put/index_add with repeated indices are serial on CPU), all in one dtype (mixed-dtype
-    elementwise ops convert through temporaries on CPU)."""
-    padded_RD = _padded(rows_RD, torch.promote_types(rows_RD.dtype, torch.float32))
-    out_TD = padded_RD.new_zeros(row_KT.shape[1], rows_RD.shape[1])
-    for k in range(row_KT.shape[0]):  # K ≤ a handful: a loop over slots, never over tokens or experts
-        rows_k = padded_RD.index_select(0, row_KT[k])
-        out_TD.add_(rows_k) if scale_KT is None else out_TD.addcmul_(rows_k, scale_KT[k, :, None])
+    One (T, D) gather, conversion and fused multiply-add per top-k slot: gathers instead of a scatter-add
+    (index_put/index_add with repeated indices are serial on CPU), and no (R, D) temporary in fp32 (converting
+    copies of the routed rows cost more than the arithmetic). A dropped slot reads row 0 with scale 0."""
+    compute = torch.promote_types(rows_RD.dtype, torch.float32)
+    K, T = row_KT.shape
+    if rows_RD.shape[0] == 0:  # every assignment dropped: nothing to gather from
+        return rows_RD.new_zeros(T, rows_RD.shape[1], dtype=compute)
+    scale_KT = scale_KT.to(compute)
+    out_TD = rows_RD.index_select(0, row_KT[0]).to(compute).mul_(scale_KT[0, :, None])
+    for k in range(1, K):  # K ≤ a handful: a loop over slots, never over tokens or experts
+        out_TD.addcmul_(rows_RD.index_select(0, row_KT[k]).to(compute), scale_KT[k, :, None])
     return out_TD
 
 
@@ -156,9 +154,8 @@ class _PermuteRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_RD: torch.Tensor):
         (rows_R,) = ctx.saved_tensors
-        K, T = ctx.top_k, ctx.num_tokens
-        row_KT = _row_of_assignment(rows_R, K * T).view(K, T)
-        return _sum_slots(grad_RD, row_KT, None).to(grad_RD.dtype), None, None
+        row_KT, kept_KT = _slots(rows_R, ctx.num_tokens, ctx.top_k)
+        return _sum_slots(grad_RD, row_KT, kept_KT).to(grad_RD.dtype), None, None
 
 
 class _UnpermuteRows(torch.autograd.Function):
@@ -167,23 +164,26 @@ class _UnpermuteRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y_RD: torch.Tensor, rows_R: torch.Tensor, weight_A: torch.Tensor, num_tokens: int):
         K = weight_A.shape[0] // max(num_tokens, 1)
-        row_KT = _row_of_assignment(rows_R, weight_A.shape[0]).view(K, num_tokens)
-        compute = torch.promote_types(y_RD.dtype, torch.float32)
-        ctx.save_for_backward(y_RD, rows_R, weight_A)
+        row_KT, kept_KT = _slots(rows_R, num_tokens, K)
+        ctx.save_for_backward(y_RD, rows_R, weight_A, row_KT, kept_KT)
         ctx.num_tokens = num_tokens
-        return _sum_slots(y_RD, row_KT, weight_A.to(compute).view(K, num_tokens)).to(y_RD.dtype)
+        return _sum_slots(y_RD, row_KT, weight_A.view(K, num_tokens) * kept_KT).to(y_RD.dtype)
 
     @staticmethod
     def backward(ctx, grad_TD: torch.Tensor):
-        y_RD, rows_R, weight_A = ctx.saved_tensors
+        y_RD, rows_R, weight_A, row_KT, kept_KT = ctx.saved_tensors
         compute = torch.promote_types(y_RD.dtype, torch.float32)
-        grad_RD = grad_TD.to(compute).index_select(0, rows_R % ctx.num_tokens)  # each row's token gradient
         grad_weight_A = None
         if ctx.needs_input_grad[2]:
-            # d out[t] / d weight[a] = y[row(a)]: a row-wise dot product in fp32; dropped slots get 0
-            dot_R = torch.linalg.vecdot(grad_RD, y_RD.to(compute))
-            grad_weight_A = torch.zeros_like(weight_A).index_put_((rows_R,), dot_R.to(weight_A.dtype))
-        grad_y = grad_RD.mul_(weight_A.to(compute).index_select(0, rows_R)[:, None]).to(y_RD.dtype)
+            # d out[t] / d weight[k, t] = y[row(k, t)]: row-wise dot products in fp32, one top-k slot at a time (no
+            # (R, D) fp32 temporaries); dropped slots get 0
+            g_TD = grad_TD.to(compute)
+            dots = [torch.linalg.vecdot(g_TD, y_RD.index_select(0, row_KT[k]).to(compute)) if y_RD.shape[0]
+                    else g_TD.new_zeros(ctx.num_tokens) for k in range(row_KT.shape[0])]
+            grad_weight_A = (torch.stack(dots) * kept_KT).view(-1).to(weight_A.dtype)
+        # each row's token gradient times its weight, in the gradient's dtype (the weight rounded to it once)
+        weight_R = weight_A.index_select(0, rows_R).to(grad_TD.dtype)
+        grad_y = grad_TD.index_select(0, rows_R % ctx.num_tokens).mul_(weight_R[:, None])
         return grad_y, None, grad_weight_A, None
 
 

@@ -27,6 +27,7 @@ from moe_dist.parallel.tensor_parallel import vocab_parallel_lm_loss
 from moe_dist.train.checkpoint import CheckpointMismatch, check_fits, load_checkpoint, save_checkpoint
 from moe_dist.train.data import TokenDataset, load_tokens, micro_batches
 from moe_dist.train.guard import NonFiniteGuard, operation
+from moe_dist.train.host import configure_host
 from moe_dist.train.metrics import MetricsLogger, StepAccumulator
 from moe_dist.train.optim import build_optimizer, deepspeed_config
 from moe_dist.train.resume import complete_checkpoints, prune_checkpoints, select_checkpoint
@@ -170,6 +171,7 @@ def train(cfg: JobConfig, run_dir: Path, resume: bool = False) -> list[dict]:
     ones; start fresh when there is none. So one command line serves the first start and every restart."""
     _check_settings(cfg)
     t = cfg.train
+    configure_host(0, t.flush_denormal, t.cpu_malloc)  # first: before torch starts its thread pool (see host.py)
     train_tokens, val_tokens = load_tokens(cfg.data, t.seq_len)
     _check_vocab(train_tokens, cfg.model.vocab_size, "training split")
     _check_vocab(val_tokens, cfg.model.vocab_size, "validation split")
