@@ -114,6 +114,25 @@ def _moe_fwd_bwd(moe, x, dy):
     return stats
 
 
+def _expert_gemms(moe, x):
+    """The layer's 9 expert GEMMs alone, forward and backward, on rows routed as the layer routes x: the time the
+    layer would take if routing, permutation and the SwiGLU activation cost nothing (its roofline ceiling)."""
+    from moe_dist.layers.moe import grouped_mm
+
+    with torch.no_grad():
+        routing, _ = moe.router(x)
+    counts_E, (w1, w3, w2) = routing.tokens_per_expert_E, (moe.experts.w1, moe.experts.w3, moe.experts.w2)
+    R, (D, Fh) = int(counts_E.sum()), w1.shape[1:]
+    x_RD, h_RF = (torch.randn(R, n, dtype=x.dtype, device=x.device, requires_grad=True) for n in (D, Fh))
+    g_RF, g_RD = (torch.randn(R, n, dtype=x.dtype, device=x.device) for n in (Fh, D))
+
+    def run():
+        outs = [grouped_mm(x_RD, w1, counts_E), grouped_mm(x_RD, w3, counts_E), grouped_mm(h_RF, w2, counts_E)]
+        torch.autograd.grad(outs, [x_RD, h_RF, w1, w3, w2], [g_RF, g_RF, g_RD])
+
+    return run
+
+
 def _rss_mb(field: str) -> float:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) / 1024  # kB → MiB
@@ -142,10 +161,10 @@ def bench_moe(args) -> dict:
     # Peak reference: dense matmuls with all T·K rows as one expert, in the shapes of the forward and both
     # gradient GEMMs of w1/w3 (D → F) and w2 (F → D), timed in turn with the layer.
     rows = T * K
-    fns = {"layer": lambda: _moe_fwd_bwd(moe, x, dy),
+    fns = {"layer": lambda: _moe_fwd_bwd(moe, x, dy), "gemms": _expert_gemms(moe, x.detach()),
            **matmul_fns([(rows, D, Fh), (rows, Fh, D), (D, rows, Fh), (Fh, rows, D)], dtype, device)}
     ms = interleaved_ms(fns, device, args.repeats)
-    fwd_bwd_ms, peak = ms["layer"], peak_gflops(ms)
+    fwd_bwd_ms, gemms_ms, peak = ms["layer"], ms["gemms"], peak_gflops(ms)
     gemm_flops = 3 * 3 * 2 * kept * D * Fh  # 3 expert GEMMs, ×3 for forward + the two backward GEMMs each
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -160,13 +179,16 @@ def bench_moe(args) -> dict:
         mem_note = "peak-RSS rise over one forward+backward in a fresh process (after a warm-up pass)"
     print(f"moe T={T} D={D} F={Fh} E={E} K={K} cf={args.capacity_factor} {args.dtype} on {device}, "
           f"{torch.get_num_threads()} threads, malloc {args.malloc}; "
-          f"kept rows {kept}/{stats.assignments}; peak_mem_mb = {mem_note}")
+          f"kept rows {kept}/{stats.assignments}; gemm_ceiling_fraction = the layer's expert GEMMs alone (same calls "
+          f"and shapes, forward and backward) against the same peak; peak_mem_mb = {mem_note}")
     return {"bench": "moe", "device": str(device), "dtype": args.dtype, "tokens": T, "d_model": D, "d_ff": Fh,
             "experts": E, "top_k": K, "capacity_factor": args.capacity_factor, "kept_rows": kept,
-            "threads": torch.get_num_threads(), "malloc": args.malloc,
+            "threads": torch.get_num_threads(), "malloc": args.malloc, "flush_denormal": args.flush_denormal,
             "fwd_bwd_ms": round(fwd_bwd_ms, 3), "gemm_peak_gflops": round(peak, 1),
             "achieved_gemm_gflops": round(gemm_flops / fwd_bwd_ms / 1e6, 1),
-            "roofline_fraction": round(gemm_flops / fwd_bwd_ms / 1e6 / peak, 4), "peak_mem_mb": round(peak_mem, 2),
+            "roofline_fraction": round(gemm_flops / fwd_bwd_ms / 1e6 / peak, 4),
+            "expert_gemms_ms": round(gemms_ms, 3), "gemm_ceiling_fraction": round(gemm_flops / gemms_ms / 1e6 / peak, 4),
+            "peak_mem_mb": round(peak_mem, 2),
             "weight_grad_mb": round(sum(p.numel() * p.element_size() for p in moe.parameters()) / 2**20, 2)}
 
 

@@ -26,7 +26,8 @@ def last_json(proc: subprocess.CompletedProcess) -> dict:
 def test_moe(dtype, cf):
     out = last_json(run_bench("moe", "--tokens", "64", "--d-model", "32", "--d-ff", "64", "--experts", "4",
                               "--top-k", "2", "--capacity-factor", cf, "--dtype", dtype, "--repeats", "2"))
-    for key in ("fwd_bwd_ms", "gemm_peak_gflops", "roofline_fraction", "peak_mem_mb"):
+    for key in ("fwd_bwd_ms", "gemm_peak_gflops", "roofline_fraction", "expert_gemms_ms", "gemm_ceiling_fraction",
+                "peak_mem_mb"):
         assert out[key] > 0, key
     assert out["dtype"] == dtype and out["tokens"] == 64
     assert 0 < out["kept_rows"] <= 64 * 2
@@ -36,6 +37,16 @@ def test_moe(dtype, cf):
     flops = 3 * 3 * 2 * out["kept_rows"] * 32 * 64
     assert out["roofline_fraction"] == pytest.approx(flops / out["fwd_bwd_ms"] / 1e6 / out["gemm_peak_gflops"],
                                                      rel=0.02)
+    # the ceiling: the same FLOPs over the time of the expert GEMMs alone
+    assert out["gemm_ceiling_fraction"] == pytest.approx(
+        flops / out["expert_gemms_ms"] / 1e6 / out["gemm_peak_gflops"], rel=0.02)
+
+
+def test_moe_host_switches():
+    """--malloc default and --no-flush-denormal run glibc and the FPU as they come; the JSON says so."""
+    out = last_json(run_bench("moe", "--tokens", "32", "--d-model", "16", "--d-ff", "32", "--experts", "2",
+                              "--top-k", "1", "--repeats", "1", "--malloc", "default", "--no-flush-denormal"))
+    assert out["malloc"] == "default" and out["flush_denormal"] is False and out["fwd_bwd_ms"] > 0
 
 
 def test_scan():
