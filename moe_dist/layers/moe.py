@@ -129,7 +129,8 @@ def _sum_slots(rows_RD: torch.Tensor, row_KT: torch.Tensor, scale_KT: torch.Tens
 
     One (T, D) gather, conversion and fused multiply-add per top-k slot: gathers instead of a scatter-add
     (index_put/index_add with repeated indices are serial on CPU), and no (R, D) temporary in fp32 (converting
-    copies of the routed rows cost more than the arithmetic). A dropped slot reads row 0 with scale 0."""
+    copies of the routed rows cost more than the arithmetic). A dropped slot reads row 0 with scale 0 (so an
+    inf in row 0 would reach it as NaN: such a step is non-finite anyway, and the guard skips it)."""
     compute = torch.promote_types(rows_RD.dtype, torch.float32)
     K, T = row_KT.shape
     if rows_RD.shape[0] == 0:  # every assignment dropped: nothing to gather from
