@@ -115,20 +115,20 @@ def _moe_fwd_bwd(moe, x, dy):
 
 
 def _expert_gemms(moe, x):
-    """The layer's 9 expert GEMMs alone, forward and backward, on rows routed as the layer routes x: the time the
-    layer would take if routing, permutation and the SwiGLU activation cost nothing (its roofline ceiling)."""
+    """The layer's expert GEMMs alone (gate+up, down), forward and backward, on rows routed as the layer routes x:
+    the time the layer would take if routing, permutation and the SwiGLU activation cost nothing (its ceiling)."""
     from moe_dist.layers.moe import grouped_mm
 
     with torch.no_grad():
         routing, _ = moe.router(x)
-    counts_E, (w1, w3, w2) = routing.tokens_per_expert_E, (moe.experts.w1, moe.experts.w3, moe.experts.w2)
-    R, (D, Fh) = int(counts_E.sum()), w1.shape[1:]
+    counts_E, w13, w2 = routing.tokens_per_expert_E, moe.experts.w13, moe.experts.w2
+    R, (Fh, D) = int(counts_E.sum()), w2.shape[1:]
     x_RD, h_RF = (torch.randn(R, n, dtype=x.dtype, device=x.device, requires_grad=True) for n in (D, Fh))
-    g_RF, g_RD = (torch.randn(R, n, dtype=x.dtype, device=x.device) for n in (Fh, D))
+    g_R2F, g_RD = (torch.randn(R, n, dtype=x.dtype, device=x.device) for n in (2 * Fh, D))
 
     def run():
-        outs = [grouped_mm(x_RD, w1, counts_E), grouped_mm(x_RD, w3, counts_E), grouped_mm(h_RF, w2, counts_E)]
-        torch.autograd.grad(outs, [x_RD, h_RF, w1, w3, w2], [g_RF, g_RF, g_RD])
+        outs = [grouped_mm(x_RD, w13, counts_E), grouped_mm(h_RF, w2, counts_E)]
+        torch.autograd.grad(outs, [x_RD, h_RF, w13, w2], [g_R2F, g_RD])
 
     return run
 
@@ -165,7 +165,7 @@ def bench_moe(args) -> dict:
            **matmul_fns([(rows, D, Fh), (rows, Fh, D), (D, rows, Fh), (Fh, rows, D)], dtype, device)}
     ms = interleaved_ms(fns, device, args.repeats)
     fwd_bwd_ms, gemms_ms, peak = ms["layer"], ms["gemms"], peak_gflops(ms)
-    gemm_flops = 3 * 3 * 2 * kept * D * Fh  # 3 expert GEMMs, ×3 for forward + the two backward GEMMs each
+    gemm_flops = 3 * 3 * 2 * kept * D * Fh  # gate, up, down (D·F each), ×3 for forward + the two backward GEMMs
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)

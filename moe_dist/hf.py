@@ -10,7 +10,8 @@ transformers version loads (its own `save_pretrained` writes them too):
              feed_forward.{gate,up,down}_proj | feed_forward.router, feed_forward.experts.e.{gate,up,down}_proj},
              model.final_layernorm
 
-Our experts are stacked (E, D, F) / (E, F, D): the transposes of Hugging Face's per-expert Linear weights.
+Our experts are stacked (E, D, 2F) / (E, F, D): the transposes of Hugging Face's per-expert Linear weights, with
+the gate and up projections side by side in one w13 = [w1 | w3].
 Imported models are dropless (`capacity_factor: null`), as Hugging Face's MoE blocks are, so logits match.
 Nothing here imports transformers: reading and writing the format only needs safetensors.
 
@@ -197,7 +198,8 @@ def config_to_hf(cfg: ModelConfig, template: Optional[dict] = None) -> dict:
 
 
 def _hf_names(kind: str, name: str, num_experts: int) -> list[str]:
-    """Hugging Face tensor names of our parameter `name`: one name, or one per expert for stacked experts."""
+    """Hugging Face tensor names of our parameter `name`: one name, or one per expert for stacked experts (for the
+    fused w13, all gate names, then all up names: the halves of its last dim)."""
     top = {"embed.weight": "model.embed_tokens.weight", "head.weight": "lm_head.weight",
            "norm.weight": "model.norm.weight" if kind == "mixtral" else "model.final_layernorm.weight"}
     if name in top:
@@ -205,14 +207,15 @@ def _hf_names(kind: str, name: str, num_experts: int) -> list[str]:
     _, layer, rest = name.split(".", 2)  # blocks.<i>.<rest>
     prefix = f"model.layers.{layer}."
     if kind == "mixtral":
-        moe, experts = "block_sparse_moe.gate.weight", {"w1": "w1", "w3": "w3", "w2": "w2"}
+        moe, hf_ffn = "block_sparse_moe.gate.weight", {"w1": "w1", "w3": "w3", "w2": "w2"}
         ffn_norm, dense = "post_attention_layernorm.weight", {}
         moe_prefix = "block_sparse_moe.experts"
     else:
-        moe, experts = "feed_forward.router.weight", {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+        moe, hf_ffn = "feed_forward.router.weight", {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
         ffn_norm = "pre_ff_layernorm.weight"
-        dense = {f"ffn.{ours}.weight": f"feed_forward.{hf}.weight" for ours, hf in experts.items()}
+        dense = {f"ffn.{ours}.weight": f"feed_forward.{hf}.weight" for ours, hf in hf_ffn.items()}
         moe_prefix = "feed_forward.experts"
+    experts = {"w13": [hf_ffn["w1"], hf_ffn["w3"]], "w2": [hf_ffn["w2"]]}
     simple = {"mixer_norm.weight": "input_layernorm.weight", "ffn_norm.weight": ffn_norm, "ffn.router.weight": moe,
               **{f"mixer.w{x}.weight": f"self_attn.{x}_proj.weight" for x in "qkvo"},
               **{f"mixer.{p}": f"mamba.{p}" for p in _MAMBA_PARAMS},
@@ -220,8 +223,8 @@ def _hf_names(kind: str, name: str, num_experts: int) -> list[str]:
     if rest in simple:
         return [prefix + simple[rest]]
     if rest.startswith("ffn.experts."):
-        w = experts[rest.rsplit(".", 1)[1]]
-        return [f"{prefix}{moe_prefix}.{e}.{w}.weight" for e in range(num_experts)]
+        return [f"{prefix}{moe_prefix}.{e}.{w}.weight" for w in experts[rest.rsplit(".", 1)[1]]
+                for e in range(num_experts)]
     raise HFConfigError(f"{name}: no Hugging Face {kind} counterpart")
 
 
@@ -282,7 +285,11 @@ def load_hf_model(path: str | Path, dtype: Optional[torch.dtype] = torch.float32
 
     def read(name: str) -> torch.Tensor:
         names = _hf_names(hf["model_type"], name, cfg.moe.num_experts)
-        return torch.stack([get(n).t() for n in names]) if _is_experts(name) else get(names[0])
+        if not _is_experts(name):
+            return get(names[0])
+        E = cfg.moe.num_experts
+        parts = [torch.stack([get(n).t() for n in names[i:i + E]]) for i in range(0, len(names), E)]
+        return torch.cat(parts, dim=2)  # w13: [gate | up]
 
     model = _assign(build_model(cfg, "meta"), read, str(path), dtype)
     unused = sorted(set(index) - used - ({"lm_head.weight"} if cfg.tie_embeddings else set()))
@@ -309,7 +316,8 @@ def save_hf_model(model: Decoder, path: str | Path, dtype: Optional[torch.dtype]
             if t.shape[0] != cfg.moe.num_experts:
                 raise HFConfigError(f"{name}: holds {t.shape[0]} of {cfg.moe.num_experts} experts (expert-parallel "
                                     "slice); export a checkpoint, which holds them all")
-            tensors.update({n: w.t().contiguous() for n, w in zip(names, t.unbind(0))})
+            halves = t.chunk(len(names) // t.shape[0], dim=2)  # w13: [gate | up]; w2: itself
+            tensors.update({n: w.t().contiguous() for n, w in zip(names, (w for h in halves for w in h.unbind(0)))})
         else:
             tensors[names[0]] = t.contiguous()
     hf["torch_dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.")

@@ -245,7 +245,7 @@ def test_converted_checkpoint_resumes_training(jamba, tmp_path):
     lr0 = t.lr / t.warmup_steps  # the schedule's factor at step 0
     # Adam's first step moves every weight with a gradient by lr·g/(|g| + eps) ≈ lr; stale moments or a
     # wrong step count would shrink or scale it (e.g. ~0.45·lr if the bias correction thought it was late).
-    for name in ("embed.weight", "blocks.0.mixer.in_proj.weight", "blocks.1.ffn.experts.w1"):
+    for name in ("embed.weight", "blocks.0.mixer.in_proj.weight", "blocks.1.ffn.experts.w13"):
         w0, w1 = before.get_parameter(name).detach(), after.get_parameter(name).detach()
         ratio = (w1 - w0).abs()[(w1 - w0) != 0] / lr0
         assert ratio.numel() > 0 and ratio.max() <= 1 + 1e-4, name

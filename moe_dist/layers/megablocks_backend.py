@@ -1,7 +1,7 @@
 """MegaBlocks expert backend (`model.moe.backend = "megablocks"`): the expert GEMMs run on MegaBlocks' grouped GEMM.
 
 Only the expert computation changes: routing, capacity, drops, aux/z losses and the dispatcher stay ours, so
-DESIGN.md §5 holds unchanged and the parameters (w1, w3: (E, D, F); w2: (E, F, D)), checkpoints and expert
+DESIGN.md §5 holds unchanged and the parameters (w13 = [w1 | w3]: (E, D, 2F); w2: (E, F, D)), checkpoints and expert
 parallelism are those of the native backend. MegaBlocks' `dMoE` layer is not used: its router, load-balancing
 loss and dropless-only dispatch have other semantics. MegaBlocks needs CUDA (and pins its own torch), so this
 backend is chosen explicitly and refused with a one-line error where it cannot run.
@@ -15,9 +15,9 @@ import importlib
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from moe_dist.config import ConfigError
+from moe_dist.layers.mlp import gated_silu
 
 
 def megablocks_unavailable() -> Optional[str]:
@@ -40,11 +40,10 @@ def check_megablocks() -> None:
         raise ConfigError(f"model.moe.backend='megablocks': not usable here: {why}; use 'native'")
 
 
-def megablocks_swiglu(x_RD: torch.Tensor, w1_EDF: torch.Tensor, w3_EDF: torch.Tensor, w2_EFD: torch.Tensor,
+def megablocks_swiglu(x_RD: torch.Tensor, w13_ED2F: torch.Tensor, w2_EFD: torch.Tensor,
                       rows_per_expert_E: torch.Tensor) -> torch.Tensor:
     """SwiGLU experts over expert-sorted rows with MegaBlocks' grouped GEMM (`grouped_gemm.ops.gmm`, autograd
     included): (R, D) → (R, D), bf16 on CUDA. gmm(a, b, sizes) multiplies row group e of a by b[e]."""
     gmm = importlib.import_module("megablocks.grouped_gemm_util").ops.gmm
     sizes_E = rows_per_expert_E.to("cpu", torch.int64)  # grouped_gemm takes the group sizes on the host
-    h_RF = F.silu(gmm(x_RD, w1_EDF, sizes_E)) * gmm(x_RD, w3_EDF, sizes_E)
-    return gmm(h_RF, w2_EFD, sizes_E)
+    return gmm(gated_silu(gmm(x_RD, w13_ED2F, sizes_E)), w2_EFD, sizes_E)

@@ -1,10 +1,37 @@
-"""Dense SwiGLU feed-forward block (Shazeer 2020), the FFN of non-MoE layers."""
+"""Dense SwiGLU feed-forward block (Shazeer 2020), the FFN of non-MoE layers, and the gated activation over a
+fused [gate | up] projection that the experts use."""
 
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+class _GatedSiLU(torch.autograd.Function):
+    """silu(a) · b over the halves of one (rows, 2F) tensor [a | b]; the backward writes both halves' gradients
+    into one (rows, 2F) tensor (autograd's chunk backward would concatenate two) and saves only the input."""
+
+    @staticmethod
+    def forward(ctx, ab: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(ab)
+        half = ab.shape[-1] // 2
+        return F.silu(ab[..., :half]).mul_(ab[..., half:])
+
+    @staticmethod
+    def backward(ctx, grad_h: torch.Tensor) -> torch.Tensor:
+        (ab,) = ctx.saved_tensors
+        half = ab.shape[-1] // 2
+        a, b = ab[..., :half], ab[..., half:]
+        grad_ab = torch.empty_like(ab)
+        torch.mul(grad_h, F.silu(a), out=grad_ab[..., half:])
+        torch.ops.aten.silu_backward.grad_input(grad_h * b, a, grad_input=grad_ab[..., :half])
+        return grad_ab
+
+
+def gated_silu(ab: torch.Tensor) -> torch.Tensor:
+    """silu(gate) · up of a fused (..., 2F) projection [gate | up] → (..., F)."""
+    return _GatedSiLU.apply(ab)
 
 
 class SwiGLU(nn.Module):

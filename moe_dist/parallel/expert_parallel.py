@@ -50,9 +50,9 @@ def apply_ep(model: nn.Module, mesh: Mesh) -> nn.Module:
         if not isinstance(module, MoE):
             continue
         experts = module.experts
-        num_experts = experts.w1.shape[0]
+        num_experts = experts.w13.shape[0]
         local = num_experts // mesh.ep
-        for name in ("w1", "w3", "w2"):
+        for name in ("w13", "w2"):
             full = getattr(experts, name)
             shard = nn.Parameter(torch.empty((local, *full.shape[1:]), device=full.device, dtype=full.dtype))
             shard.allreduce = False  # DeepSpeed: reduce over the expert-data-parallel group only

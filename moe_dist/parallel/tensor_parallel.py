@@ -167,8 +167,7 @@ def _swiglu(ffn: SwiGLU, mesh: Mesh, b: _Boundaries) -> None:
 
 def _moe(moe: MoE, mesh: Mesh, b: _Boundaries) -> None:
     experts = moe.experts
-    _shard_param(experts, "w1", 2, mesh)  # (E, D, F): F split
-    _shard_param(experts, "w3", 2, mesh)
+    _shard_param(experts, "w13", 2, mesh, parts=2)  # (E, D, 2F) = [w1 | w3]: each half's F split
     _shard_param(experts, "w2", 1, mesh)  # (E, F, D)
     _region(moe, b)
     group, scale = mesh.tp_group, 1.0 / mesh.tp

@@ -1,7 +1,7 @@
 """Layout-independent, atomic, verified checkpoints: RUN_DIR/checkpoints/step_N/.
 
 Contents: `rankNNNNN.safetensors` files holding every parameter exactly once under its global name, experts
-split out by global index (`blocks.0.ffn.experts.w1.5`), each with its AdamW moments (`exp_avg.<name>`,
+split out by global index (`blocks.0.ffn.experts.w13.5`), each with its AdamW moments (`exp_avg.<name>`,
 `exp_avg_sq.<name>`), all fp32; `meta.json` (step, Adam step count, learning rate, layout it was written
 at, skipped-step count, the data identity, sha256 of every file) and `config.json`. Nothing is pickled:
 tensors are read with safetensors (a JSON header and raw bytes), metadata with `json`, so loading runs no

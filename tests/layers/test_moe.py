@@ -245,7 +245,7 @@ def hand_moe(policy, renormalize, capacity_factor, logits):
 
 def expected_output(moe, x, kept, renormalize, choice):
     """kept: list of (t, k) written down by hand; weights from math.exp."""
-    w1, w3, w2 = (p.detach() for p in (moe.experts.w1, moe.experts.w3, moe.experts.w2))
+    w1, w3, w2 = (p.detach() for p in (*moe.experts.gate_up(), moe.experts.w2))
     out = torch.zeros(x.shape, dtype=F64)
     for t, k in kept:
         p = softmax_row(x[t].tolist())
@@ -308,7 +308,7 @@ def test_zero_capacity_drops_everything_and_backward_works():
     out, stats = moe(x)
     assert stats.dropped.item() == 10.0 and torch.equal(out.detach(), torch.zeros(5, 16))
     (out.sum() + stats.aux_loss).backward()
-    for w in (moe.experts.w1, moe.experts.w2, moe.experts.w3):
+    for w in (moe.experts.w13, moe.experts.w2):
         assert w.grad is not None and torch.equal(w.grad, torch.zeros_like(w))
 
 
@@ -321,8 +321,9 @@ def test_single_expert_top1_equals_dense_swiglu(d_model, d_ff, dtype, tol, capac
     moe = build_moe(d_model, d_ff, dtype, seed=1, num_experts=1, top_k=1, capacity_factor=capacity_factor)
     dense = SwiGLU(d_model, d_ff, init_std=0.02, n_layers=2).to(dtype)
     with torch.no_grad():
-        dense.w1.weight.copy_(moe.experts.w1[0].T)
-        dense.w3.weight.copy_(moe.experts.w3[0].T)
+        w1, w3 = moe.experts.gate_up()
+        dense.w1.weight.copy_(w1[0].T)
+        dense.w3.weight.copy_(w3[0].T)
         dense.w2.weight.copy_(moe.experts.w2[0].T)
     x = torch.randn(2, 9, d_model, dtype=dtype)
     g = torch.randn(2, 9, d_model, dtype=dtype)
@@ -334,8 +335,9 @@ def test_single_expert_top1_equals_dense_swiglu(d_model, d_ff, dtype, tol, capac
     (out_m * g).sum().backward()
     (out_d * g).sum().backward()
     torch.testing.assert_close(xm.grad, xd.grad, rtol=tol, atol=tol)
-    torch.testing.assert_close(moe.experts.w1.grad[0], dense.w1.weight.grad.T, rtol=tol, atol=tol)
-    torch.testing.assert_close(moe.experts.w3.grad[0], dense.w3.weight.grad.T, rtol=tol, atol=tol)
+    w1_grad, w3_grad = moe.experts.w13.grad[0].chunk(2, dim=1)  # [gate | up]
+    torch.testing.assert_close(w1_grad, dense.w1.weight.grad.T, rtol=tol, atol=tol)
+    torch.testing.assert_close(w3_grad, dense.w3.weight.grad.T, rtol=tol, atol=tol)
     torch.testing.assert_close(moe.experts.w2.grad[0], dense.w2.weight.grad.T, rtol=tol, atol=tol)
     # one expert: softmax is identically 1, so the router gets no gradient from the output
     assert torch.equal(moe.router.weight.grad, torch.zeros_like(moe.router.weight))
@@ -365,7 +367,7 @@ def check_against_naive(moe, x_shape, seed, tol, force_expert=None, expect_drops
     ref = {n: p.detach().to(F64).clone().requires_grad_(True) for n, p in moe.named_parameters()}
     xr = x64.clone().requires_grad_(True)
     out_r, aux_r, z_r, counts_r, kept_r, cap = naive_moe(
-        xr.reshape(-1, x_shape[-1]), ref["router.weight"], ref["experts.w1"], ref["experts.w3"], ref["experts.w2"], cfg)
+        xr.reshape(-1, x_shape[-1]), ref["router.weight"], *ref["experts.w13"].chunk(2, dim=2), ref["experts.w2"], cfg)
     ((out_r.view(x_shape) * up).sum() + AUX_C * aux_r + Z_C * z_r).backward()
 
     xm = x64.to(dtype).requires_grad_(True)
@@ -389,7 +391,7 @@ def check_against_naive(moe, x_shape, seed, tol, force_expert=None, expect_drops
         assert p.grad is not None, n
         torch.testing.assert_close(p.grad.double(), ref[n].grad, rtol=tol, atol=tol, msg=n)
     for e in expect_idle:  # experts that got no token: zero gradients, not garbage
-        for w in (moe.experts.w1, moe.experts.w3, moe.experts.w2):
+        for w in (moe.experts.w13, moe.experts.w2):
             assert torch.equal(w.grad[e], torch.zeros_like(w.grad[e]))
 
 
@@ -432,8 +434,8 @@ def test_grouped_matches_naive_loop(path_spy, name, cfg_kw, lead_shape, drops, d
     moe = build_moe(d_model, d_ff, dtype, seed=5, router_scale=0.7, **cfg_kw)
     check_against_naive(moe, (*lead_shape, d_model), seed=11, tol=tol, expect_drops=drops)
     answers, calls = path_spy
-    assert len(answers) == 3 and all(a == uses_gmm for a in answers)  # w1, w3, w2
-    assert len(calls) == (3 if uses_gmm else 0)
+    assert len(answers) == 2 and all(a == uses_gmm for a in answers)  # w13 (gate and up fused), w2
+    assert len(calls) == (2 if uses_gmm else 0)
 
 
 @pytest.mark.parametrize("d_model, d_ff, dtype, tol, uses_gmm", PATHS, ids=["fallback_fp64", "grouped_mm_fp32"])
@@ -453,7 +455,7 @@ def test_all_tokens_to_one_expert(path_spy, cfg_kw, drops, d_model, d_ff, dtype,
     idle = (0, 1, 3) if cfg_kw["top_k"] == 1 else (0, 1)
     check_against_naive(moe, (4, 5, d_model), seed=12, tol=tol, force_expert=2, expect_drops=drops, expect_idle=idle)
     answers, calls = path_spy
-    assert all(a == uses_gmm for a in answers) and len(calls) == (3 if uses_gmm else 0)
+    assert all(a == uses_gmm for a in answers) and len(calls) == (2 if uses_gmm else 0)
 
 
 @pytest.mark.parametrize("d_in, d_out, dtype, uses_gmm", [(7, 5, F64, False), (16, 8, torch.float32, True)])
@@ -520,13 +522,14 @@ def test_meta_build_materialize_init():
     with torch.device("meta"):
         moe = MoE(32, 999, cfg, init_std=0.02, n_layers=2)
     assert all(p.is_meta for p in moe.parameters())
-    assert moe.experts.w1.shape == (4, 32, 64) and moe.experts.w2.shape == (4, 64, 32)  # moe.d_ff overrides d_ff
+    assert moe.experts.w13.shape == (4, 32, 128) and moe.experts.w2.shape == (4, 64, 32)  # moe.d_ff overrides d_ff
     assert moe.router.weight.shape == (4, 32)
     moe.to_empty(device="cpu")
     torch.manual_seed(0)
     moe.init_weights()
     assert not any(p.is_meta for p in moe.parameters())
-    assert 0.017 < moe.experts.w1.std() < 0.023 and 0.017 < moe.experts.w3.std() < 0.023
+    w1, w3 = moe.experts.gate_up()
+    assert 0.017 < w1.std() < 0.023 and 0.017 < w3.std() < 0.023
     assert 0.0085 < moe.experts.w2.std() < 0.0115  # init_std / sqrt(2 * n_layers) = 0.01
     assert 0.014 < moe.router.weight.std() < 0.026
     x = torch.randn(2, 6, 32, requires_grad=True)
@@ -661,3 +664,26 @@ def test_megablocks_backend_matches_native(capacity_factor):
     for mb, nat, ref in zip(results["megablocks"], results["native"], results["fp32"]):
         bound = 2 * (nat - ref).abs().max().item() + 1e-3
         assert (mb - ref).abs().max().item() <= bound
+
+
+# ------------------------------------------------------------------------- fused gate/up activation
+
+
+@pytest.mark.parametrize("shape, dtype, tol", [((7, 10), F64, 1e-12), ((2, 3, 16), torch.bfloat16, 2e-2),
+                                               ((0, 8), torch.float32, 0)])
+def test_gated_silu_matches_autograd_of_silu_times_up(shape, dtype, tol):
+    """gated_silu([a | b]) = silu(a) · b, and its hand-written backward equals autograd's through the two halves."""
+    from moe_dist.layers.mlp import gated_silu
+
+    g = torch.Generator().manual_seed(3)
+    ab = torch.randn(shape, generator=g, dtype=F64).to(dtype)
+    grad_h = torch.randn(*shape[:-1], shape[-1] // 2, generator=g, dtype=F64).to(dtype)
+    got_in, ref_in = ab.clone().requires_grad_(), ab.clone().requires_grad_()
+    got = gated_silu(got_in)
+    a, b = ref_in.chunk(2, dim=-1)
+    ref = F.silu(a) * b
+    got.backward(grad_h)
+    ref.backward(grad_h)
+    assert got.shape == ref.shape and got.dtype == dtype
+    torch.testing.assert_close(got.double(), ref.double(), rtol=tol, atol=tol)
+    torch.testing.assert_close(got_in.grad.double(), ref_in.grad.double(), rtol=tol, atol=tol)

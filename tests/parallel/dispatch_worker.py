@@ -49,7 +49,7 @@ def main(out_dir: str, scenario: str) -> None:
     out, stats = moe(x)
     (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
     tensors = {"out": out.detach(), "x_grad": x.grad, "router_grad": moe.router.weight.grad,
-               **{f"{n}_grad": getattr(moe.experts, n).grad for n in ("w1", "w2", "w3")}}
+               **{f"{n}_grad": getattr(moe.experts, n).grad for n in ("w13", "w2")}}
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(Path(out_dir) / f"rank{mesh.rank}.safetensors"))
     dist.barrier()
     dist.destroy_process_group()

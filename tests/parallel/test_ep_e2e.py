@@ -54,7 +54,7 @@ def test_ep_run_equals_one_process(runs, checkpoint_tensors, same_trajectory, la
         # fp32 tolerance relative to the tensor's scale: summation order differs between layouts
         scale = ref[name].abs().max().item()
         torch.testing.assert_close(got[name], ref[name], rtol=1e-5, atol=1e-4 * scale, msg=name)
-    experts = sorted(k for k in got if re.fullmatch(r"blocks\.\d+\.ffn\.experts\.w1\.\d+", k))
+    experts = sorted(k for k in got if re.fullmatch(r"blocks\.\d+\.ffn\.experts\.w13\.\d+", k))
     assert len(experts) == 2 * NUM_EXPERTS  # two MoE layers, every expert once under its global index
 
 
