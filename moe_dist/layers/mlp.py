@@ -9,22 +9,24 @@ from torch import nn
 
 
 class _GatedSiLU(torch.autograd.Function):
-    """silu(a) · b over the halves of one (rows, 2F) tensor [a | b]; the backward writes both halves' gradients
-    into one (rows, 2F) tensor (autograd's chunk backward would concatenate two) and saves only the input."""
+    """silu(a) · b over the halves of one (rows, 2F) tensor [a | b]. Saves what autograd would (the input and
+    silu(a)), but the backward writes both halves' gradients into one (rows, 2F) tensor, where autograd's chunk
+    backward would concatenate two (a whole extra pass over the GEMM output)."""
 
     @staticmethod
     def forward(ctx, ab: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(ab)
         half = ab.shape[-1] // 2
-        return F.silu(ab[..., :half]).mul_(ab[..., half:])
+        silu_a = F.silu(ab[..., :half])
+        ctx.save_for_backward(ab, silu_a)
+        return silu_a * ab[..., half:]
 
     @staticmethod
     def backward(ctx, grad_h: torch.Tensor) -> torch.Tensor:
-        (ab,) = ctx.saved_tensors
+        ab, silu_a = ctx.saved_tensors
         half = ab.shape[-1] // 2
         a, b = ab[..., :half], ab[..., half:]
         grad_ab = torch.empty_like(ab)
-        torch.mul(grad_h, F.silu(a), out=grad_ab[..., half:])
+        torch.mul(grad_h, silu_a, out=grad_ab[..., half:])
         torch.ops.aten.silu_backward.grad_input(grad_h * b, a, grad_input=grad_ab[..., :half])
         return grad_ab
 
