@@ -179,10 +179,12 @@ class _UnpermuteRows(torch.autograd.Function):
         if ctx.needs_input_grad[2]:
             # d out[t] / d weight[k, t] = y[row(k, t)]: row-wise dot products in fp32, one top-k slot at a time (no
             # (R, D) fp32 temporaries); dropped slots get 0
-            g_TD = grad_TD.to(compute)
-            dots = [torch.linalg.vecdot(g_TD, y_RD.index_select(0, row_KT[k]).to(compute)) if y_RD.shape[0]
-                    else g_TD.new_zeros(ctx.num_tokens) for k in range(row_KT.shape[0])]
-            grad_weight_A = (torch.stack(dots) * kept_KT).view(-1).to(weight_A.dtype)
+            grad_weight_A = torch.zeros_like(weight_A)
+            if y_RD.shape[0]:  # else every assignment was dropped: all zero
+                g_TD = grad_TD.to(compute)
+                dots = [torch.linalg.vecdot(g_TD, y_RD.index_select(0, row_KT[k]).to(compute))
+                        for k in range(row_KT.shape[0])]
+                grad_weight_A = (torch.stack(dots) * kept_KT).view(-1).to(weight_A.dtype)
         # each row's token gradient times its weight, in the gradient's dtype (the weight rounded to it once)
         weight_R = weight_A.index_select(0, rows_R).to(grad_TD.dtype)
         grad_y = grad_TD.index_select(0, rows_R % ctx.num_tokens).mul_(weight_R[:, None])
