@@ -6,7 +6,7 @@
 
 Each prints readable lines, then one JSON object as the last stdout line. Speeds are ratios measured in the
 same run (DESIGN.md §7): achieved FLOP/s against this machine's own dense-matmul rate for the dtype, and the
-scan against its sequential reference. Timings are medians over repeats; the first calls are warm-up.
+scan against its sequential reference and against the chunked PyTorch scan. Timings are medians over repeats; the first calls are warm-up.
 `--device auto` (the default) takes CUDA when present; CUDA timings synchronize around each measured call.
 Bad input → one `error:` line and exit status 2.
 """
@@ -197,9 +197,13 @@ def bench_moe(args) -> dict:
 
 def bench_scan(args) -> dict:
     from moe_dist.kernels.reference import selective_scan_ref
-    from moe_dist.layers.scan import selective_scan
+    from moe_dist.layers.mamba import select_scan
 
     device = resolve_device(args.device)
+    try:
+        scan, chunked = select_scan(args.impl, args.chunk_size), select_scan("torch", args.chunk_size)
+    except ValueError as err:
+        raise ConfigError(f"--impl {args.impl}: {err}") from None
     Bt, L, Dm, N = args.batch, args.seq, args.dim, args.state
     g = torch.Generator(device="cpu").manual_seed(0)
 
@@ -212,19 +216,21 @@ def bench_scan(args) -> dict:
     inputs = (u, delta, A, B, C, Dskip, z, bias)
     dy = torch.randn(Bt, Dm, L, generator=g).to(device)
 
-    def run(fn, **kw):
-        y = fn(*inputs, delta_softplus=True, **kw)
+    def run(fn):
+        y = fn(*inputs, delta_softplus=True)
         torch.autograd.grad(y, inputs, dy)
 
-    fast_ms = interleaved_ms({"scan": lambda: run(selective_scan, chunk_size=args.chunk_size)}, device,
-                             args.repeats)["scan"]
+    ms = interleaved_ms({"scan": lambda: run(scan), "chunked": lambda: run(chunked)}, device, args.repeats)
     # no warm-up for the reference: one call takes minutes at training sizes (its autograd graph has a node per
     # timestep, and the backward of each timestep's slice materializes a whole (B, D, L, N) gradient)
     ref_ms = interleaved_ms({"ref": lambda: run(selective_scan_ref)}, device, args.ref_repeats, warmup=0)["ref"]
-    print(f"scan B={Bt} L={L} D={Dm} N={N} fp32 on {device}: chunked (chunk {args.chunk_size}) vs sequential reference")
+    print(f"scan B={Bt} L={L} D={Dm} N={N} fp32 on {device}: model.mamba.impl={args.impl!r} and the chunked "
+          f"PyTorch scan (chunk {args.chunk_size}) vs the sequential reference")
     return {"bench": "scan", "device": str(device), "batch": Bt, "seq": L, "dim": Dm, "state": N,
-            "chunk_size": args.chunk_size, "fwd_bwd_ms": round(fast_ms, 3), "reference_ms": round(ref_ms, 3),
-            "speedup": round(ref_ms / fast_ms, 2)}
+            "impl": args.impl, "chunk_size": args.chunk_size, "fwd_bwd_ms": round(ms["scan"], 3),
+            "chunked_ms": round(ms["chunked"], 3), "speedup_vs_chunked": round(ms["chunked"] / ms["scan"], 2),
+            "reference_ms": round(ref_ms, 3), "speedup": round(ref_ms / ms["scan"], 2),
+            "malloc": args.malloc, "flush_denormal": args.flush_denormal}
 
 
 # ----------------------------------------------------------------------------------------------- step
@@ -423,6 +429,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     s.add_argument("--seq", type=int, required=True)
     s.add_argument("--dim", type=int, required=True)
     s.add_argument("--state", type=int, required=True)
+    s.add_argument("--impl", choices=["auto", "torch", "triton", "cpu"], default="auto",
+                   help="model.mamba.impl of the scan timed (auto: the compiled CPU kernel on CPU, Triton on CUDA)")
     s.add_argument("--chunk-size", type=int, default=16, help="model.mamba.chunk_size of the chunked scan")
     s.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     s.add_argument("--repeats", type=int, default=5)

@@ -41,8 +41,8 @@ class MambaConfig:
     conv_bias: bool = True  # bias in the depthwise conv1d
     proj_bias: bool = False  # bias in in_proj / out_proj
     inner_norms: bool = False  # Jamba's RMSNorms on Δ, B and C after x_proj
-    chunk_size: int = 16  # scan chunk length of the parallel (training) scan (16 is fastest on CPU)
-    impl: Literal["auto", "torch", "triton"] = "auto"  # scan kernel choice
+    chunk_size: int = 16  # chunk length of the chunked PyTorch scan (impl "torch", or fp64; 16 is fastest on CPU)
+    impl: Literal["auto", "torch", "triton", "cpu"] = "auto"  # scan kernel choice (cpu: the compiled C++ kernel)
 
 
 @dataclass

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = str(REPO / "launch" / "bench.py")
@@ -49,11 +50,24 @@ def test_moe_host_switches():
     assert out["malloc"] == "default" and out["flush_denormal"] is False and out["fwd_bwd_ms"] > 0
 
 
-def test_scan():
-    out = last_json(run_bench("scan", "--batch", "1", "--seq", "40", "--dim", "8", "--state", "4", "--repeats", "2"))
-    for key in ("fwd_bwd_ms", "reference_ms", "speedup"):
+@pytest.mark.parametrize("impl", ["auto", "cpu", "torch"])
+def test_scan(impl):
+    out = last_json(run_bench("scan", "--batch", "1", "--seq", "40", "--dim", "8", "--state", "4", "--repeats", "2",
+                              "--impl", impl))
+    assert out["impl"] == impl
+    for key in ("fwd_bwd_ms", "chunked_ms", "reference_ms", "speedup", "speedup_vs_chunked"):
         assert out[key] > 0, key
     assert out["speedup"] == pytest.approx(out["reference_ms"] / out["fwd_bwd_ms"], rel=0.02)
+    assert out["speedup_vs_chunked"] == pytest.approx(out["chunked_ms"] / out["fwd_bwd_ms"], rel=0.02)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the Triton scan can run here")
+def test_scan_impl_that_cannot_run_is_a_one_line_error():
+    done = run_bench("scan", "--batch", "1", "--seq", "4", "--dim", "2", "--state", "2", "--impl", "triton",
+                     expect_rc=2)
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --impl triton: model.mamba.impl='triton': "), lines
+    assert not done.stdout.strip()
 
 
 def test_step():

@@ -1,15 +1,18 @@
-"""The one place that turns a kernel choice, "auto" | "torch" | "triton", into a function (DESIGN.md §4.6).
+"""The one place that turns a kernel choice, "auto" | "torch" | "triton" (| "cpu"), into a function (DESIGN.md §4.6).
 
 - "torch": the PyTorch path the layer names (SDPA, the chunked scan, index ops).
 - "triton": the Triton kernel from `moe_dist.kernels`; a one-line ValueError naming the config key where it
   cannot run (triton not installed, or no CUDA device and no TRITON_INTERPRET=1), and again at call time for
   tensors on a device it cannot use.
-- "auto": the Triton kernel for CUDA tensors it supports, the PyTorch path for everything else. On a machine
-  without CUDA (or without triton) that is the PyTorch function itself, so CPU runs never import triton.
+- "cpu", for layers that have a compiled CPU kernel (`CpuKernel`; the selective scan): that kernel, with the
+  same one-line errors where it cannot be built (no C++ compiler) or cannot take the tensors.
+- "auto": the Triton kernel for CUDA tensors it supports, the CPU kernel (if the layer has one and it builds)
+  for CPU tensors it supports, the PyTorch path for everything else. On a machine without CUDA (or without
+  triton) and without a CPU kernel that is the PyTorch function itself, so CPU runs never import triton.
 
-Kernel modules are imported here, lazily, and nowhere else in the layers: Triton reads TRITON_INTERPRET when
-a kernel is decorated, i.e. when its module is first imported. Each kernel module pairs its public function
-`name` with `name_unsupported(...)` (same arguments, returns why not or None), which "auto" uses to fall back.
+Triton kernel modules are imported here, lazily, and nowhere else in the layers: Triton reads TRITON_INTERPRET
+when a kernel is decorated, i.e. when its module is first imported. Each pairs its public function `name` with
+`name_unsupported(...)` (same arguments, returns why not or None), which "auto" uses to fall back.
 """
 
 from __future__ import annotations
@@ -18,12 +21,25 @@ import functools
 import importlib
 import importlib.util
 import os
+import warnings
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
 
 IMPLS = ("auto", "torch", "triton")
+
+
+@dataclass(frozen=True)
+class CpuKernel:
+    """A layer's compiled CPU kernel: `fn` has the PyTorch path's signature; `unsupported(*args, **kwargs)` says
+    why it cannot take a call's arguments (or None); `unavailable()` why it cannot be built here (or None; the first
+    call builds it)."""
+
+    fn: Callable
+    unsupported: Callable[..., Optional[str]]
+    unavailable: Callable[[], Optional[str]]
 
 
 def triton_interpreting() -> bool:
@@ -50,17 +66,40 @@ def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor:
     return next(a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
 
 
-def resolve(impl: str, key: str, what: str, torch_fn: Callable, kernel: str) -> Callable:
+def _cpu_only(cpu: CpuKernel, key: str, what: str) -> Callable:
+    why_not = cpu.unavailable()
+    if why_not is not None:
+        raise ValueError(f"{key}='cpu': the compiled CPU {what} is not available here: {why_not}")
+
+    @functools.wraps(cpu.fn)
+    def cpu_only(*args, **kwargs):
+        reason = cpu.unsupported(*args, **kwargs)
+        if reason is not None:
+            raise ValueError(f"{key}='cpu': {reason}")
+        return cpu.fn(*args, **kwargs)
+
+    return cpu_only
+
+
+def resolve(impl: str, key: str, what: str, torch_fn: Callable, kernel: str, cpu: Optional[CpuKernel] = None) -> Callable:
     """The function for config value `impl` of config key `key`.
 
     `what` names the kernel in messages ("selective scan"); `torch_fn` is the PyTorch path; `kernel` is
-    "module.function" in moe_dist.kernels, with the same signature as `torch_fn`. The device of a call is the
-    device of its first tensor argument.
+    "module.function" in moe_dist.kernels, with the same signature as `torch_fn`; `cpu` the layer's compiled CPU
+    kernel, if it has one. The device of a call is the device of its first tensor argument.
     """
-    if impl not in IMPLS:
-        raise ValueError(f"{key}: expected 'auto', 'torch' or 'triton', got {impl!r}")
+    choices = IMPLS + (("cpu",) if cpu is not None else ())
+    if impl not in choices:
+        quoted = [repr(c) for c in choices]
+        raise ValueError(f"{key}: expected {', '.join(quoted[:-1])} or {quoted[-1]}, got {impl!r}")
     if impl == "torch":
         return torch_fn
+    if impl == "cpu":
+        return _cpu_only(cpu, key, what)
+    if cpu is not None and cpu.unavailable() is not None:
+        warnings.warn(f"{key}='auto': the compiled CPU {what} is not available ({cpu.unavailable()}); "
+                      "CPU tensors take the PyTorch path")
+        cpu = None
     why_not = _why_no_triton()
     if impl == "triton":
         if why_not is not None:
@@ -76,14 +115,19 @@ def resolve(impl: str, key: str, what: str, torch_fn: Callable, kernel: str) -> 
             return triton_fn(*args, **kwargs)
 
         return triton_only
-    if why_not is not None or not torch.cuda.is_available():
-        return torch_fn  # "auto" without CUDA: no tensor can ever take the Triton path
-    triton_fn, unsupported = _load(kernel)
+    triton_fn = triton_unsupported = None
+    if why_not is None and torch.cuda.is_available():  # else no tensor can ever take the Triton path
+        triton_fn, triton_unsupported = _load(kernel)
+    if triton_fn is None and cpu is None:
+        return torch_fn
 
-    @functools.wraps(triton_fn)
+    @functools.wraps(torch_fn)
     def auto(*args, **kwargs):
-        if _first_tensor(args, kwargs).is_cuda and unsupported(*args, **kwargs) is None:
+        device = _first_tensor(args, kwargs).device
+        if triton_fn is not None and device.type == "cuda" and triton_unsupported(*args, **kwargs) is None:
             return triton_fn(*args, **kwargs)
+        if cpu is not None and device.type == "cpu" and cpu.unsupported(*args, **kwargs) is None:
+            return cpu.fn(*args, **kwargs)
         return torch_fn(*args, **kwargs)
 
     return auto

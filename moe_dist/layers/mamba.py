@@ -16,19 +16,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_dist.config import MambaConfig
-from moe_dist.layers.impl import resolve
+from moe_dist.kernels import selective_scan_cpu
+from moe_dist.layers.impl import CpuKernel, resolve
 from moe_dist.layers.norm import RMSNorm
-from moe_dist.layers.scan import selective_scan
+from moe_dist.layers.scan import native_unsupported, selective_scan
 
 # Initial step size Δ range, sampled log-uniformly per channel (mamba_ssm: dt_min, dt_max, dt_init_floor).
 _DT_MIN, _DT_MAX, _DT_FLOOR = 1e-3, 1e-1, 1e-4
 
 
 def select_scan(impl: str, chunk_size: int) -> Callable[..., torch.Tensor]:
-    """The scan for `MambaConfig.impl`, with `selective_scan_ref`'s signature: the chunked PyTorch scan or the
-    Triton kernel (`moe_dist.kernels.selective_scan`, which "auto" takes for CUDA tensors)."""
+    """The scan for `MambaConfig.impl`, with `selective_scan_ref`'s signature: the chunked PyTorch scan, the
+    Triton kernel (`moe_dist.kernels.selective_scan`, which "auto" takes for CUDA tensors) or the compiled CPU
+    kernel (`moe_dist.kernels.selective_scan_cpu`, which "auto" takes for CPU tensors computing in fp32)."""
     torch_scan = functools.partial(selective_scan, chunk_size=chunk_size)
-    return resolve(impl, "model.mamba.impl", "selective scan", torch_scan, "selective_scan.selective_scan")
+    cpu = CpuKernel(functools.partial(selective_scan, native=True), native_unsupported, selective_scan_cpu.unavailable)
+    return resolve(impl, "model.mamba.impl", "selective scan", torch_scan, "selective_scan.selective_scan", cpu)
 
 
 @dataclass

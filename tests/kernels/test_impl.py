@@ -1,4 +1,4 @@
-"""The "auto" / "torch" / "triton" choice (moe_dist.layers.impl) and the plain-PyTorch references it falls back to.
+"""The "auto" / "torch" / "triton" / "cpu" choice (moe_dist.layers.impl) and the plain-PyTorch references it falls back to.
 
 Runs in the plain test process, where no kernel module may be imported under a faked environment: the Triton
 side is replaced by recording fakes wherever a test pretends to have CUDA or the interpreter. On a CUDA machine
@@ -75,8 +75,62 @@ def test_triton_without_the_package(monkeypatch):
 
 
 def test_unknown_choice_names_the_key():
-    with pytest.raises(ValueError, match=r"model\.mamba\.impl: expected 'auto', 'torch' or 'triton', got 'cuda'"):
+    with pytest.raises(ValueError, match=r"model\.mamba\.impl: expected 'auto', 'torch', 'triton' or 'cpu', got 'cuda'"):
         select_scan("cuda", 16)
+    with pytest.raises(ValueError, match=r"model\.attention\.impl: expected 'auto', 'torch' or 'triton', got 'cpu'"):
+        attention_kernel("cpu")
+
+
+def fake_cpu_kernel(calls, why_unavailable=None):
+    """A compiled CPU kernel stand-in: records its calls, takes fp32 CPU tensors only."""
+
+    def kernel(x, *args, **kwargs):
+        calls.append(x)
+        return ("cpu", x)
+
+    def unsupported(x, *args, **kwargs):
+        return None if x.device.type == "cpu" and x.dtype == torch.float32 else "fp32 CPU tensors only"
+
+    return impl.CpuKernel(kernel, unsupported, lambda: why_unavailable)
+
+
+def test_auto_sends_supported_cpu_tensors_to_the_cpu_kernel(cpu_only, monkeypatch):
+    monkeypatch.setattr(impl, "_load", lambda name: pytest.fail("auto on a CPU-only machine loaded a Triton kernel"))
+    calls = []
+    fn = impl.resolve("auto", "model.x.impl", "kernel", torch_path, "m.f", fake_cpu_kernel(calls))
+    x32, x64, meta = torch.zeros(2), torch.zeros(2, dtype=torch.float64), torch.zeros(2, device="meta")
+    assert fn(x32) == ("cpu", x32) and fn(x=x32) == ("cpu", x32)
+    assert fn(x64) == ("torch", x64) and fn(meta) == ("torch", meta)
+    assert calls == [x32, x32]
+
+
+def test_auto_with_cuda_and_a_cpu_kernel_routes_by_device(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(impl, "_why_no_triton", lambda: None)
+    triton_calls, cpu_calls = [], []
+    monkeypatch.setattr(impl, "_load", fake_triton(triton_calls))
+    fn = impl.resolve("auto", "model.x.impl", "kernel", torch_path, "m.f", fake_cpu_kernel(cpu_calls))
+    x = torch.zeros(2)
+    assert fn(x) == ("cpu", x) and cpu_calls == [x] and triton_calls == []
+
+
+def test_cpu_choice_errors_name_the_key(cpu_only):
+    calls = []
+    fn = impl.resolve("cpu", "model.x.impl", "kernel", torch_path, "m.f", fake_cpu_kernel(calls))
+    x = torch.zeros(2)
+    assert fn(x) == ("cpu", x) and calls == [x]
+    with pytest.raises(ValueError, match=r"^model\.x\.impl='cpu': fp32 CPU tensors only$"):
+        fn(x.double())
+    with pytest.raises(ValueError, match=r"^model\.x\.impl='cpu': the compiled CPU kernel is not available here: "
+                                         r"no compiler$"):
+        impl.resolve("cpu", "model.x.impl", "kernel", torch_path, "m.f", fake_cpu_kernel([], "no compiler"))
+
+
+def test_auto_without_a_buildable_cpu_kernel_warns_and_is_the_torch_function(cpu_only):
+    with pytest.warns(UserWarning, match=r"model\.x\.impl='auto': the compiled CPU kernel is not available "
+                                         r"\(no compiler\); CPU tensors take the PyTorch path"):
+        fn = impl.resolve("auto", "model.x.impl", "kernel", torch_path, "m.f", fake_cpu_kernel([], "no compiler"))
+    assert fn is torch_path
 
 
 def test_triton_under_the_interpreter_takes_cpu_tensors_only(monkeypatch):

@@ -1,0 +1,172 @@
+// Mamba-1 selective scan on CPU: the sequential recurrence, fused, vectorized over 16 channels at a time.
+//
+// Built and loaded by selective_scan_cpu.py (plain C ABI, no torch headers). Layout: time-major, contiguous fp32
+//   u, delta: (batch, len, dim)   At: (state, dim), A transposed   B, C: (batch, len, state)   Dskip: (dim) or null
+// A task is one batch row × one block of W channels; its state h (state × W) stays in registers/L1 while it walks
+// the sequence, so every input is read once and nothing of size (batch, len, state, dim) touches memory, unlike
+// any composition of torch ops (the chunked PyTorch scan in moe_dist/layers/scan.py makes ~20 such passes).
+// Forward:  a_t = exp(Δ_t A),  h_t = a_t h_{t-1} + Δ_t u_t B_t,  y_t = <h_t, C_t> + D u_t.
+// Backward: the forward recurrence again, keeping every h_t of the task (len × state × W floats, per thread),
+// then the adjoint backwards over t (formulas in moe_dist/layers/scan.py, _SelectiveScan).
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include <omp.h>
+
+namespace {
+
+constexpr int W = 16;  // channels per task: one 64-byte vector of fp32 (AVX-512; two or four ops on narrower ISAs)
+typedef float vf __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
+constexpr float LOG2E = 1.4426950408889634f;
+
+// w < W only in the last block of channels: a full block is one unaligned vector load or store.
+inline vf load(const float* p, int w) {
+  vf v = {};
+  if (w == W) std::memcpy(&v, p, sizeof v);
+  else for (int j = 0; j < w; ++j) v[j] = p[j];
+  return v;
+}
+
+inline void store(float* p, vf v, int w) {
+  if (w == W) std::memcpy(p, &v, sizeof v);
+  else for (int j = 0; j < w; ++j) p[j] = v[j];
+}
+
+inline vf splat(float x) { return vf{} + x; }
+
+// 2^x, vectorized (libm's exp2f is scalar): x = n + f with n = round(x), |f| <= 1/2; 2^f by its degree-7 Taylor
+// polynomial (relative error below 6e-9, under fp32's half ulp), 2^n written into the exponent bits. x is clamped to
+// [-126, 126]: below, the result is the smallest normal float instead of a subnormal or zero.
+inline vf exp2v(vf x) {
+  x = x < -126.0f ? splat(-126.0f) : x;
+  x = x > 126.0f ? splat(126.0f) : x;
+  const vf r = x + 0x1.8p23f;  // adding 1.5·2^23 rounds x to an integer held in the low mantissa bits
+  const vf f = x - (r - 0x1.8p23f);
+  vf p = splat(1.5252733804059841e-05f);  // (ln 2)^k / k!, k = 7 … 0
+  p = p * f + 1.5403530393381606e-04f;
+  p = p * f + 1.3333558146428443e-03f;
+  p = p * f + 9.6181291076284772e-03f;
+  p = p * f + 5.5504108664821580e-02f;
+  p = p * f + 2.4022650695910072e-01f;
+  p = p * f + 6.9314718055994531e-01f;
+  p = p * f + 1.0f;
+  const vi e = ((vi)r - 0x4B400000 + 127) << 23;  // the bit pattern of 2^n
+  return p * (vf)e;
+}
+
+struct Scan {
+  int64_t batch, len, dim, state;
+  const float *u, *delta, *At, *B, *C, *Dskip;
+};
+
+// The recurrence for batch row b, channels d0 … d0+w-1. With H (len × state vectors), every h_t is kept there;
+// without, only the running state, in hloc (state vectors). With y, writes y_t.
+void recur(const Scan& s, int64_t b, int64_t d0, int w, vf* H, vf* hloc, float* y) {
+  std::fill(hloc, hloc + s.state, vf{});
+  const vf* hprev = hloc;
+  const vf dskip = s.Dskip ? load(s.Dskip + d0, w) : vf{};
+  for (int64_t t = 0; t < s.len; ++t) {
+    const int64_t row = b * s.len + t;
+    const vf dt = load(s.delta + row * s.dim + d0, w), ut = load(s.u + row * s.dim + d0, w);
+    const vf du = dt * ut, dt2 = dt * LOG2E;
+    const float* Bt = s.B + row * s.state;
+    const float* Ct = s.C + row * s.state;
+    vf* h = H ? H + t * s.state : hloc;
+    vf acc = dskip * ut;
+    for (int64_t n = 0; n < s.state; ++n) {
+      const vf a = exp2v(dt2 * load(s.At + n * s.dim + d0, w));
+      const vf hn = a * hprev[n] + du * Bt[n];
+      h[n] = hn;
+      acc += hn * Ct[n];
+    }
+    hprev = h;
+    if (y) store(y + row * s.dim + d0, acc, w);
+  }
+}
+
+// The adjoint for the same task, given all its states H: λ_t = dy_t C_t + a_{t+1} λ_{t+1} backwards over t, carried
+// in lam as a_t λ_t. Writes d_u, d_delta and this task's slice of dA_part (batch, state, dim); adds λΔu and h·dy
+// into the thread's lane-wise dB/dC accumulators (batch, len, state, W), summed over threads and lanes by the caller
+// (lane sums here would cost a horizontal reduction per (t, n)).
+void adjoint(const Scan& s, int64_t b, int64_t d0, int w, const vf* H, const float* dy, vf* lam, vf* dA,
+             float* d_u, float* d_delta, float* dA_part, vf* dB_acc, vf* dC_acc) {
+  std::fill(lam, lam + s.state, vf{});
+  std::fill(dA, dA + s.state, vf{});
+  const vf dskip = s.Dskip ? load(s.Dskip + d0, w) : vf{};
+  for (int64_t t = s.len - 1; t >= 0; --t) {
+    const int64_t row = b * s.len + t;
+    const vf dt = load(s.delta + row * s.dim + d0, w), ut = load(s.u + row * s.dim + d0, w);
+    const vf gy = load(dy + row * s.dim + d0, w);
+    const vf du = dt * ut, dt2 = dt * LOG2E;
+    const float* Bt = s.B + row * s.state;
+    const float* Ct = s.C + row * s.state;
+    const vf* ht = H + t * s.state;
+    const vf* hprev = t ? H + (t - 1) * s.state : nullptr;  // h_{-1} = 0
+    vf* dBt = dB_acc + row * s.state;
+    vf* dCt = dC_acc + row * s.state;
+    vf lamB = {}, wA = {};
+    for (int64_t n = 0; n < s.state; ++n) {
+      const vf An = load(s.At + n * s.dim + d0, w);
+      const vf a = exp2v(dt2 * An);
+      const vf l = gy * Ct[n] + lam[n];
+      const vf wn = hprev ? l * a * hprev[n] : vf{};  // the gradient reaching Δ_t A
+      dA[n] += wn * dt;
+      wA += wn * An;
+      lamB += l * Bt[n];
+      dBt[n] += l * du;
+      dCt[n] += ht[n] * gy;
+      lam[n] = a * l;
+    }
+    store(d_u + row * s.dim + d0, dt * lamB + dskip * gy, w);
+    store(d_delta + row * s.dim + d0, ut * lamB + wA, w);
+  }
+  for (int64_t n = 0; n < s.state; ++n) store(dA_part + (b * s.state + n) * s.dim + d0, dA[n], w);
+}
+
+}  // namespace
+
+extern "C" {
+
+// y (batch, len, dim).
+void scan_fwd(int64_t batch, int64_t len, int64_t dim, int64_t state, const float* u, const float* delta,
+              const float* At, const float* B, const float* C, const float* Dskip, float* y, int threads) {
+  const Scan s{batch, len, dim, state, u, delta, At, B, C, Dskip};
+  const int64_t blocks = (dim + W - 1) / W;
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<vf> hloc(state);
+#pragma omp for schedule(static)
+    for (int64_t task = 0; task < batch * blocks; ++task) {
+      const int64_t b = task / blocks, d0 = task % blocks * W;
+      recur(s, b, d0, static_cast<int>(std::min<int64_t>(W, dim - d0)), nullptr, hloc.data(), y);
+    }
+  }
+}
+
+// d_u, d_delta (batch, len, dim); dA_part (batch, state, dim); dB_part, dC_part (threads, batch, len, state, W),
+// zeroed by the caller.
+void scan_bwd(int64_t batch, int64_t len, int64_t dim, int64_t state, const float* u, const float* delta,
+              const float* At, const float* B, const float* C, const float* Dskip, const float* dy, float* d_u,
+              float* d_delta, float* dA_part, float* dB_part, float* dC_part, int threads) {
+  const Scan s{batch, len, dim, state, u, delta, At, B, C, Dskip};
+  const int64_t blocks = (dim + W - 1) / W;
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<vf> H(len * state), hloc(state), lam(state), dA(state);
+    const int64_t slot = omp_get_thread_num() * batch * len * state;
+    vf* dB_acc = reinterpret_cast<vf*>(dB_part) + slot;
+    vf* dC_acc = reinterpret_cast<vf*>(dC_part) + slot;
+#pragma omp for schedule(static)
+    for (int64_t task = 0; task < batch * blocks; ++task) {
+      const int64_t b = task / blocks, d0 = task % blocks * W;
+      const int w = static_cast<int>(std::min<int64_t>(W, dim - d0));
+      recur(s, b, d0, w, H.data(), hloc.data(), nullptr);
+      adjoint(s, b, d0, w, H.data(), dy, lam.data(), dA.data(), d_u, d_delta, dA_part, dB_acc, dC_acc);
+    }
+  }
+}
+
+}  // extern "C"
