@@ -455,7 +455,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         for key in ("tokens", "d_model", "d_ff", "experts", "top_k", "batch", "seq", "dim", "state", "steps",
-                    "repeats", "chunk_size"):
+                    "repeats", "ref_repeats", "chunk_size"):
             if getattr(args, key, 1) < 1:
                 raise ConfigError(f"--{key.replace('_', '-')}: must be positive, got {getattr(args, key)}")
         if args.cmd in ("moe", "_moe_mem") and args.top_k > args.experts:
