@@ -31,8 +31,8 @@ SOURCE = Path(__file__).with_suffix(".cpp")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-fopenmp", "-fPIC", "-shared")
 LANES = 16  # the kernel's channels per vector (W in the source): its dB/dC accumulators are lane-wise
 
-_ARGS = [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 7 + [ctypes.c_int]
-_BWD_ARGS = [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 12 + [ctypes.c_int]
+_ARGS = [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 8 + [ctypes.c_int]
+_BWD_ARGS = [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 15 + [ctypes.c_int]
 
 
 def _cpu_id() -> str:
@@ -99,44 +99,45 @@ def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
 
 
 class _NativeScan(torch.autograd.Function):
-    """y = scan(u, Δ, A, B, C) + D u on time-major fp32 inputs; the backward runs the kernel's adjoint."""
+    """y = (scan(u, Δ, A, B, C) + D u) · silu(z) on time-major fp32 inputs; the backward runs the kernel's adjoint."""
 
     @staticmethod
-    def forward(ctx, u, delta, A, B, C, D):
+    def forward(ctx, u, delta, A, B, C, D, z):
         lib, why = _library()
         assert lib is not None, why
         (batch, length, dim), state = u.shape, A.shape[1]
         A_t = A.t().contiguous()  # (N, D): the kernel loads A's row n for 16 channels at once
         y = torch.empty_like(u)
-        lib.scan_fwd(batch, length, dim, state, *map(_ptr, (u, delta, A_t, B, C, D, y)), torch.get_num_threads())
-        ctx.save_for_backward(u, delta, A_t, B, C, D)
+        lib.scan_fwd(batch, length, dim, state, *map(_ptr, (u, delta, A_t, B, C, D, z, y)), torch.get_num_threads())
+        ctx.save_for_backward(u, delta, A_t, B, C, D, z)
         return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy):
         lib, _ = _library()
-        u, delta, A_t, B, C, D = ctx.saved_tensors
+        u, delta, A_t, B, C, D, z = ctx.saved_tensors
         (batch, length, dim), state, threads = u.shape, A_t.shape[0], torch.get_num_threads()
         dy = dy.contiguous()
         d_u, d_delta = torch.empty_like(u), torch.empty_like(delta)
-        dA_part = u.new_empty(batch, state, dim)
+        dz = None if z is None else torch.empty_like(z)
+        dA_part, dD_part = u.new_empty(batch, state, dim), u.new_empty(batch, dim)
         dB_part, dC_part = (u.new_zeros(threads, batch, length, state, LANES) for _ in range(2))
         assert dB_part.data_ptr() % 64 == 0 and dC_part.data_ptr() % 64 == 0  # the kernel adds whole vectors
-        lib.scan_bwd(batch, length, dim, state,
-                     *map(_ptr, (u, delta, A_t, B, C, D, dy, d_u, d_delta, dA_part, dB_part, dC_part)), threads)
-        dD = None if D is None else torch.mul(dy, u).sum((0, 1))
-        return d_u, d_delta, dA_part.sum(0).t(), dB_part.sum((0, 4)), dC_part.sum((0, 4)), dD
+        lib.scan_bwd(batch, length, dim, state, *map(_ptr, (u, delta, A_t, B, C, D, z, dy, d_u, d_delta, dz, dA_part,
+                                                           dD_part, dB_part, dC_part)), threads)
+        dD = None if D is None else dD_part.sum(0)
+        return d_u, d_delta, dA_part.sum(0).t(), dB_part.sum((0, 4)), dC_part.sum((0, 4)), dD, dz
 
 
-def selective_scan_time_major(u, delta, A, B, C, D=None) -> torch.Tensor:
-    """The fused scan, y_t = <h_t, C_t> + D u_t, differentiable in every argument.
+def selective_scan_time_major(u, delta, A, B, C, D=None, z=None) -> torch.Tensor:
+    """The fused scan, y_t = (<h_t, C_t> + D u_t) · silu(z_t), differentiable in every argument.
 
-    Shapes: u, delta (batch, len, dim); A (dim, state); B, C (batch, len, state); D (dim,) or None. All fp32 CPU
-    tensors, contiguous (Δ already biased and softplus-ed). Returns y (batch, len, dim), fp32.
+    Shapes: u, delta, z (batch, len, dim); A (dim, state); B, C (batch, len, state); D (dim,). D and z may be None.
+    All fp32 CPU tensors, contiguous (Δ already biased and softplus-ed). Returns y (batch, len, dim), fp32.
     """
-    for name, t in zip("u delta A B C D".split(), (u, delta, A, B, C, D)):
+    for name, t in zip("u delta A B C D z".split(), (u, delta, A, B, C, D, z)):
         if t is not None and (t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous()):
             raise ValueError(f"selective_scan_time_major: {name} must be a contiguous fp32 CPU tensor, "
                              f"got {t.dtype} on {t.device}{'' if t.is_contiguous() else ', not contiguous'}")
-    return _NativeScan.apply(u, delta, A, B, C, D)
+    return _NativeScan.apply(u, delta, A, B, C, D, z)

@@ -214,12 +214,14 @@ def selective_scan(
     # storage, the layout Mamba's out_proj wants.
     u_t, delta_t, B_t, C_t = (t.transpose(1, 2).contiguous() for t in (u, delta, B, C))
     D = D.to(compute) if D is not None else None
-    if native:
-        y = selective_scan_time_major(u_t, delta_t, A.contiguous(), B_t, C_t, D)  # (B, L, D)
+    z_t = None if z is None else z.transpose(1, 2).to(compute)  # (B, L, D)
+    if native:  # the kernel applies the gate itself: no pass over y for it, none for its gradient
+        z_t = None if z_t is None else z_t.contiguous()
+        y = selective_scan_time_major(u_t, delta_t, A.contiguous(), B_t, C_t, D, z_t)  # (B, L, D)
     else:
         y = _SelectiveScan.apply(u_t, delta_t, A.contiguous(), B_t, C_t, D, chunk_size)  # (B, L, D)
-    if z is not None:
-        y = y * F.silu(z.transpose(1, 2).to(compute))
+        if z_t is not None:
+            y = y * F.silu(z_t)
     return y.transpose(1, 2).to(out_dtype)
 
 
