@@ -3,7 +3,7 @@
 // Built and loaded by selective_scan_cpu.py (plain C ABI, no torch headers). Layout: time-major, contiguous fp32
 //   u, delta, z: (batch, len, dim)   At: (state, dim), A transposed   B, C: (batch, len, state)   Dskip: (dim)
 // Dskip and z may be null.
-// A task is one batch row × one block of W channels; its state h (state × W) stays in registers/L1 while it walks
+// A task is one batch row × one block of W (16) channels; its state h (state × W) stays in registers/L1 while it walks
 // the sequence, so every input is read once and nothing of size (batch, len, state, dim) touches memory, unlike
 // any composition of torch ops (the chunked PyTorch scan in moe_dist/layers/scan.py makes ~20 such passes).
 // Forward:  a_t = exp(Δ_t A),  h_t = a_t h_{t-1} + Δ_t u_t B_t,  y_t = (<h_t, C_t> + D u_t) · silu(z_t).
@@ -11,54 +11,15 @@
 // then the adjoint backwards over t (formulas in moe_dist/layers/scan.py, _SelectiveScan).
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 #include <omp.h>
 
+#include "cpu_vec.h"
+
 namespace {
 
-constexpr int W = 16;  // channels per task: one 64-byte vector of fp32 (AVX-512; two or four ops on narrower ISAs)
-typedef float vf __attribute__((vector_size(64)));
-typedef int32_t vi __attribute__((vector_size(64)));
-constexpr float LOG2E = 1.4426950408889634f;
-
-// w < W only in the last block of channels: a full block is one unaligned vector load or store.
-inline vf load(const float* p, int w) {
-  vf v = {};
-  if (w == W) std::memcpy(&v, p, sizeof v);
-  else for (int j = 0; j < w; ++j) v[j] = p[j];
-  return v;
-}
-
-inline void store(float* p, vf v, int w) {
-  if (w == W) std::memcpy(p, &v, sizeof v);
-  else for (int j = 0; j < w; ++j) p[j] = v[j];
-}
-
-inline vf splat(float x) { return vf{} + x; }
-
-// 2^x, vectorized (libm's exp2f is scalar): x = n + f with n = round(x), |f| <= 1/2; 2^f by its degree-7 Taylor
-// polynomial (relative error below 6e-9, under fp32's half ulp), 2^n written into the exponent bits. x is clamped to
-// [-126, 126]: below, the result is the smallest normal float instead of a subnormal or zero.
-inline vf exp2v(vf x) {
-  x = x < -126.0f ? splat(-126.0f) : x;
-  x = x > 126.0f ? splat(126.0f) : x;
-  const vf r = x + 0x1.8p23f;  // adding 1.5·2^23 rounds x to an integer held in the low mantissa bits
-  const vf f = x - (r - 0x1.8p23f);
-  vf p = splat(1.5252733804059841e-05f);  // (ln 2)^k / k!, k = 7 … 0
-  p = p * f + 1.5403530393381606e-04f;
-  p = p * f + 1.3333558146428443e-03f;
-  p = p * f + 9.6181291076284772e-03f;
-  p = p * f + 5.5504108664821580e-02f;
-  p = p * f + 2.4022650695910072e-01f;
-  p = p * f + 6.9314718055994531e-01f;
-  p = p * f + 1.0f;
-  const vi e = ((vi)r - 0x4B400000 + 127) << 23;  // the bit pattern of 2^n
-  return p * (vf)e;
-}
-
-inline vf sigmoid(vf z) { return 1.0f / (1.0f + exp2v(z * -LOG2E)); }
+using namespace cpu_vec;
 
 struct Scan {
   int64_t batch, len, dim, state;

@@ -56,7 +56,7 @@ class MoEConfig:
     renormalize: bool = True  # renormalize the top-k weights to sum to 1 (Mixtral)
     aux_loss_coef: float = 0.01  # coefficient of the Switch/GShard load-balancing loss
     z_loss_coef: float = 0.001  # coefficient of the ST-MoE router z-loss
-    impl: Literal["auto", "torch", "triton"] = "auto"  # token permutation kernels (gather/scatter around experts)
+    impl: Literal["auto", "torch", "triton", "cpu"] = "auto"  # kernels: permutation (triton, cpu), gated SiLU (cpu)
     backend: Literal["native", "megablocks"] = "native"  # expert GEMMs: torch grouped_mm, or MegaBlocks (CUDA only)
 
 

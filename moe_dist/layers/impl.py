@@ -4,8 +4,11 @@
 - "triton": the Triton kernel from `moe_dist.kernels`; a one-line ValueError naming the config key where it
   cannot run (triton not installed, or no CUDA device and no TRITON_INTERPRET=1), and again at call time for
   tensors on a device it cannot use.
-- "cpu", for layers that have a compiled CPU kernel (`CpuKernel`; the selective scan): that kernel, with the
-  same one-line errors where it cannot be built (no C++ compiler) or cannot take the tensors.
+- "cpu", for the keys that offer it (model.mamba.impl, model.moe.impl): the compiled CPU kernel (`CpuKernel`;
+  the selective scan, the experts' gated SiLU), with the same one-line errors where it cannot be built (no C++
+  compiler) or cannot take the tensors.
+- A part of a layer that has no kernel of the chosen family ("triton" for the gated SiLU, "cpu" for the MoE
+  permutation) runs its PyTorch path.
 - "auto": the Triton kernel for CUDA tensors it supports, the CPU kernel (if the layer has one and it builds)
   for CPU tensors it supports, the PyTorch path for everything else. On a machine without CUDA (or without
   triton) and without a CPU kernel that is the PyTorch function itself, so CPU runs never import triton.
@@ -29,6 +32,7 @@ import torch
 
 
 IMPLS = ("auto", "torch", "triton")
+IMPLS_WITH_CPU = IMPLS + ("cpu",)  # for the keys whose layers have compiled CPU kernels
 
 
 @dataclass(frozen=True)
@@ -81,18 +85,19 @@ def _cpu_only(cpu: CpuKernel, key: str, what: str) -> Callable:
     return cpu_only
 
 
-def resolve(impl: str, key: str, what: str, torch_fn: Callable, kernel: str, cpu: Optional[CpuKernel] = None) -> Callable:
-    """The function for config value `impl` of config key `key`.
+def resolve(impl: str, key: str, what: str, torch_fn: Callable, kernel: Optional[str],
+            cpu: Optional[CpuKernel] = None, choices: tuple = IMPLS) -> Callable:
+    """The function for config value `impl` of config key `key`, one of `choices`.
 
     `what` names the kernel in messages ("selective scan"); `torch_fn` is the PyTorch path; `kernel` is
-    "module.function" in moe_dist.kernels, with the same signature as `torch_fn`; `cpu` the layer's compiled CPU
-    kernel, if it has one. The device of a call is the device of its first tensor argument.
+    "module.function" in moe_dist.kernels, with the same signature as `torch_fn`, or None where this part has no
+    Triton kernel; `cpu` its compiled CPU kernel, if it has one. The device of a call is the device of its first
+    tensor argument.
     """
-    choices = IMPLS + (("cpu",) if cpu is not None else ())
     if impl not in choices:
         quoted = [repr(c) for c in choices]
         raise ValueError(f"{key}: expected {', '.join(quoted[:-1])} or {quoted[-1]}, got {impl!r}")
-    if impl == "torch":
+    if impl == "torch" or (impl == "cpu" and cpu is None) or (impl == "triton" and kernel is None):
         return torch_fn
     if impl == "cpu":
         return _cpu_only(cpu, key, what)
@@ -116,7 +121,7 @@ def resolve(impl: str, key: str, what: str, torch_fn: Callable, kernel: str, cpu
 
         return triton_only
     triton_fn = triton_unsupported = None
-    if why_not is None and torch.cuda.is_available():  # else no tensor can ever take the Triton path
+    if kernel is not None and why_not is None and torch.cuda.is_available():  # else no tensor can take Triton
         triton_fn, triton_unsupported = _load(kernel)
     if triton_fn is None and cpu is None:
         return torch_fn

@@ -17,7 +17,7 @@ from torch import nn
 
 from moe_dist.config import MambaConfig
 from moe_dist.kernels import selective_scan_cpu
-from moe_dist.layers.impl import CpuKernel, resolve
+from moe_dist.layers.impl import IMPLS_WITH_CPU, CpuKernel, resolve
 from moe_dist.layers.norm import RMSNorm
 from moe_dist.layers.scan import native_unsupported, selective_scan
 
@@ -31,7 +31,8 @@ def select_scan(impl: str, chunk_size: int) -> Callable[..., torch.Tensor]:
     kernel (`moe_dist.kernels.selective_scan_cpu`, which "auto" takes for CPU tensors computing in fp32)."""
     torch_scan = functools.partial(selective_scan, chunk_size=chunk_size)
     cpu = CpuKernel(functools.partial(selective_scan, native=True), native_unsupported, selective_scan_cpu.unavailable)
-    return resolve(impl, "model.mamba.impl", "selective scan", torch_scan, "selective_scan.selective_scan", cpu)
+    return resolve(impl, "model.mamba.impl", "selective scan", torch_scan, "selective_scan.selective_scan", cpu,
+                   IMPLS_WITH_CPU)
 
 
 @dataclass

@@ -12,6 +12,7 @@ with the same two methods, and the layer does not know which one it has (DESIGN.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable, Optional, Protocol
@@ -21,8 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_dist.config import ConfigError, MoEConfig
-from moe_dist.layers.impl import resolve
-from moe_dist.layers.mlp import gated_silu
+from moe_dist.kernels import permute_cpu
+from moe_dist.layers.impl import IMPLS_WITH_CPU, CpuKernel, resolve
+from moe_dist.layers.mlp import gated_silu, select_gated_silu
 
 
 def expert_capacity(cfg: MoEConfig, tokens: int) -> Optional[int]:
@@ -203,8 +205,9 @@ def unpermute_rows(y_RD: torch.Tensor, rows_R: torch.Tensor, weight_A: torch.Ten
 
 @dataclass
 class Permutation:
-    """The gather into expert order and the weighted scatter back; Triton kernels on CUDA, the gather-only
-    PyTorch functions above otherwise (chosen once, by moe_dist.layers.impl.resolve). Signatures of
+    """The gather into expert order and the weighted scatter back; Triton kernels on CUDA, compiled kernels
+    (moe_dist.kernels.permute_cpu) for fp32/bf16 CPU tensors, the gather-only PyTorch functions above otherwise
+    (chosen once, by moe_dist.layers.impl.resolve). Signatures of
     `moe_dist.kernels.reference.(un)permute_tokens_ref`, their specification and test oracle."""
 
     permute: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]  # (x_TD, rows_R, top_k) -> x_RD
@@ -213,8 +216,12 @@ class Permutation:
     @classmethod
     def from_impl(cls, impl: str) -> "Permutation":
         key, what = "model.moe.impl", "token permutation"
-        return cls(resolve(impl, key, what, permute_rows, "permute.permute_tokens"),
-                   resolve(impl, key, what, unpermute_rows, "permute.unpermute_tokens"))
+        cpu = {name: CpuKernel(getattr(permute_cpu, name), getattr(permute_cpu, f"{name}_unsupported"),
+                               permute_cpu.unavailable) for name in ("permute_tokens", "unpermute_tokens")}
+        return cls(resolve(impl, key, what, permute_rows, "permute.permute_tokens", cpu["permute_tokens"],
+                           IMPLS_WITH_CPU),
+                   resolve(impl, key, what, unpermute_rows, "permute.unpermute_tokens", cpu["unpermute_tokens"],
+                           IMPLS_WITH_CPU))
 
     def gather(self, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
         return self.permute(x_TD, routing.rows_R, routing.weight_A.shape[0] // routing.num_tokens)
@@ -278,18 +285,19 @@ def grouped_mm(x_RI: torch.Tensor, w_EIO: torch.Tensor, rows_per_expert_E: torch
 
 
 def native_swiglu(x_RD: torch.Tensor, w13_ED2F: torch.Tensor, w2_EFD: torch.Tensor,
-                  rows_per_expert_E: torch.Tensor) -> torch.Tensor:
+                  rows_per_expert_E: torch.Tensor, activation: Callable = gated_silu) -> torch.Tensor:
     """SwiGLU experts over expert-sorted rows with torch's grouped GEMM (or the per-expert fallback). (R, D) → (R, D).
     The gate and up projections are one GEMM over [w1 | w3]: on CPU, six larger per-expert calls instead of nine
-    (measured: 0.85× the layer time at 64 experts of 384 rows, no change at 8 experts of 1024 rows)."""
-    return grouped_mm(gated_silu(grouped_mm(x_RD, w13_ED2F, rows_per_expert_E)), w2_EFD, rows_per_expert_E)
+    (measured: 0.85× the layer time at 64 experts of 384 rows, no change at 8 experts of 1024 rows).
+    `activation` is the gated SiLU over that GEMM's (R, 2F) output (`select_gated_silu`)."""
+    return grouped_mm(activation(grouped_mm(x_RD, w13_ED2F, rows_per_expert_E)), w2_EFD, rows_per_expert_E)
 
 
-def expert_swiglu(backend: str) -> Callable[..., torch.Tensor]:
-    """The expert computation of `model.moe.backend`, chosen once; "megablocks" raises a ConfigError naming the key
-    where MegaBlocks cannot run (not installed, no CUDA)."""
+def expert_swiglu(backend: str, impl: str = "auto") -> Callable[..., torch.Tensor]:
+    """The expert computation of `model.moe.backend` (its activation by `model.moe.impl`), chosen once;
+    "megablocks" raises a ConfigError naming the key where MegaBlocks cannot run (not installed, no CUDA)."""
     if backend == "native":
-        return native_swiglu
+        return functools.partial(native_swiglu, activation=select_gated_silu(impl))
     if backend == "megablocks":
         from moe_dist.layers.megablocks_backend import check_megablocks, megablocks_swiglu
 
@@ -304,9 +312,9 @@ class Experts(nn.Module):
     that one GEMM computes both; `gate_up` names the halves where they are taken apart (checkpoints stay whole)."""
 
     def __init__(self, num_experts: int, d_model: int, d_ff: int, init_std: float, n_layers: int,
-                 backend: str = "native"):
+                 backend: str = "native", impl: str = "auto"):
         super().__init__()
-        self.swiglu = expert_swiglu(backend)
+        self.swiglu = expert_swiglu(backend, impl)
         self.w13 = nn.Parameter(torch.empty(num_experts, d_model, 2 * d_ff))  # [gate | up] (E, D, 2F)
         self.w2 = nn.Parameter(torch.empty(num_experts, d_ff, d_model))  # down (E, F, D)
         self.init_std = init_std
@@ -336,7 +344,7 @@ class MoE(nn.Module):
     def __init__(self, d_model: int, d_ff: int, cfg: MoEConfig, init_std: float, n_layers: int):
         super().__init__()
         self.router = Router(d_model, cfg, init_std)
-        self.experts = Experts(cfg.num_experts, d_model, cfg.d_ff or d_ff, init_std, n_layers, cfg.backend)
+        self.experts = Experts(cfg.num_experts, d_model, cfg.d_ff or d_ff, init_std, n_layers, cfg.backend, cfg.impl)
         self.dispatcher: Dispatcher = LocalDispatcher(Permutation.from_impl(cfg.impl))
 
     def init_weights(self) -> None:

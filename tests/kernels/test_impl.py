@@ -15,6 +15,7 @@ import moe_dist.layers.impl as impl
 from moe_dist.kernels.reference import flash_attention_ref, permute_tokens_ref, unpermute_tokens_ref
 from moe_dist.layers.attention import attention_kernel
 from moe_dist.layers.mamba import select_scan
+from moe_dist.layers.mlp import gated_silu, select_gated_silu
 from moe_dist.layers.moe import Permutation
 
 
@@ -81,6 +82,9 @@ def test_unknown_choice_names_the_key():
         attention_kernel("cpu")
 
 
+CPU = impl.IMPLS_WITH_CPU
+
+
 def fake_cpu_kernel(calls, why_unavailable=None):
     """A compiled CPU kernel stand-in: records its calls, takes fp32 CPU tensors only."""
 
@@ -97,7 +101,7 @@ def fake_cpu_kernel(calls, why_unavailable=None):
 def test_auto_sends_supported_cpu_tensors_to_the_cpu_kernel(cpu_only, monkeypatch):
     monkeypatch.setattr(impl, "_load", lambda name: pytest.fail("auto on a CPU-only machine loaded a Triton kernel"))
     calls = []
-    fn = impl.resolve("auto", "model.x.impl", "kernel", torch_path, "m.f", fake_cpu_kernel(calls))
+    fn = impl.resolve("auto", "model.x.impl", "kernel", torch_path, "m.f", fake_cpu_kernel(calls), CPU)
     x32, x64, meta = torch.zeros(2), torch.zeros(2, dtype=torch.float64), torch.zeros(2, device="meta")
     assert fn(x32) == ("cpu", x32) and fn(x=x32) == ("cpu", x32)
     assert fn(x64) == ("torch", x64) and fn(meta) == ("torch", meta)
@@ -109,27 +113,36 @@ def test_auto_with_cuda_and_a_cpu_kernel_routes_by_device(monkeypatch):
     monkeypatch.setattr(impl, "_why_no_triton", lambda: None)
     triton_calls, cpu_calls = [], []
     monkeypatch.setattr(impl, "_load", fake_triton(triton_calls))
-    fn = impl.resolve("auto", "model.x.impl", "kernel", torch_path, "m.f", fake_cpu_kernel(cpu_calls))
+    fn = impl.resolve("auto", "model.x.impl", "kernel", torch_path, "m.f", fake_cpu_kernel(cpu_calls), CPU)
     x = torch.zeros(2)
     assert fn(x) == ("cpu", x) and cpu_calls == [x] and triton_calls == []
 
 
 def test_cpu_choice_errors_name_the_key(cpu_only):
     calls = []
-    fn = impl.resolve("cpu", "model.x.impl", "kernel", torch_path, "m.f", fake_cpu_kernel(calls))
+    fn = impl.resolve("cpu", "model.x.impl", "kernel", torch_path, "m.f", fake_cpu_kernel(calls), CPU)
     x = torch.zeros(2)
     assert fn(x) == ("cpu", x) and calls == [x]
     with pytest.raises(ValueError, match=r"^model\.x\.impl='cpu': fp32 CPU tensors only$"):
         fn(x.double())
     with pytest.raises(ValueError, match=r"^model\.x\.impl='cpu': the compiled CPU kernel is not available here: "
                                          r"no compiler$"):
-        impl.resolve("cpu", "model.x.impl", "kernel", torch_path, "m.f", fake_cpu_kernel([], "no compiler"))
+        impl.resolve("cpu", "model.x.impl", "kernel", torch_path, "m.f", fake_cpu_kernel([], "no compiler"), CPU)
+
+
+def test_a_part_without_a_kernel_of_the_chosen_family_runs_its_torch_path(cpu_only):
+    """model.moe.impl names a kernel family: the gated SiLU has no Triton kernel (the permutation has both)."""
+    assert impl.resolve("cpu", "model.x.impl", "kernel", torch_path, "m.f", None, CPU) is torch_path
+    assert impl.resolve("triton", "model.x.impl", "kernel", torch_path, None, fake_cpu_kernel([]), CPU) is torch_path
+    assert select_gated_silu("triton") is gated_silu
+    with pytest.raises(ValueError, match=r"model\.x\.impl: expected 'auto', 'torch' or 'triton', got 'cpu'"):
+        impl.resolve("cpu", "model.x.impl", "kernel", torch_path, "m.f", fake_cpu_kernel([]))
 
 
 def test_auto_without_a_buildable_cpu_kernel_warns_and_is_the_torch_function(cpu_only):
     with pytest.warns(UserWarning, match=r"model\.x\.impl='auto': the compiled CPU kernel is not available "
                                          r"\(no compiler\); CPU tensors take the PyTorch path"):
-        fn = impl.resolve("auto", "model.x.impl", "kernel", torch_path, "m.f", fake_cpu_kernel([], "no compiler"))
+        fn = impl.resolve("auto", "model.x.impl", "kernel", torch_path, "m.f", fake_cpu_kernel([], "no compiler"), CPU)
     assert fn is torch_path
 
 
