@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import socket
+from pathlib import Path
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -165,6 +166,23 @@ def _torchelastic_attempt_store(timeout: timedelta) -> dist.Store | None:
     return dist.PrefixStore(f"moe_dist/attempt_{attempt}", client)
 
 
+def _unlink_deepspeed_shm(rank: int, world_size: int) -> None:
+    """Remove the name of this rank's DeepSpeed shared-memory all-reduce buffer once every rank has mapped it.
+
+    On CPU, DeepSpeed's shm all-reduce (ops/csrc/cpu/comm/shm.cpp, when all ranks are local) creates
+    /dev/shm/deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank> in init_distributed, maps every
+    peer's, and never unlinks them: 69 MB of RAM-backed tmpfs per rank outlive every run (22 GB after a few test
+    runs filled this machine). After a barrier every rank has mapped every buffer, so the names can go; the
+    mappings stay valid until the processes exit, killed or not.
+    """
+    if world_size == 1:
+        return
+    dist.barrier()  # every rank, whether or not DeepSpeed made a buffer: the same collectives everywhere
+    name = (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+            f"{os.environ.get('MASTER_PORT', '')}_{rank}")
+    Path("/dev/shm", name).unlink(missing_ok=True)
+
+
 def init_distributed(cfg: JobConfig, timeout_s: float | None = None) -> Mesh:
     """Join the process group the launcher describes (deepspeed, torchrun, accelerate), or form a world of one.
 
@@ -193,6 +211,7 @@ def init_distributed(cfg: JobConfig, timeout_s: float | None = None) -> Mesh:
                                     world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
         deepspeed.init_distributed(dist_backend=backend, timeout=timeout, auto_mpi_discovery=False)  # adopts it
     rank, world_size = dist.get_rank(), dist.get_world_size()
+    _unlink_deepspeed_shm(rank, world_size)
     dp = check_layout(cfg, world_size)
     ep, tp = cfg.parallel.ep, cfg.parallel.tp
     dp_rank = rank // tp
