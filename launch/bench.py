@@ -6,7 +6,8 @@
 
 Each prints readable lines, then one JSON object as the last stdout line. Speeds are ratios measured in the
 same run (DESIGN.md §7): achieved FLOP/s against this machine's own dense-matmul rate for the dtype, and the
-scan against its sequential reference and against the chunked PyTorch scan. Timings are medians over repeats; the first calls are warm-up.
+scan against its sequential reference and the chunked PyTorch scan. Timings are medians over repeats; the first
+calls are warm-up.
 `--device auto` (the default) takes CUDA when present; CUDA timings synchronize around each measured call.
 Bad input → one `error:` line and exit status 2.
 """

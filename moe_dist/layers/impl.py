@@ -5,10 +5,10 @@
   cannot run (triton not installed, or no CUDA device and no TRITON_INTERPRET=1), and again at call time for
   tensors on a device it cannot use.
 - "cpu", for the keys that offer it (model.mamba.impl, model.moe.impl): the compiled CPU kernel (`CpuKernel`;
-  the selective scan, the experts' gated SiLU), with the same one-line errors where it cannot be built (no C++
-  compiler) or cannot take the tensors.
-- A part of a layer that has no kernel of the chosen family ("triton" for the gated SiLU, "cpu" for the MoE
-  permutation) runs its PyTorch path.
+  the selective scan, the MoE permutation, the experts' gated SiLU), with the same one-line errors where it
+  cannot be built (no C++ compiler) or cannot take the tensors.
+- A part of a layer that has no kernel of the chosen family (the gated SiLU under "triton") runs its PyTorch
+  path.
 - "auto": the Triton kernel for CUDA tensors it supports, the CPU kernel (if the layer has one and it builds)
   for CPU tensors it supports, the PyTorch path for everything else. On a machine without CUDA (or without
   triton) and without a CPU kernel that is the PyTorch function itself, so CPU runs never import triton.
@@ -101,10 +101,6 @@ def resolve(impl: str, key: str, what: str, torch_fn: Callable, kernel: Optional
         return torch_fn
     if impl == "cpu":
         return _cpu_only(cpu, key, what)
-    if cpu is not None and cpu.unavailable() is not None:
-        warnings.warn(f"{key}='auto': the compiled CPU {what} is not available ({cpu.unavailable()}); "
-                      "CPU tensors take the PyTorch path")
-        cpu = None
     why_not = _why_no_triton()
     if impl == "triton":
         if why_not is not None:
@@ -120,6 +116,10 @@ def resolve(impl: str, key: str, what: str, torch_fn: Callable, kernel: Optional
             return triton_fn(*args, **kwargs)
 
         return triton_only
+    if cpu is not None and cpu.unavailable() is not None:
+        warnings.warn(f"{key}='auto': the compiled CPU {what} is not available ({cpu.unavailable()}); "
+                      "CPU tensors take the PyTorch path")
+        cpu = None
     triton_fn = triton_unsupported = None
     if kernel is not None and why_not is None and torch.cuda.is_available():  # else no tensor can take Triton
         triton_fn, triton_unsupported = _load(kernel)
