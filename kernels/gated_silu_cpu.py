@@ -70,7 +70,7 @@ def gated_silu_unsupported(ab: torch.Tensor) -> Optional[str]:
 def gated_silu(ab: torch.Tensor) -> torch.Tensor:
     """silu(gate) · up of a fused (..., 2F) projection [gate | up] → (..., F), in ab's dtype (fp32 or bf16, CPU);
     math in fp32, one rounding per output."""
-    reason = gated_silu_unsupported(ab)
+    reason = gated_silu_unsupported(ab) or unavailable()
     if reason is not None:
         raise ValueError(f"gated_silu: {reason}")
     return _GatedSiLU.apply(ab.contiguous())

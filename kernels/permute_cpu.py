@@ -45,13 +45,17 @@ def _combine(rows_RD: torch.Tensor, row_of_A: torch.Tensor, scale_A: Optional[to
     return out_TD
 
 
+def gather_forward(ctx, x_TD: torch.Tensor, rows_R: torch.Tensor, top_k: int) -> torch.Tensor:
+    """x_RD = x_TD[rows_R % T], saving what a backward that sums each token's slots needs: the forward of both
+    this gather and the PyTorch one (`moe_dist.layers.moe._PermuteRows`)."""
+    T = x_TD.shape[0]
+    ctx.save_for_backward(rows_R)
+    ctx.top_k, ctx.num_tokens = top_k, T
+    return x_TD.index_select(0, rows_R % T) if T else x_TD.new_zeros(0, x_TD.shape[1])
+
+
 class _Permute(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x_TD: torch.Tensor, rows_R: torch.Tensor, top_k: int) -> torch.Tensor:
-        T = x_TD.shape[0]
-        ctx.save_for_backward(rows_R)
-        ctx.top_k, ctx.num_tokens = top_k, T
-        return x_TD.index_select(0, rows_R % T) if T else x_TD.new_zeros(0, x_TD.shape[1])
+    forward = staticmethod(gather_forward)
 
     @staticmethod
     @once_differentiable
@@ -97,7 +101,7 @@ unpermute_tokens_unsupported = permute_tokens_unsupported
 
 
 def _check(t: torch.Tensor) -> torch.Tensor:
-    reason = permute_tokens_unsupported(t)
+    reason = permute_tokens_unsupported(t) or unavailable()
     if reason is not None:
         raise ValueError(f"permute_cpu: {reason}")
     return t.contiguous()

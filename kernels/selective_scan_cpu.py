@@ -76,4 +76,7 @@ def selective_scan_time_major(u, delta, A, B, C, D=None, z=None) -> torch.Tensor
         if t is not None and (t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous()):
             raise ValueError(f"selective_scan_time_major: {name} must be a contiguous fp32 CPU tensor, "
                              f"got {t.dtype} on {t.device}{'' if t.is_contiguous() else ', not contiguous'}")
+    why_not = unavailable()
+    if why_not is not None:
+        raise ValueError(f"selective_scan_time_major: the compiled kernel is not available: {why_not}")
     return _NativeScan.apply(u, delta, A, B, C, D, z)

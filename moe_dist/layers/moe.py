@@ -148,12 +148,7 @@ def _sum_slots(rows_RD: torch.Tensor, row_KT: torch.Tensor, scale_KT: torch.Tens
 class _PermuteRows(torch.autograd.Function):
     """x_RD = x_TD[rows_R % T]; backward sums each token's kept slots by gathers (semantics of permute_tokens_ref)."""
 
-    @staticmethod
-    def forward(ctx, x_TD: torch.Tensor, rows_R: torch.Tensor, top_k: int) -> torch.Tensor:
-        T = x_TD.shape[0]
-        ctx.save_for_backward(rows_R)
-        ctx.top_k, ctx.num_tokens = top_k, T
-        return x_TD.index_select(0, rows_R % T) if T else x_TD.new_zeros(0, x_TD.shape[1])
+    forward = staticmethod(permute_cpu.gather_forward)
 
     @staticmethod
     def backward(ctx, grad_RD: torch.Tensor):
