@@ -25,6 +25,7 @@ HERE = Path(__file__).resolve().parent
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-fopenmp", "-fPIC", "-shared")
 
 
+@functools.lru_cache(maxsize=None)
 def _cpu_id() -> str:
     """The CPU model and feature flags: -march=native code built on one CPU may not run on another."""
     try:
@@ -38,16 +39,22 @@ def cache_dir() -> Path:
     return Path(os.environ.get("MOE_DIST_CACHE") or Path.home() / ".cache" / "moe_dist")
 
 
+@functools.lru_cache(maxsize=None)
+def _compiler(cxx: str) -> tuple[str, str]:
+    """(path, `--version` output) of the compiler `cxx`, asked once per process for all kernels."""
+    compiler = shutil.which(cxx)
+    if compiler is None:
+        raise RuntimeError(f"no C++ compiler ({cxx!r} is not on PATH; set CXX)")
+    try:
+        return compiler, subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as err:
+        raise RuntimeError(f"{compiler} --version failed: {err}") from None
+
+
 def build(name: str) -> Path:
     """Compile kernel `name` (or find it compiled) and return the library's path; RuntimeError with the reason."""
     source = HERE / f"{name}.cpp"
-    compiler = shutil.which(os.environ.get("CXX", "c++"))
-    if compiler is None:
-        raise RuntimeError(f"no C++ compiler ({os.environ.get('CXX', 'c++')!r} is not on PATH; set CXX)")
-    try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError) as err:
-        raise RuntimeError(f"{compiler} --version failed: {err}") from None
+    compiler, version = _compiler(os.environ.get("CXX", "c++"))
     headers = [h.read_text() for h in sorted(HERE.glob("*.h"))]
     key = hashlib.sha256("\0".join([source.read_text(), *headers, compiler, version, *FLAGS, _cpu_id()]).encode())
     lib = cache_dir() / f"{name}-{key.hexdigest()[:16]}.so"
