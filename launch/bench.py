@@ -58,19 +58,35 @@ def interleaved_ms(fns: dict, device: torch.device, repeats: int, warmup: int = 
 
 
 def matmul_fns(shapes: list[tuple[int, int, int]], dtype: torch.dtype, device: torch.device) -> dict:
-    """Dense matmuls (M, K, N) of `dtype`, keyed by their FLOP count, to time alongside the thing measured."""
+    """Dense matmuls (M, K, N) of `dtype`, keyed by (implementation, M, K, N), to time alongside the thing measured:
+    torch.mm, and the AMX GEMM kernel (one group, its weight packing included) where it runs, since it is a dense
+    matmul of this machine too (the peak must not be a rate that one of our own kernels beats)."""
+    from moe_dist.kernels import grouped_gemm_cpu
+
     fns = {}
     for m, k, n in shapes:
         a = torch.randn(m, k, dtype=dtype, device=device)
         b = torch.randn(k, n, dtype=dtype, device=device)
-        fns[("mm", m, k, n)] = lambda a=a, b=b: torch.mm(a, b)
+        fns[("torch.mm", m, k, n)] = lambda a=a, b=b: torch.mm(a, b)
+        rows = torch.tensor([m])
+        if grouped_gemm_cpu.grouped_mm_unsupported(a, b[None], rows) is None and grouped_gemm_cpu.unavailable() is None:
+            fns[("amx", m, k, n)] = lambda a=a, b=b[None], rows=rows: grouped_gemm_cpu.grouped_mm(a, b, rows)
     return fns
 
 
+def dense_rates(ms: dict) -> dict:
+    """GFLOP/s of each dense-matmul implementation timed: the median over its (impl, M, K, N) shapes of 2·M·K·N / time."""
+    rates = {}
+    for key, t in ms.items():
+        if isinstance(key, tuple):
+            impl, m, k, n = key
+            rates.setdefault(impl, []).append(2 * m * k * n / t / 1e6)
+    return {impl: round(statistics.median(r), 1) for impl, r in rates.items()}
+
+
 def peak_gflops(ms: dict) -> float:
-    """This machine's dense matmul rate: the median over the timed ("mm", M, K, N) shapes of 2·M·K·N / time."""
-    return statistics.median(2 * m * k * n / t / 1e6 for (tag, m, k, n), t in
-                             ((key, t) for key, t in ms.items() if isinstance(key, tuple)))
+    """This machine's dense matmul rate for the dtype: the fastest implementation's `dense_rates`."""
+    return max(dense_rates(ms).values())
 
 
 def resolve_device(name: str) -> torch.device:
@@ -95,9 +111,12 @@ def _moe_setup(args):
 
     device, dtype = resolve_device(args.device), DTYPES[args.dtype]
     cfg = MoEConfig(num_experts=args.experts, top_k=args.top_k, d_ff=args.d_ff, capacity_factor=args.capacity_factor,
-                    backend=args.backend)
+                    backend=args.backend, impl=args.impl)
     torch.manual_seed(0)
-    moe = MoE(args.d_model, args.d_ff, cfg, init_std=0.02, n_layers=2).to(device)
+    try:
+        moe = MoE(args.d_model, args.d_ff, cfg, init_std=0.02, n_layers=2).to(device)
+    except ValueError as err:  # an impl that cannot run here
+        raise ConfigError(f"--impl {args.impl}: {err}") from None
     moe.init_weights()
     with torch.no_grad():
         moe.router.weight.normal_(std=1.0)  # logits of std √D on random inputs: routing spread over all experts
@@ -115,10 +134,13 @@ def _moe_fwd_bwd(moe, x, dy):
     return stats
 
 
-def _expert_gemms(moe, x):
-    """The layer's expert GEMMs alone (gate+up, down), forward and backward, on rows routed as the layer routes x:
-    the time the layer would take if routing, permutation and the SwiGLU activation cost nothing (its ceiling)."""
-    from moe_dist.layers.moe import grouped_mm
+def _expert_gemms(moe, x, impl: str):
+    """The layer's expert GEMMs alone (gate+up, down; the grouped GEMM of `impl`), forward and backward, on rows
+    routed as the layer routes x: the time the layer would take if routing, permutation and the SwiGLU activation
+    cost nothing (its ceiling)."""
+    from moe_dist.layers.moe import select_grouped_mm
+
+    grouped_mm = select_grouped_mm(impl)
 
     with torch.no_grad():
         routing, _ = moe.router(x)
@@ -162,7 +184,7 @@ def bench_moe(args) -> dict:
     # Peak reference: dense matmuls with all T·K rows as one expert, in the shapes of the forward and both
     # gradient GEMMs of w1/w3 (D → F) and w2 (F → D), timed in turn with the layer.
     rows = T * K
-    fns = {"layer": lambda: _moe_fwd_bwd(moe, x, dy), "gemms": _expert_gemms(moe, x.detach()),
+    fns = {"layer": lambda: _moe_fwd_bwd(moe, x, dy), "gemms": _expert_gemms(moe, x.detach(), args.impl),
            **matmul_fns([(rows, D, Fh), (rows, Fh, D), (D, rows, Fh), (Fh, rows, D)], dtype, device)}
     ms = interleaved_ms(fns, device, args.repeats)
     fwd_bwd_ms, gemms_ms, peak = ms["layer"], ms["gemms"], peak_gflops(ms)
@@ -185,7 +207,8 @@ def bench_moe(args) -> dict:
     return {"bench": "moe", "device": str(device), "dtype": args.dtype, "tokens": T, "d_model": D, "d_ff": Fh,
             "experts": E, "top_k": K, "capacity_factor": args.capacity_factor, "kept_rows": kept,
             "threads": torch.get_num_threads(), "malloc": args.malloc, "flush_denormal": args.flush_denormal,
-            "fwd_bwd_ms": round(fwd_bwd_ms, 3), "gemm_peak_gflops": round(peak, 1),
+            "impl": args.impl, "fwd_bwd_ms": round(fwd_bwd_ms, 3), "gemm_peak_gflops": round(peak, 1),
+            "dense_gflops": dense_rates(ms),
             "achieved_gemm_gflops": round(gemm_flops / fwd_bwd_ms / 1e6, 1),
             "roofline_fraction": round(gemm_flops / fwd_bwd_ms / 1e6 / peak, 4),
             "expert_gemms_ms": round(gemms_ms, 3), "gemm_ceiling_fraction": round(gemm_flops / gemms_ms / 1e6 / peak, 4),
@@ -383,7 +406,7 @@ def bench_step(args) -> dict:
     result = {"bench": "step", "device": str(device), "config": args.config, "dtype": t.dtype,
               "compile": t.compile, "tokens_per_step": tokens, "step_ms": round(step_s * 1e3, 1),
               "tokens_per_s": round(tokens_per_s, 1), "active_matmul_params": active,
-              "flops_per_token": round(fpt), "gemm_peak_gflops": round(peak, 1),
+              "flops_per_token": round(fpt), "gemm_peak_gflops": round(peak, 1), "dense_gflops": dense_rates(ms),
               "mfu": round(fpt * tokens_per_s / (peak * 1e9), 4)}
     if not t.compile:
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -422,6 +445,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                        help="per-expert capacity factor; 'null' = dropless (default 1.25)")
         m.add_argument("--backend", choices=["native", "megablocks"], default="native", help="model.moe.backend")
         m.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+        m.add_argument("--impl", choices=["auto", "torch", "triton", "cpu"], default="auto",
+                       help="model.moe.impl (auto: the compiled CPU kernels on CPU, Triton on CUDA)")
         m.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
         m.add_argument("--repeats", type=int, default=10)
         parsers.append(m)

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from moe_dist.kernels import grouped_gemm_cpu
+
 REPO = Path(__file__).resolve().parents[1]
 BENCH = str(REPO / "launch" / "bench.py")
 
@@ -41,6 +43,25 @@ def test_moe(dtype, cf):
     # the ceiling: the same FLOPs over the time of the expert GEMMs alone
     assert out["gemm_ceiling_fraction"] == pytest.approx(
         flops / out["expert_gemms_ms"] / 1e6 / out["gemm_peak_gflops"], rel=0.02)
+    # the peak is the fastest dense matmul timed: torch.mm, and the AMX kernel where it takes these tensors
+    assert out["gemm_peak_gflops"] == max(out["dense_gflops"].values())
+    assert "torch.mm" in out["dense_gflops"]
+    assert ("amx" in out["dense_gflops"]) == (dtype == "bf16" and grouped_gemm_cpu.unavailable() is None)
+
+
+@pytest.mark.parametrize("impl", ["torch", "cpu"])
+def test_moe_impl(impl):
+    out = last_json(run_bench("moe", "--tokens", "64", "--d-model", "32", "--d-ff", "64", "--experts", "4",
+                              "--top-k", "2", "--repeats", "1", "--impl", impl))
+    assert out["impl"] == impl and out["fwd_bwd_ms"] > 0 and out["expert_gemms_ms"] > 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the Triton permutation can run here")
+def test_moe_impl_that_cannot_run_is_a_one_line_error():
+    done = run_bench("moe", "--tokens", "8", "--d-model", "32", "--d-ff", "32", "--experts", "2", "--top-k", "1",
+                     "--impl", "triton", expect_rc=2)
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --impl triton: model.moe.impl='triton': "), lines
 
 
 def test_moe_host_switches():

@@ -687,3 +687,13 @@ def test_gated_silu_matches_autograd_of_silu_times_up(shape, dtype, tol):
     assert got.shape == ref.shape and got.dtype == dtype
     torch.testing.assert_close(got.double(), ref.double(), rtol=tol, atol=tol)
     torch.testing.assert_close(got_in.grad.double(), ref_in.grad.double(), rtol=tol, atol=tol)
+
+
+def test_without_amx_every_impl_runs_torchs_grouped_gemm(monkeypatch, recwarn):
+    """A CPU without AMX-BF16 has no compiled grouped GEMM: "cpu" and "auto" take torch's, silently."""
+    from moe_dist.kernels import grouped_gemm_cpu
+
+    monkeypatch.setattr(grouped_gemm_cpu, "cpu_has_amx", lambda: False)
+    for impl in ("cpu", "auto", "torch"):
+        assert moe_mod.select_grouped_mm(impl) is moe_mod.grouped_mm
+    assert not [w for w in recwarn if "grouped GEMM" in str(w.message)]

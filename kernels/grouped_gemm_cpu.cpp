@@ -1,0 +1,211 @@
+// Grouped bf16 GEMM on Intel AMX: C_g = A_g · B_g for every group g in one call, fp32 accumulation in the tiles,
+// one bf16 rounding per output; plus the packings that feed it (the expert GEMMs of an MoE layer, forward and both
+// gradients; grouped_gemm_cpu.py drives them).
+//
+// Why by hand: torch's CPU grouped_mm makes one oneDNN matmul call per expert, each repacking its weight and
+// re-deriving its blocking; at 8 experts those GEMMs reached 0.66 of a large matmul's rate, at 64 experts 0.52.
+// Here every group is a slice of one work list, and a weight is packed once per pass.
+//
+// Layouts. A_g: row-major (M_g, K_g), row stride lda_g. B_g: "VNNI" packed, [N/16][K_g/2][16][2]: for each
+// 16-column panel, the K rows taken in pairs with the pair's two values side by side (what TDPBF16PS reads).
+// C_g: row-major (M_g, N), row stride ldc. K_g and N are multiples of 32 (the packings pad K with zeros); M_g is any.
+// The tiles: 0..3 accumulate a 32×32 block of C, 4..5 hold two 16-row slices of A, 6..7 two 16-column panels of B.
+#include <immintrin.h>
+#include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "cpu_vec.h"
+
+namespace {
+
+using namespace cpu_vec;
+
+constexpr int64_t BLOCK = 32;       // rows and columns of C per micro-kernel call
+constexpr int64_t UNIT_BYTES = 512 << 10;  // A rows per work unit: up to 512 KiB, which stay in L2 while B panels
+                                           // stream by (each panel is read once per unit: fewer, larger units
+                                           // read less of B from memory)
+
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+void configure_tiles() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;  // 16 rows × 64 bytes: the full tile
+  _tile_loadconfig(&cfg);
+}
+
+// One 32×32 block of C = A (32 rows, stride lda) · two 16-column panels of packed B, over K; into `acc` (4×16×16).
+inline void block_32x32(const uint16_t* a, int64_t lda, const uint16_t* b0, const uint16_t* b1, int64_t K,
+                        float* acc) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t k = 0; k < K; k += 32) {
+    _tile_loadd(4, a + k, lda * 2);
+    _tile_loadd(5, a + 16 * lda + k, lda * 2);
+    _tile_loadd(6, b0 + k * 16, 64);
+    _tile_loadd(7, b1 + k * 16, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, acc, 64);
+  _tile_stored(1, acc + 256, 64);
+  _tile_stored(2, acc + 512, 64);
+  _tile_stored(3, acc + 768, 64);
+}
+
+// The first `rows` rows of a 32×32 accumulator block (tiles in the order of block_32x32) as bf16 into c: one
+// AVX512-BF16 conversion (round to nearest even) per 32 outputs; a scalar-style rounding here cost a fifth of the
+// forward GEMM's time at K = 512.
+inline void store_block(const float* acc, int64_t rows, uint16_t* c, int64_t ldc) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* tile = acc + (r / 16) * 512 + (r % 16) * 16;
+    const __m512bh both = _mm512_cvtne2ps_pbh(_mm512_load_ps(tile + 256), _mm512_load_ps(tile));
+    _mm512_storeu_si512(c + r * ldc, reinterpret_cast<__m512i>(both));
+  }
+}
+
+// dst row j (16 uint32 at dst + j·ld_dst) = column j of the 16 × 16 block at src (rows at src + i·ld_src).
+inline void transpose_16x16(const uint32_t* src, int64_t ld_src, uint32_t* dst, int64_t ld_dst) {
+  alignas(64) uint32_t block[16 * 16];
+  for (int i = 0; i < 16; ++i)
+    _mm512_store_si512(block + 16 * i, _mm512_loadu_si512(src + i * ld_src));
+  const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(16));
+  for (int j = 0; j < 16; ++j)
+    _mm512_storeu_si512(dst + j * ld_dst, _mm512_i32gather_epi32(_mm512_add_epi32(column, _mm512_set1_epi32(j)),
+                                                                 block, 4));
+}
+
+// 16 bf16 of row r0 and of row r1 (a null row reads zeros) interleaved: (r0[0], r1[0], r0[1], r1[1], ...).
+inline __m512i interleave_rows(const uint16_t* r0, const uint16_t* r1) {
+  const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m256i lo = r0 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0)) : _mm256_setzero_si256();
+  const __m256i hi = r1 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1)) : _mm256_setzero_si256();
+  return _mm512_permutexvar_epi16(order, _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
+}
+
+struct Unit {
+  int64_t group, row0, rows;
+};
+
+}  // namespace
+
+extern "C" {
+
+// Asks Linux for the AMX tile state (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) for this process; 0 on success.
+int amx_request() { return static_cast<int>(syscall(SYS_arch_prctl, 0x1023, 18)); }
+
+void grouped_gemm(int64_t G, const int64_t* M, const int64_t* K, int64_t N, const uint16_t* a, const int64_t* a_off,
+                  const int64_t* lda, const uint16_t* b, const int64_t* b_off, uint16_t* c, const int64_t* c_off,
+                  int64_t ldc, int threads) {
+  std::vector<Unit> units;
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t unit_rows = std::max<int64_t>(BLOCK, UNIT_BYTES / std::max<int64_t>(2 * K[g], 1) / BLOCK * BLOCK);
+    for (int64_t r = 0; r < M[g]; r += unit_rows) units.push_back({g, r, std::min(unit_rows, M[g] - r)});
+  }
+  const int64_t panels = N / BLOCK, n_units = static_cast<int64_t>(units.size());
+#pragma omp parallel num_threads(threads)
+  {
+    configure_tiles();
+    alignas(64) float acc[4 * 256];
+    std::vector<uint16_t> tail;  // a last block of fewer than 32 rows, zero-padded to 32
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t u = 0; u < n_units; ++u) {
+      const Unit& unit = units[u];
+      const int64_t g = unit.group, Kg = K[g], ld = lda[g];
+      const uint16_t* ag = a + a_off[g] + unit.row0 * ld;
+      const uint16_t* bg = b + b_off[g];
+      uint16_t* cg = c + c_off[g] + unit.row0 * ldc;
+      const int64_t full = unit.rows / BLOCK * BLOCK, rest = unit.rows - full;
+      if (rest) {
+        tail.assign(BLOCK * Kg, 0);
+        for (int64_t r = 0; r < rest; ++r) std::memcpy(&tail[r * Kg], ag + (full + r) * ld, Kg * 2);
+      }
+      for (int64_t p = 0; p < panels; ++p) {  // B panel p (32 columns) stays in L1 across the unit's row blocks
+        const uint16_t* b0 = bg + 2 * p * (Kg / 2) * 32;
+        const uint16_t* b1 = b0 + (Kg / 2) * 32;
+        for (int64_t r = 0; r < full; r += BLOCK) {
+          block_32x32(ag + r * ld, ld, b0, b1, Kg, acc);
+          store_block(acc, BLOCK, cg + r * ldc + p * BLOCK, ldc);
+        }
+        if (rest) {
+          block_32x32(tail.data(), Kg, b0, b1, Kg, acc);
+          store_block(acc, rest, cg + full * ldc + p * BLOCK, ldc);
+        }
+      }
+    }
+    _tile_release();
+  }
+}
+
+// B rows → VNNI for G groups: group g is src rows [row0_g, row0_g + K_g) of a row-major (·, N) matrix (row stride
+// ld), packed into dst + dst_off_g with its K padded with zero rows to Kpad_g (a multiple of 32). N % 16 == 0.
+// One task per (group, 16-column panel): its output is one contiguous run.
+void pack_rows(int64_t G, const int64_t* row0, const int64_t* Kg, const int64_t* Kpad, int64_t N, const uint16_t* src,
+               int64_t ld, uint16_t* dst, const int64_t* dst_off, int threads) {
+  const int64_t panels = N / 16;
+#pragma omp parallel for num_threads(threads) schedule(static) collapse(2)
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t p = 0; p < panels; ++p) {
+      uint16_t* out = dst + dst_off[g] + p * Kpad[g] * 16;
+      const uint16_t* rows = src + row0[g] * ld + p * 16;
+      for (int64_t k = 0; k < Kpad[g]; k += 2) {
+        const uint16_t* r0 = k < Kg[g] ? rows + k * ld : nullptr;
+        const uint16_t* r1 = k + 1 < Kg[g] ? rows + (k + 1) * ld : nullptr;
+        _mm512_storeu_si512(out + k * 16, interleave_rows(r0, r1));
+      }
+    }
+}
+
+// B = Wᵀ → VNNI for each of G stacked row-major (N, K) matrices W_g (src + g·N·K): B(k, n) = W_g[n][k], so each
+// pair (k, k+1) is already adjacent in W's row n, and the packing is a transpose of 32-bit pairs.
+// dst + g·N·K gets [N/16][K/2][16][2]. K % 32 == 0, N % 16 == 0.
+void pack_transposed(int64_t G, int64_t N, int64_t K, const uint16_t* src, uint16_t* dst, int threads) {
+  const int64_t panels = N / 16, pairs = K / 2;
+#pragma omp parallel for num_threads(threads) schedule(static) collapse(2)
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t p = 0; p < panels; ++p) {
+      const uint32_t* w = reinterpret_cast<const uint32_t*>(src + (g * N + p * 16) * K);
+      uint32_t* out = reinterpret_cast<uint32_t*>(dst + g * N * K + p * 16 * K);
+      for (int64_t kp = 0; kp < pairs; kp += 16) transpose_16x16(w + kp, pairs, out + kp * 16, 16);
+    }
+}
+
+// Aᵀ for G groups: group g is src rows [row0_g, row0_g + R_g) of a row-major (·, C) matrix; dst + dst_off_g gets
+// its transpose (C, Rpad_g), the columns past R_g zero. Rpad_g % 32 == 0, C % 16 == 0. Per 32 rows × 16 columns:
+// the row pairs interleaved (32-bit units), then a 16 × 16 transpose of those units.
+void transpose_rows(int64_t G, const int64_t* row0, const int64_t* Rg, const int64_t* Rpad, int64_t C,
+                    const uint16_t* src, uint16_t* dst, const int64_t* dst_off, int threads) {
+  const int64_t col_blocks = C / 16;
+#pragma omp parallel for num_threads(threads) schedule(static) collapse(2)
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t cb = 0; cb < col_blocks; ++cb) {
+      alignas(64) uint32_t pairs[16 * 16];
+      const uint16_t* rows = src + row0[g] * C + cb * 16;
+      uint16_t* out = dst + dst_off[g] + cb * 16 * Rpad[g];
+      for (int64_t r0 = 0; r0 < Rpad[g]; r0 += 32) {
+        for (int64_t i = 0; i < 16; ++i) {
+          const int64_t r = r0 + 2 * i;
+          _mm512_store_si512(pairs + 16 * i, interleave_rows(r < Rg[g] ? rows + r * C : nullptr,
+                                                             r + 1 < Rg[g] ? rows + (r + 1) * C : nullptr));
+        }
+        transpose_16x16(pairs, 16, reinterpret_cast<uint32_t*>(out + r0), Rpad[g] / 2);
+      }
+    }
+}
+
+}  // extern "C"

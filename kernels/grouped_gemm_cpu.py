@@ -1,0 +1,161 @@
+"""The experts' grouped GEMM on Intel AMX (`grouped_gemm_cpu.cpp`): load, autograd Function, public function.
+
+`grouped_mm(x_RI, w_EIO, rows_per_expert_E)` has the semantics and signature of `moe_dist.layers.moe.grouped_mm`
+(torch's `F.grouped_mm` there): rows sorted by expert, row r times its expert's weight. bf16 only, with fp32
+accumulation and one rounding per output, as torch's. Each pass is one kernel call over all experts:
+
+    forward  y_g  = x_g · W_g          (W packed once: K pairs side by side, what the tile multiply reads)
+    grad x   dx_g = dy_g · W_gᵀ        (Wᵀ packed from W's rows directly)
+    grad W   dW_g = x_gᵀ · dy_g        (x_g transposed and dy_g packed, each zero-padded to a multiple of 32 rows)
+
+Built on first use and cached (`cpu_build`); `unavailable()` says why it cannot run here (no AMX-BF16 on this CPU,
+no compiler, Linux refused the tile state).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from moe_dist.kernels import cpu_build
+
+_I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+_SIGNATURES = (
+    ("grouped_gemm", (_I64, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _INT)),
+    ("pack_rows", (_I64, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _INT)),
+    ("pack_transposed", (_I64, _I64, _I64, _PTR, _PTR, _INT)),
+    ("transpose_rows", (_I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _INT)),
+)
+ALIGN = 32  # the kernel's block: K, N multiples of it (the weight-gradient K is padded to it)
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_has_amx() -> bool:
+    """Whether this CPU has the AMX-BF16 tiles (and the AVX-512 the kernel's packings use)."""
+    try:
+        flags = next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return False
+    return {"amx_tile", "amx_bf16", "avx512f"} <= set(flags)
+
+
+@functools.lru_cache(maxsize=None)
+def _library() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
+    if not cpu_has_amx():
+        return None, "this CPU has no AMX-BF16 (amx_tile, amx_bf16 and avx512f in /proc/cpuinfo)"
+    lib, why = cpu_build.library("grouped_gemm_cpu", _SIGNATURES)
+    if lib is None:
+        return None, why
+    lib.amx_request.restype = ctypes.c_int
+    if lib.amx_request() != 0:
+        return None, "Linux refused this process the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"
+    return lib, None
+
+
+def unavailable() -> Optional[str]:
+    """Why the kernel cannot run in this process, or None; builds it on first call."""
+    return _library()[1]
+
+
+def _call(fn, *args) -> None:
+    """fn(*args) with tensors passed as their data pointers and lists of ints as int64 arrays (kept alive for the
+    call), then torch's thread count."""
+    keep = [torch.as_tensor(a, dtype=torch.int64) if isinstance(a, list) else a for a in args]
+    fn(*(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in keep), torch.get_num_threads())
+
+
+def _gemm(lib, M: list, K: list, N: int, a, a_off: list, lda: list, b, b_off: list, c, c_off: list, ldc: int):
+    """Every group g: c[c_off_g:] (M_g, N) = a[a_off_g:] (M_g, K_g; row stride lda_g) · packed b[b_off_g:]."""
+    _call(lib.grouped_gemm, len(M), M, K, N, a, a_off, lda, b, b_off, c, c_off, ldc)
+
+
+def _pack_weights(lib, w_EIO: torch.Tensor) -> torch.Tensor:
+    """Each W_g (I, O) as the B operand of x_g · W_g."""
+    E, I, O = w_EIO.shape
+    packed = torch.empty_like(w_EIO)
+    _call(lib.pack_rows, E, [e * I for e in range(E)], [I] * E, [I] * E, O, w_EIO, O, packed,
+          [e * I * O for e in range(E)])
+    return packed
+
+
+class _GroupedMM(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_RI: torch.Tensor, w_EIO: torch.Tensor, rows_per_expert_E: torch.Tensor) -> torch.Tensor:
+        lib, why = _library()
+        assert lib is not None, why
+        E, I, O = w_EIO.shape
+        counts = [int(n) for n in rows_per_expert_E.tolist()]
+        starts = [sum(counts[:e]) for e in range(E)]
+        y_RO = x_RI.new_empty(x_RI.shape[0], O)
+        _gemm(lib, counts, [I] * E, O, x_RI, [s * I for s in starts], [I] * E, _pack_weights(lib, w_EIO),
+              [e * I * O for e in range(E)], y_RO, [s * O for s in starts], O)
+        ctx.save_for_backward(x_RI, w_EIO)
+        ctx.counts, ctx.starts = counts, starts
+        return y_RO
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy_RO: torch.Tensor):
+        lib, _ = _library()
+        x_RI, w_EIO = ctx.saved_tensors
+        dy_RO = dy_RO.to(torch.bfloat16).contiguous()
+        # one gradient at a time, so that each one's packed operands are freed before the next is packed
+        dw_EIO = _grad_weight(lib, x_RI, dy_RO, w_EIO.shape, ctx.counts, ctx.starts) if ctx.needs_input_grad[1] else None
+        dx_RI = _grad_input(lib, dy_RO, w_EIO, ctx.counts, ctx.starts) if ctx.needs_input_grad[0] else None
+        return dx_RI, dw_EIO, None
+
+
+def _grad_input(lib, dy_RO: torch.Tensor, w_EIO: torch.Tensor, counts: list, starts: list) -> torch.Tensor:
+    """dx_g = dy_g · W_gᵀ. (R, I)"""
+    E, I, O = w_EIO.shape
+    w_t = torch.empty_like(w_EIO)  # each W_gᵀ (O, I) as the B operand
+    _call(lib.pack_transposed, E, I, O, w_EIO, w_t)
+    dx_RI = dy_RO.new_empty(dy_RO.shape[0], I)
+    _gemm(lib, counts, [O] * E, I, dy_RO, [s * O for s in starts], [O] * E, w_t, [e * I * O for e in range(E)], dx_RI,
+          [s * I for s in starts], I)
+    return dx_RI
+
+
+def _grad_weight(lib, x_RI: torch.Tensor, dy_RO: torch.Tensor, shape, counts: list, starts: list) -> torch.Tensor:
+    """dW_g = x_gᵀ · dy_g over each expert's rows, zero-padded to a multiple of 32. (E, I, O)"""
+    E, I, O = shape
+    padded = [-(-n // ALIGN) * ALIGN for n in counts]
+    pad_starts = [sum(padded[:e]) for e in range(E)]
+    x_t = x_RI.new_empty(I * sum(padded))  # x_gᵀ (I, padded_g), group after group
+    dy_p = x_RI.new_empty(O * sum(padded))  # dy_g packed as B, K = padded_g
+    _call(lib.transpose_rows, E, starts, counts, padded, I, x_RI, x_t, [p * I for p in pad_starts])
+    _call(lib.pack_rows, E, starts, counts, padded, O, dy_RO, O, dy_p, [p * O for p in pad_starts])
+    dw_EIO = x_RI.new_empty(E, I, O)
+    _gemm(lib, [I] * E, padded, O, x_t, [p * I for p in pad_starts], padded, dy_p, [p * O for p in pad_starts], dw_EIO,
+          [e * I * O for e in range(E)], O)
+    return dw_EIO
+
+
+def grouped_mm_unsupported(x_RI: torch.Tensor, w_EIO: torch.Tensor, rows_per_expert_E: torch.Tensor) -> Optional[str]:
+    """Why the kernel cannot take these tensors, or None."""
+    if x_RI.device.type != "cpu" or w_EIO.device.type != "cpu":
+        return f"the AMX grouped GEMM takes CPU tensors, got {x_RI.device} and {w_EIO.device}"
+    if x_RI.dtype != torch.bfloat16 or w_EIO.dtype != torch.bfloat16:
+        return f"the AMX grouped GEMM takes bf16 rows and weights, got {x_RI.dtype} and {w_EIO.dtype}"
+    if w_EIO.dim() != 3 or x_RI.dim() != 2 or x_RI.shape[1] != w_EIO.shape[1]:
+        return f"the AMX grouped GEMM needs (R, I) rows and (E, I, O) weights, got {tuple(x_RI.shape)} and " \
+               f"{tuple(w_EIO.shape)}"
+    if w_EIO.shape[1] % ALIGN or w_EIO.shape[2] % ALIGN:
+        return f"the AMX grouped GEMM needs both weight dims to be multiples of {ALIGN}, got {tuple(w_EIO.shape[1:])}"
+    return None
+
+
+def grouped_mm(x_RI: torch.Tensor, w_EIO: torch.Tensor, rows_per_expert_E: torch.Tensor) -> torch.Tensor:
+    """(R, I) bf16 rows sorted by expert × (E, I, O) bf16 weights → (R, O) bf16: row r times its expert's weight."""
+    reason = grouped_mm_unsupported(x_RI, w_EIO, rows_per_expert_E) or unavailable()
+    if reason is not None:
+        raise ValueError(f"grouped_mm: {reason}")
+    if int(rows_per_expert_E.sum()) != x_RI.shape[0] or rows_per_expert_E.shape != (w_EIO.shape[0],):
+        raise ValueError(f"grouped_mm: rows_per_expert_E must have {w_EIO.shape[0]} counts summing to "
+                         f"{x_RI.shape[0]} rows, got {rows_per_expert_E.tolist()}")
+    return _GroupedMM.apply(x_RI.contiguous(), w_EIO.contiguous(), rows_per_expert_E)
