@@ -71,6 +71,7 @@ def _call(fn, *args) -> None:
 
 def _gemm(lib, M: list, K: list, N: int, a, a_off: list, lda: list, b, b_off: list, c, c_off: list, ldc: int):
     """Every group g: c[c_off_g:] (M_g, N) = a[a_off_g:] (M_g, K_g; row stride lda_g) · packed b[b_off_g:]."""
+    assert c.data_ptr() % 64 == 0, "the kernel streams whole 64-byte lines of C"
     _call(lib.grouped_gemm, len(M), M, K, N, a, a_off, lda, b, b_off, c, c_off, ldc)
 
 

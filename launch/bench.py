@@ -186,6 +186,9 @@ def bench_moe(args) -> dict:
     rows = T * K
     fns = {"layer": lambda: _moe_fwd_bwd(moe, x, dy), "gemms": _expert_gemms(moe, x.detach(), args.impl),
            **matmul_fns([(rows, D, Fh), (rows, Fh, D), (D, rows, Fh), (Fh, rows, D)], dtype, device)}
+    if args.impl != "torch":  # the same layer (same weights) on the PyTorch paths, in the same rounds: the kernels' gain
+        torch_moe = _moe_setup(argparse.Namespace(**{**vars(args), "impl": "torch"}))[0]
+        fns["layer_torch_impl"] = lambda: _moe_fwd_bwd(torch_moe, x, dy)
     ms = interleaved_ms(fns, device, args.repeats)
     fwd_bwd_ms, gemms_ms, peak = ms["layer"], ms["gemms"], peak_gflops(ms)
     gemm_flops = 3 * 3 * 2 * kept * D * Fh  # gate, up, down (D·F each), ×3 for forward + the two backward GEMMs
@@ -213,6 +216,8 @@ def bench_moe(args) -> dict:
             "roofline_fraction": round(gemm_flops / fwd_bwd_ms / 1e6 / peak, 4),
             "expert_gemms_ms": round(gemms_ms, 3), "gemm_ceiling_fraction": round(gemm_flops / gemms_ms / 1e6 / peak, 4),
             "peak_mem_mb": round(peak_mem, 2),
+            **({"torch_impl_ms": round(ms["layer_torch_impl"], 3),
+                "speedup_vs_torch_impl": round(ms["layer_torch_impl"] / fwd_bwd_ms, 3)} if "layer_torch_impl" in ms else {}),
             "weight_grad_mb": round(sum(p.numel() * p.element_size() for p in moe.parameters()) / 2**20, 2)}
 
 
