@@ -4,11 +4,12 @@
 //
 // Why by hand: torch's CPU grouped_mm makes one oneDNN matmul call per expert, each repacking its weight and
 // re-deriving its blocking; at 8 experts those GEMMs reached 0.66 of a large matmul's rate, at 64 experts 0.52.
-// Here every group is a slice of one work list, and a weight is packed once per pass.
+// Here the groups of a call are slices of one work list, and each weight is packed once per pass.
 //
 // Layouts. A_g: row-major (M_g, K_g), row stride lda_g. B_g: "VNNI" packed, [N/16][K_g/2][16][2]: for each
 // 16-column panel, the K rows taken in pairs with the pair's two values side by side (what TDPBF16PS reads).
-// C_g: row-major (M_g, N), row stride ldc, 64-byte aligned (torch's CPU allocations are). K_g and N are multiples of 32 (the packings pad K with zeros); M_g is any.
+// C_g: row-major (M_g, N), row stride ldc, 64-byte aligned (torch's CPU allocations are). K_g and N are multiples
+// of 32 (the packings pad K with zeros); M_g is any.
 // The tiles: 0..3 accumulate a 32×32 block of C, 4..5 hold two 16-row slices of A, 6..7 two 16-column panels of B.
 #include <immintrin.h>
 #include <omp.h>
