@@ -302,7 +302,7 @@ def native_swiglu(x_RD: torch.Tensor, w13_ED2F: torch.Tensor, w2_EFD: torch.Tens
 
 
 def expert_swiglu(backend: str, impl: str = "auto") -> Callable[..., torch.Tensor]:
-    """The expert computation of `model.moe.backend` (its activation by `model.moe.impl`), chosen once;
+    """The expert computation of `model.moe.backend` (its activation and grouped GEMM by `model.moe.impl`), chosen once;
     "megablocks" raises a ConfigError naming the key where MegaBlocks cannot run (not installed, no CUDA)."""
     if backend == "native":
         return functools.partial(native_swiglu, activation=select_gated_silu(impl), matmul=select_grouped_mm(impl))
