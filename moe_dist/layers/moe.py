@@ -83,7 +83,14 @@ class Router(nn.Module):
         cfg, T = self.cfg, x_TD.shape[0]
         E, K = cfg.num_experts, cfg.top_k
         logits_TE = F.linear(x_TD.float(), self.weight.float())  # router math in fp32 (DESIGN.md §5)
-        probs_TE = logits_TE.softmax(dim=-1)
+        # softmax and logsumexp (z-loss) from one exp pass; entropy = lse - Σ p·logit, with no log over (T, E).
+        # (torch's logsumexp alone took 1.4 ms at T=4096 E=64 with spread logits, its softmax 0.13: fwd+bwd of
+        # the three went from 3.5-3.9 to 2.3 ms.)
+        max_T1 = logits_TE.detach().amax(dim=-1, keepdim=True)
+        exp_TE = (logits_TE - max_T1).exp()
+        sum_T1 = exp_TE.sum(dim=-1, keepdim=True)
+        probs_TE = exp_TE / sum_T1
+        lse_T = (max_T1 + sum_T1.log()).squeeze(-1)
         top_p_TK, expert_TK = probs_TE.topk(K, dim=-1)
         weight_TK = top_p_TK / top_p_TK.sum(dim=-1, keepdim=True) if cfg.renormalize else top_p_TK
 
@@ -112,8 +119,8 @@ class Router(nn.Module):
             dropped=(K * T - kept_E.sum()).float(),
             assignments=K * T,
             aux_loss=E * torch.sum(f_E * p_E),
-            z_loss=torch.logsumexp(logits_TE, dim=-1).square().mean(),
-            entropy=-(probs_TE * torch.log(probs_TE.clamp_min(1e-20))).sum(-1).mean().detach(),
+            z_loss=lse_T.square().mean(),
+            entropy=(lse_T.detach() - torch.linalg.vecdot(probs_TE.detach(), logits_TE.detach())).mean(),
         )
         return Routing(rows_R=rows_R, tokens_per_expert_E=kept_E, weight_A=weight_A, num_tokens=T), stats
 
