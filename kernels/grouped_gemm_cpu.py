@@ -94,8 +94,8 @@ def _chunks(nbytes: list) -> list:
 
 
 class _GroupedMM(torch.autograd.Function):
-    """Each GEMM runs over runs of experts whose packed operands fit a small scratch buffer: they are still in cache
-    when the kernel reads them, and no pass holds a packed copy of every expert's weight."""
+    """Each GEMM runs over runs of experts whose packed operands fit one SCRATCH_BYTES buffer, reused run after run:
+    no pass holds a packed copy of every expert's weight."""
 
     @staticmethod
     def forward(ctx, x_RI: torch.Tensor, w_EIO: torch.Tensor, rows_per_expert_E: torch.Tensor) -> torch.Tensor:
