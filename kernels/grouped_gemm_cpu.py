@@ -11,8 +11,8 @@ whose packed operands fit 16 MiB (all 8 experts' rows of a small layer in one or
 
 Built on first use and cached (`cpu_build`); `unavailable()` says why it cannot run here (no AMX-BF16 on this CPU,
 no compiler, Linux refused the tile state). Measured on this project's 2-core AMX machine, same process: the bf16
-MoE layer (T=4096, D=512) takes 0.69-0.88× the time of the same layer with torch's grouped GEMM at 8 experts,
-0.73-0.86× at 64 (launch/bench.py moe reports `speedup_vs_torch_impl`).
+MoE layer (T=4096, D=512) takes 0.69-0.75× the time of the same layer with torch's grouped GEMM at 8 experts,
+0.80-0.86× at 64 (launch/bench.py moe reports `speedup_vs_torch_impl`).
 """
 
 from __future__ import annotations
