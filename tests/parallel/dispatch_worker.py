@@ -1,6 +1,7 @@
-"""Worker for test_ep_dispatch.py, run as `torchrun --nproc_per_node P dispatch_worker.py OUT_DIR SCENARIO`.
+"""Worker for test_ep_dispatch.py, run as `torchrun --nproc_per_node P dispatch_worker.py OUT_DIR SCENARIO DTYPE`.
 
-Each rank builds the same 4-expert MoE layer, keeps its expert shard behind the all-to-all dispatcher (the real
+Each rank builds the same 4-expert MoE layer (`layer_config(dtype)`: fp32 at d_model 8, or bf16 at d_model 32,
+where the CPU experts run the compiled grouped GEMM on AMX machines), keeps its expert shard behind the all-to-all dispatcher (the real
 `apply_ep`), runs forward and backward on its own tokens, and saves its outputs and gradients for the test to
 compare against one process.
 """
@@ -20,9 +21,20 @@ from moe_dist.parallel.expert_parallel import apply_ep
 from moe_dist.parallel.mesh import init_distributed
 
 
-def scenario_inputs(scenario: str, rank: int) -> torch.Tensor:
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def layer_config(dtype: str) -> list:
+    """Config overrides of the one-MoE-layer model; bf16 at sizes the AMX grouped GEMM takes (multiples of 32)."""
+    size = ["model.d_model=8", "model.d_ff=16"] if dtype == "fp32" else ["model.d_model=32", "model.d_ff=32"]
+    return [*size, "model.n_layers=1", "model.mixer_pattern=A", "model.attention.n_heads=2",
+            "model.attention.n_kv_heads=2", "model.moe.num_experts=4", "model.moe.top_k=2",
+            "model.moe.capacity_factor=null"]
+
+
+def scenario_inputs(scenario: str, rank: int, d_model: int = 8) -> torch.Tensor:
     """(T, D) tokens. The router weight is set to pick expert e for inputs large in dimension e."""
-    x = torch.zeros(6, 8)
+    x = torch.zeros(6, d_model)
     if scenario == "all_to_other_rank":
         # rank 0's tokens all prefer experts 2, 3 (held by rank 1); rank 1's too: rank 0 receives nothing,
         # experts 0 and 1 get no token at all.
@@ -31,21 +43,19 @@ def scenario_inputs(scenario: str, rank: int) -> torch.Tensor:
         # rank r sends everything to the other rank's experts
         other = 1 - rank
         x[:, 2 * other], x[:, 2 * other + 1] = 3.0, 2.0 + 0.1 * torch.arange(6)
-    return x + 0.01 * torch.randn(6, 8, generator=torch.Generator().manual_seed(rank))
+    return x + 0.01 * torch.randn(6, d_model, generator=torch.Generator().manual_seed(rank))
 
 
-def main(out_dir: str, scenario: str) -> None:
-    cfg = load_config(None, ["model.d_model=8", "model.d_ff=16", "model.n_layers=1", "model.mixer_pattern=A",
-                             "model.attention.n_heads=2", "model.attention.n_kv_heads=2", "model.moe.num_experts=4",
-                             "model.moe.top_k=2", "model.moe.capacity_factor=null", "parallel.ep=2",
-                             "train.global_batch_size=4", "train.micro_batch_size=2", "train.eval_batches=2"])
+def main(out_dir: str, scenario: str, dtype: str) -> None:
+    cfg = load_config(None, [*layer_config(dtype), "parallel.ep=2", "train.global_batch_size=4",
+                             "train.micro_batch_size=2", "train.eval_batches=2"])
     mesh = init_distributed(cfg, timeout_s=60)
-    model = materialize(apply_ep(build_model(cfg.model), mesh), "cpu", seed=0)
+    model = materialize(apply_ep(build_model(cfg.model), mesh), "cpu", seed=0).to(DTYPES[dtype])
     moe = next(m for m in model.modules() if isinstance(m, MoE))
     with torch.no_grad():
         moe.router.weight.zero_()
         moe.router.weight[:, :4] = 4.0 * torch.eye(4)
-    x = scenario_inputs(scenario, mesh.rank).requires_grad_()
+    x = scenario_inputs(scenario, mesh.rank, cfg.model.d_model).to(DTYPES[dtype]).requires_grad_()
     out, stats = moe(x)
     (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
     tensors = {"out": out.detach(), "x_grad": x.grad, "router_grad": moe.router.weight.grad,
@@ -56,4 +66,4 @@ def main(out_dir: str, scenario: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], sys.argv[3])
