@@ -21,11 +21,7 @@
 #include <cstring>
 #include <vector>
 
-#include "cpu_vec.h"
-
 namespace {
-
-using namespace cpu_vec;
 
 constexpr int64_t BLOCK = 32;       // rows and columns of C per micro-kernel call
 constexpr int64_t UNIT_BYTES = 512 << 10;  // A rows per work unit: up to 512 KiB, which stay in L2 while B panels

@@ -93,29 +93,38 @@ def _chunks(nbytes: list) -> list:
     return runs + [(e0, len(nbytes))] if nbytes else runs
 
 
-class _GroupedMM(torch.autograd.Function):
-    """Each GEMM runs over runs of experts whose packed operands fit one SCRATCH_BYTES buffer, reused run after run:
-    no pass holds a packed copy of every expert's weight."""
+def _weight_gemm(lib, a_RK: torch.Tensor, w_EIO: torch.Tensor, counts: list, starts: list,
+                 transposed: bool) -> torch.Tensor:
+    """c_g = a_g · W_g (transposed=False: a is (R, I), c (R, O)) or a_g · W_gᵀ (True: a (R, O), c (R, I)), over runs
+    of experts whose packed weights fit one SCRATCH_BYTES buffer, reused run after run: no pass holds a packed copy
+    of every expert's weight."""
+    E, I, O = w_EIO.shape
+    K, N = (O, I) if transposed else (I, O)
+    c_RN = a_RK.new_empty(a_RK.shape[0], N)
+    runs = _chunks([2 * I * O] * E)
+    scratch = a_RK.new_empty(max(e1 - e0 for e0, e1 in runs) * I * O)
+    for e0, e1 in runs:
+        n = e1 - e0
+        if transposed:  # W_gᵀ (O, I) as the B operand
+            _call(lib.pack_transposed, n, I, O, w_EIO[e0:e1], scratch)
+        else:  # W_g (I, O) as the B operand
+            _call(lib.pack_rows, n, [j * I for j in range(n)], [I] * n, [I] * n, O, w_EIO[e0:e1], O, scratch,
+                  [j * I * O for j in range(n)])
+        _gemm(lib, counts[e0:e1], [K] * n, N, a_RK, [s * K for s in starts[e0:e1]], [K] * n, scratch,
+              [j * I * O for j in range(n)], c_RN, [s * N for s in starts[e0:e1]], N)
+    return c_RN
 
+
+class _GroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_RI: torch.Tensor, w_EIO: torch.Tensor, rows_per_expert_E: torch.Tensor) -> torch.Tensor:
         lib, why = _library()
         assert lib is not None, why
-        E, I, O = w_EIO.shape
         counts = [int(n) for n in rows_per_expert_E.tolist()]
-        starts = [sum(counts[:e]) for e in range(E)]
-        y_RO = x_RI.new_empty(x_RI.shape[0], O)
-        runs = _chunks([2 * I * O] * E)
-        scratch = x_RI.new_empty(max(e1 - e0 for e0, e1 in runs) * I * O)
-        for e0, e1 in runs:  # W_g (I, O) packed as the B operand of x_g · W_g
-            n = e1 - e0
-            _call(lib.pack_rows, n, [j * I for j in range(n)], [I] * n, [I] * n, O, w_EIO[e0:e1], O, scratch,
-                  [j * I * O for j in range(n)])
-            _gemm(lib, counts[e0:e1], [I] * n, O, x_RI, [s * I for s in starts[e0:e1]], [I] * n, scratch,
-                  [j * I * O for j in range(n)], y_RO, [s * O for s in starts[e0:e1]], O)
+        starts = [sum(counts[:e]) for e in range(len(counts))]
         ctx.save_for_backward(x_RI, w_EIO)
         ctx.counts, ctx.starts = counts, starts
-        return y_RO
+        return _weight_gemm(lib, x_RI, w_EIO, counts, starts, transposed=False)
 
     @staticmethod
     @once_differentiable
@@ -124,22 +133,9 @@ class _GroupedMM(torch.autograd.Function):
         x_RI, w_EIO = ctx.saved_tensors
         dy_RO = dy_RO.to(torch.bfloat16).contiguous()
         dw_EIO = _grad_weight(lib, x_RI, dy_RO, w_EIO.shape, ctx.counts, ctx.starts) if ctx.needs_input_grad[1] else None
-        dx_RI = _grad_input(lib, dy_RO, w_EIO, ctx.counts, ctx.starts) if ctx.needs_input_grad[0] else None
+        dx_RI = (_weight_gemm(lib, dy_RO, w_EIO, ctx.counts, ctx.starts, transposed=True)
+                 if ctx.needs_input_grad[0] else None)
         return dx_RI, dw_EIO, None
-
-
-def _grad_input(lib, dy_RO: torch.Tensor, w_EIO: torch.Tensor, counts: list, starts: list) -> torch.Tensor:
-    """dx_g = dy_g · W_gᵀ. (R, I)"""
-    E, I, O = w_EIO.shape
-    dx_RI = dy_RO.new_empty(dy_RO.shape[0], I)
-    runs = _chunks([2 * I * O] * E)
-    scratch = dy_RO.new_empty(max(e1 - e0 for e0, e1 in runs) * I * O)
-    for e0, e1 in runs:  # W_gᵀ (O, I) packed as the B operand
-        n = e1 - e0
-        _call(lib.pack_transposed, n, I, O, w_EIO[e0:e1], scratch)
-        _gemm(lib, counts[e0:e1], [O] * n, I, dy_RO, [s * O for s in starts[e0:e1]], [O] * n, scratch,
-              [j * I * O for j in range(n)], dx_RI, [s * I for s in starts[e0:e1]], I)
-    return dx_RI
 
 
 def _grad_weight(lib, x_RI: torch.Tensor, dy_RO: torch.Tensor, shape, counts: list, starts: list) -> torch.Tensor:
