@@ -210,6 +210,7 @@ def bench_moe(args) -> dict:
     return {"bench": "moe", "device": str(device), "dtype": args.dtype, "tokens": T, "d_model": D, "d_ff": Fh,
             "experts": E, "top_k": K, "capacity_factor": args.capacity_factor, "kept_rows": kept,
             "threads": torch.get_num_threads(), "malloc": args.malloc, "flush_denormal": args.flush_denormal,
+            "hugepages": args.hugepages,
             "impl": args.impl, "fwd_bwd_ms": round(fwd_bwd_ms, 3), "gemm_peak_gflops": round(peak, 1),
             "dense_gflops": dense_rates(ms),
             "achieved_gemm_gflops": round(gemm_flops / fwd_bwd_ms / 1e6, 1),
@@ -259,7 +260,7 @@ def bench_scan(args) -> dict:
             "impl": args.impl, "chunk_size": args.chunk_size, "fwd_bwd_ms": round(ms["scan"], 3),
             "chunked_ms": round(ms["chunked"], 3), "speedup_vs_chunked": round(ms["chunked"] / ms["scan"], 2),
             "reference_ms": round(ref_ms, 3), "speedup": round(ref_ms / ms["scan"], 2),
-            "malloc": args.malloc, "flush_denormal": args.flush_denormal}
+            "malloc": args.malloc, "flush_denormal": args.flush_denormal, "hugepages": args.hugepages}
 
 
 # ----------------------------------------------------------------------------------------------- step
@@ -361,7 +362,8 @@ def bench_step(args) -> dict:
 
     cfg = load_config(args.config, args.set)
     t, moe_cfg = cfg.train, cfg.model.moe
-    configure_host(args.threads or t.threads or os.cpu_count() or 1, t.flush_denormal, t.cpu_malloc)  # as train does
+    configure_host(args.threads or t.threads or os.cpu_count() or 1, t.flush_denormal, t.cpu_malloc,
+                   t.cpu_hugepages)  # as train does
     device = resolve_device(args.device)
     dtype = DTYPES[t.dtype]
     try:
@@ -479,6 +481,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "tensors; default: glibc as it is")
         sp.add_argument("--flush-denormal", action=argparse.BooleanOptionalAction, default=True,
                         help="flush subnormal floats to zero, as train.flush_denormal (default: on)")
+        sp.add_argument("--hugepages", action=argparse.BooleanOptionalAction, default=True,
+                        help="transparent huge pages for CPU tensors of 2 MiB and more, as train.cpu_hugepages "
+                             "(default: on)")
     return p.parse_args(argv)
 
 
@@ -492,7 +497,7 @@ def main(argv=None) -> int:
         if args.cmd in ("moe", "_moe_mem") and args.top_k > args.experts:
             raise ConfigError(f"--top-k: must be at most --experts={args.experts}, got {args.top_k}")
         if args.cmd != "step":  # step applies its config's settings
-            configure_host(args.threads, args.flush_denormal, args.malloc)
+            configure_host(args.threads, args.flush_denormal, args.malloc, args.hugepages)
         if args.cmd == "_moe_mem":
             moe_memory_child(args)
             return 0

@@ -1,5 +1,6 @@
-"""moe_dist.train.host: subnormal flushing reaches torch's worker threads, and `keep` stops the page faults of
-fresh large tensors. Each case runs in a fresh interpreter: both settings are process-wide."""
+"""moe_dist.train.host: subnormal flushing reaches torch's worker threads, `keep` stops the page faults of fresh
+large tensors, and huge pages back large tensors. Each case runs in a fresh interpreter: the settings are
+process-wide."""
 
 import json
 import subprocess
@@ -12,7 +13,17 @@ import json, resource, sys
 import torch
 from moe_dist.train.host import configure_host
 
-configure_host(2, flush_denormal=sys.argv[1] == "on", malloc=sys.argv[2])
+configure_host(2, flush_denormal=sys.argv[1] == "on", malloc=sys.argv[2], hugepages=sys.argv[3] == "on")
+
+def anon_huge_kib():
+    with open("/proc/self/smaps_rollup") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("AnonHugePages:"))
+
+# first, a 32 MiB tensor in fresh memory (huge pages back memory faulted in after the request, not reused pages)
+huge_before = anon_huge_kib()
+big = torch.ones(1 << 23)
+huge_kib = anon_huge_kib() - huge_before
+del big
 # subnormal bit patterns (made without float arithmetic), through a parallel elementwise op whose chunks run on
 # the OpenMP workers too; denormals-are-zero reads them as 0 on every thread that has it
 subnormal = torch.full((1 << 22,), 1 << 20, dtype=torch.int32).view(torch.float32)
@@ -36,14 +47,15 @@ before_free = rss_kib()
 del t
 released_kib = before_free - rss_kib()
 faults = faults_of_a_fresh_tensor(10 << 20)
+
 print(json.dumps({"threads": torch.get_num_threads(), "nonzero": nonzero, "released_kib": released_kib,
-                  "faults": faults}))
+                  "faults": faults, "huge_kib": huge_kib}))
 """
 
 
-def probe(flush: str, malloc: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", PROBE, flush, malloc], capture_output=True, text=True, timeout=120,
-                         check=True)
+def probe(flush: str, malloc: str, hugepages: str = "off") -> dict:
+    out = subprocess.run([sys.executable, "-c", PROBE, flush, malloc, hugepages], capture_output=True, text=True,
+                         timeout=120, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -62,3 +74,20 @@ def test_keep_reuses_freed_memory_instead_of_faulting_it_in_again():
     assert default["released_kib"] > 60 * 1024 and default["faults"] >= pages // 2
     # keep: the freed block stays in the heap, and the next block reuses its pages
     assert keep["released_kib"] < 1024 and keep["faults"] < pages // 20
+
+
+def _thp_mode() -> str:
+    """The kernel's transparent-huge-page mode: "always", "madvise" or "never" (the bracketed word)."""
+    try:
+        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        return "never"
+    return text[text.index("[") + 1:text.index("]")]
+
+
+@pytest.mark.skipif(_thp_mode() == "never", reason="this kernel has transparent huge pages off")
+def test_hugepages_back_large_tensors_with_huge_pages():
+    on, off = probe("off", "keep", "on"), probe("off", "keep", "off")
+    assert on["huge_kib"] >= 16 * 1024  # most of the 32 MiB tensor
+    if _thp_mode() == "madvise":  # else the kernel gives huge pages to every large mapping anyway
+        assert off["huge_kib"] == 0
