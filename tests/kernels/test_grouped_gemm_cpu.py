@@ -50,6 +50,7 @@ def test_kernel_builds_on_a_cpu_with_amx():
     ([0, 0, 77, 0], 32, 128),  # all rows in one of four experts
     ([300, 5, 129], 512, 64),  # long K in the forward, units of several row blocks
     ([1000, 1100], 64, 32),  # long K in the weight gradient
+    ([1100, 0, 700], 512, 64),  # several work units (512 KiB of rows) per expert: stores carried across units
 ])
 def test_matches_a_per_expert_fp64_loop(counts, d_in, d_out):
     x, w, counts, dy = make(counts, d_in, d_out)
