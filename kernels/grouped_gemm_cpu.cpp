@@ -101,13 +101,25 @@ inline void transpose_16x16(const uint32_t* src, int64_t ld_src, uint32_t* dst, 
                                                                  block, 4));
 }
 
-// 16 bf16 of row r0 and of row r1 (a null row reads zeros) interleaved: (r0[0], r1[0], r0[1], r1[1], ...).
-inline __m512i interleave_rows(const uint16_t* r0, const uint16_t* r1) {
-  const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
-                                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  const __m256i lo = r0 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0)) : _mm256_setzero_si256();
-  const __m256i hi = r1 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1)) : _mm256_setzero_si256();
-  return _mm512_permutexvar_epi16(order, _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
+// Word indices for _mm512_permutex2var_epi16 over (row r0's 32 bf16, row r1's 32): columns [first, first + 16) of
+// the two rows interleaved, (r0[first], r1[first], r0[first + 1], ...).
+inline __m512i pair_index(int first) {
+  alignas(64) uint16_t idx[32];
+  for (int i = 0; i < 16; ++i) {
+    idx[2 * i] = static_cast<uint16_t>(first + i);
+    idx[2 * i + 1] = static_cast<uint16_t>(32 + first + i);
+  }
+  return _mm512_load_si512(idx);
+}
+
+// 32 bf16 of row r0 and of row r1 (a null row reads zeros) interleaved: columns 0..15 into lo, 16..31 into hi. A
+// whole 64-byte line of each row per call: a 16-column version read each line twice, in separate passes.
+inline void interleave_rows(const uint16_t* r0, const uint16_t* r1, __m512i index_lo, __m512i index_hi, __m512i& lo,
+                            __m512i& hi) {
+  const __m512i a = r0 ? _mm512_loadu_si512(r0) : _mm512_setzero_si512();
+  const __m512i b = r1 ? _mm512_loadu_si512(r1) : _mm512_setzero_si512();
+  lo = _mm512_permutex2var_epi16(a, index_lo, b);
+  hi = _mm512_permutex2var_epi16(a, index_hi, b);
 }
 
 struct Unit {
@@ -167,20 +179,24 @@ void grouped_gemm(int64_t G, const int64_t* M, const int64_t* K, int64_t N, cons
 }
 
 // B rows → VNNI for G groups: group g is src rows [row0_g, row0_g + K_g) of a row-major (·, N) matrix (row stride
-// ld), packed into dst + dst_off_g with its K padded with zero rows to Kpad_g (a multiple of 32). N % 16 == 0.
-// One task per (group, 16-column panel): its output is one contiguous run.
+// ld), packed into dst + dst_off_g with its K padded with zero rows to Kpad_g (a multiple of 32). N % 32 == 0.
+// One task per (group, two 16-column panels): its outputs are two contiguous runs.
 void pack_rows(int64_t G, const int64_t* row0, const int64_t* Kg, const int64_t* Kpad, int64_t N, const uint16_t* src,
                int64_t ld, uint16_t* dst, const int64_t* dst_off, int threads) {
-  const int64_t panels = N / 16;
+  const int64_t pairs_of_panels = N / 32;
+  const __m512i index_lo = pair_index(0), index_hi = pair_index(16);
 #pragma omp parallel for num_threads(threads) schedule(static) collapse(2)
   for (int64_t g = 0; g < G; ++g)
-    for (int64_t p = 0; p < panels; ++p) {
-      uint16_t* out = dst + dst_off[g] + p * Kpad[g] * 16;
-      const uint16_t* rows = src + row0[g] * ld + p * 16;
+    for (int64_t q = 0; q < pairs_of_panels; ++q) {
+      uint16_t* out_lo = dst + dst_off[g] + 2 * q * Kpad[g] * 16;
+      uint16_t* out_hi = out_lo + Kpad[g] * 16;
+      const uint16_t* rows = src + row0[g] * ld + q * 32;
       for (int64_t k = 0; k < Kpad[g]; k += 2) {
-        const uint16_t* r0 = k < Kg[g] ? rows + k * ld : nullptr;
-        const uint16_t* r1 = k + 1 < Kg[g] ? rows + (k + 1) * ld : nullptr;
-        _mm512_storeu_si512(out + k * 16, interleave_rows(r0, r1));
+        __m512i lo, hi;
+        interleave_rows(k < Kg[g] ? rows + k * ld : nullptr, k + 1 < Kg[g] ? rows + (k + 1) * ld : nullptr, index_lo,
+                        index_hi, lo, hi);
+        _mm512_storeu_si512(out_lo + k * 16, lo);
+        _mm512_storeu_si512(out_hi + k * 16, hi);
       }
     }
 }
@@ -200,24 +216,30 @@ void pack_transposed(int64_t G, int64_t N, int64_t K, const uint16_t* src, uint1
 }
 
 // Aᵀ for G groups: group g is src rows [row0_g, row0_g + R_g) of a row-major (·, C) matrix; dst + dst_off_g gets
-// its transpose (C, Rpad_g), the columns past R_g zero. Rpad_g % 32 == 0, C % 16 == 0. Per 32 rows × 16 columns:
-// the row pairs interleaved (32-bit units), then a 16 × 16 transpose of those units.
+// its transpose (C, Rpad_g), the columns past R_g zero. Rpad_g % 32 == 0, C % 32 == 0. Per 32 rows × 32 columns:
+// the row pairs interleaved (32-bit units), then two 16 × 16 transposes of those units.
 void transpose_rows(int64_t G, const int64_t* row0, const int64_t* Rg, const int64_t* Rpad, int64_t C,
                     const uint16_t* src, uint16_t* dst, const int64_t* dst_off, int threads) {
-  const int64_t col_blocks = C / 16;
+  const int64_t col_blocks = C / 32;
+  const __m512i index_lo = pair_index(0), index_hi = pair_index(16);
 #pragma omp parallel for num_threads(threads) schedule(static) collapse(2)
   for (int64_t g = 0; g < G; ++g)
     for (int64_t cb = 0; cb < col_blocks; ++cb) {
-      alignas(64) uint32_t pairs[16 * 16];
-      const uint16_t* rows = src + row0[g] * C + cb * 16;
-      uint16_t* out = dst + dst_off[g] + cb * 16 * Rpad[g];
+      alignas(64) uint32_t pairs_lo[16 * 16], pairs_hi[16 * 16];
+      const uint16_t* rows = src + row0[g] * C + cb * 32;
+      uint16_t* out_lo = dst + dst_off[g] + cb * 32 * Rpad[g];
+      uint16_t* out_hi = out_lo + 16 * Rpad[g];
       for (int64_t r0 = 0; r0 < Rpad[g]; r0 += 32) {
         for (int64_t i = 0; i < 16; ++i) {
           const int64_t r = r0 + 2 * i;
-          _mm512_store_si512(pairs + 16 * i, interleave_rows(r < Rg[g] ? rows + r * C : nullptr,
-                                                             r + 1 < Rg[g] ? rows + (r + 1) * C : nullptr));
+          __m512i lo, hi;
+          interleave_rows(r < Rg[g] ? rows + r * C : nullptr, r + 1 < Rg[g] ? rows + (r + 1) * C : nullptr, index_lo,
+                          index_hi, lo, hi);
+          _mm512_store_si512(pairs_lo + 16 * i, lo);
+          _mm512_store_si512(pairs_hi + 16 * i, hi);
         }
-        transpose_16x16(pairs, 16, reinterpret_cast<uint32_t*>(out + r0), Rpad[g] / 2);
+        transpose_16x16(pairs_lo, 16, reinterpret_cast<uint32_t*>(out_lo + r0), Rpad[g] / 2);
+        transpose_16x16(pairs_hi, 16, reinterpret_cast<uint32_t*>(out_hi + r0), Rpad[g] / 2);
       }
     }
 }
