@@ -43,11 +43,12 @@ void configure_tiles() {
 // The store of one finished 32×32 accumulator block (tiles in the order of block_32x32): its first `rows` rows as
 // bf16 into c (64-byte aligned rows, stride ldc), written row by row inside the next block's multiply loop, so that
 // the conversions and stores run while the tile unit multiplies instead of between blocks (measured in one process
-// against storing each block after its loop, 9 alternated runs each: the expert GEMMs of the E=8 and E=64 MoE
-// layers, forward and backward, 0.86-0.96× and 0.87-0.95× the time; the whole bf16 layer 0.83-0.97×). One AVX512-BF16 conversion (round to nearest even) per 32 outputs, and
-// non-temporal stores: C is written once and is larger than L2, and ordinary stores would first read every line of
-// it from memory (measured in one process against ordinary stores: 1.3-1.6× the rate of a large forward GEMM,
-// 0.92-0.95× the time of the whole MoE layer).
+// against storing each block after its loop: the expert GEMMs of the E=8 and E=64 MoE layers, forward and
+// backward, 0.86-0.96× and 0.87-0.95× the time in 6 runs each; the whole bf16 layer 0.83-0.97× in 3 each).
+// One AVX512-BF16 conversion (round to nearest even) per 32 outputs, and non-temporal stores: C is written once
+// and is larger than L2, and ordinary stores would first read every line of it from memory (measured in one
+// process against ordinary stores: 1.3-1.6× the rate of a large forward GEMM, 0.92-0.95× the time of the whole
+// MoE layer).
 struct Pending {
   const float* acc = nullptr;
   int64_t rows = 0;  // 0: nothing pending

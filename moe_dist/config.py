@@ -115,7 +115,7 @@ class TrainConfig:
     threads: int = 0  # torch CPU threads per process (0 = cores / local processes)
     flush_denormal: bool = True  # CPU: flush subnormal floats to zero (a saturated router's gradients crawl otherwise)
     cpu_malloc: Literal["keep", "default"] = "keep"  # CPU: keep: glibc keeps freed memory (no page faults on new tensors)
-    cpu_hugepages: bool = True  # CPU: transparent huge pages for tensors of 2 MiB and more (fewer TLB misses in GEMMs)
+    cpu_hugepages: bool = True  # CPU: transparent huge pages for tensors of 2 MiB and more (fewer TLB misses)
     keep_last: int = 0  # checkpoints kept: after each save all but the newest N are deleted (0 = keep all)
     max_nonfinite_steps: int = 5  # stop after this many optimizer steps in a row skipped for NaN/Inf (0 = never)
     compile: bool = False  # torch.compile norms, attention and dense FFNs in place (MoE and Mamba stay eager)

@@ -171,7 +171,8 @@ def train(cfg: JobConfig, run_dir: Path, resume: bool = False) -> list[dict]:
     ones; start fresh when there is none. So one command line serves the first start and every restart."""
     _check_settings(cfg)
     t = cfg.train
-    configure_host(0, t.flush_denormal, t.cpu_malloc, t.cpu_hugepages)  # first: before torch starts its thread pool (see host.py)
+    # first: before torch starts its thread pool and allocates its first tensor (see host.py)
+    configure_host(0, t.flush_denormal, t.cpu_malloc, t.cpu_hugepages)
     train_tokens, val_tokens = load_tokens(cfg.data, t.seq_len)
     _check_vocab(train_tokens, cfg.model.vocab_size, "training split")
     _check_vocab(val_tokens, cfg.model.vocab_size, "validation split")
