@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import os
 import statistics
@@ -156,6 +157,40 @@ def _expert_gemms(moe, x, impl: str):
     return run
 
 
+def _moe_parts(moe, x, dy) -> dict:
+    """The layer's parts outside the expert GEMMs, each alone, forward and backward, on the layer's own routing and
+    shapes: the router (with its losses), the permutation (the gather into expert order and the weighted combine
+    back) and the SwiGLU activation between the two GEMMs (where the backend has a separate one). Where the time
+    outside the GEMMs goes."""
+    with torch.no_grad():
+        routing, _ = moe.router(x)
+    counts_E, w2 = routing.tokens_per_expert_E, moe.experts.w2
+    R, Fh, D = int(counts_E.sum()), w2.shape[1], w2.shape[2]
+
+    def leaf(*shape, dtype=x.dtype):
+        return torch.randn(*shape, dtype=dtype, device=x.device, requires_grad=True)
+
+    x_TD, y_RD, weight_A = x.detach().requires_grad_(), leaf(R, D), routing.weight_A.detach().requires_grad_()
+    g_RD, g_A = torch.randn_like(y_RD), torch.randn_like(weight_A)
+
+    def router():
+        r, stats = moe.router(x_TD)
+        losses = stats.aux_loss + stats.z_loss
+        torch.autograd.grad([r.weight_A, losses], [x_TD, moe.router.weight], [g_A, torch.ones_like(losses)])
+
+    def permutation():
+        kept = dataclasses.replace(routing, weight_A=weight_A)
+        rows_RD, _, state = moe.dispatcher.dispatch(x_TD, kept)
+        torch.autograd.grad([rows_RD, moe.dispatcher.combine(y_RD, state)], [x_TD, y_RD, weight_A], [g_RD, dy])
+
+    parts = {"router": router, "permutation": permutation}
+    activation = getattr(moe.experts.swiglu, "keywords", {}).get("activation")
+    if activation is not None:
+        ab_R2F, g_RF = leaf(R, 2 * Fh), torch.randn(R, Fh, dtype=x.dtype, device=x.device)
+        parts["activation"] = lambda: torch.autograd.grad(activation(ab_R2F), ab_R2F, g_RF)
+    return parts
+
+
 def _rss_mb(field: str) -> float:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) / 1024  # kB → MiB
@@ -184,7 +219,9 @@ def bench_moe(args) -> dict:
     # Peak reference: dense matmuls with all T·K rows as one expert, in the shapes of the forward and both
     # gradient GEMMs of w1/w3 (D → F) and w2 (F → D), timed in turn with the layer.
     rows = T * K
+    parts = _moe_parts(moe, x, dy)
     fns = {"layer": lambda: _moe_fwd_bwd(moe, x, dy), "gemms": _expert_gemms(moe, x.detach(), args.impl),
+           **{f"part:{name}": fn for name, fn in parts.items()},
            **matmul_fns([(rows, D, Fh), (rows, Fh, D), (D, rows, Fh), (Fh, rows, D)], dtype, device)}
     if args.impl != "torch":  # the same layer (same weights) on the PyTorch paths, in the same rounds: the kernels' gain
         torch_moe = _moe_setup(argparse.Namespace(**{**vars(args), "impl": "torch"}))[0]
@@ -205,7 +242,7 @@ def bench_moe(args) -> dict:
         mem_note = "peak-RSS rise over one forward+backward in a fresh process (after a warm-up pass)"
     print(f"moe T={T} D={D} F={Fh} E={E} K={K} cf={args.capacity_factor} {args.dtype} on {device}, "
           f"{torch.get_num_threads()} threads, malloc {args.malloc}; "
-          f"kept rows {kept}/{stats.assignments}; gemm_ceiling_fraction = the layer's expert GEMMs alone (same calls "
+          f"kept rows {kept}/{stats.assignments}; parts_ms = router, permutation and activation alone, forward and backward; gemm_ceiling_fraction = the layer's expert GEMMs alone (same calls "
           f"and shapes, forward and backward) against the same peak; peak_mem_mb = {mem_note}")
     return {"bench": "moe", "device": str(device), "dtype": args.dtype, "tokens": T, "d_model": D, "d_ff": Fh,
             "experts": E, "top_k": K, "capacity_factor": args.capacity_factor, "kept_rows": kept,
@@ -216,6 +253,7 @@ def bench_moe(args) -> dict:
             "achieved_gemm_gflops": round(gemm_flops / fwd_bwd_ms / 1e6, 1),
             "roofline_fraction": round(gemm_flops / fwd_bwd_ms / 1e6 / peak, 4),
             "expert_gemms_ms": round(gemms_ms, 3), "gemm_ceiling_fraction": round(gemm_flops / gemms_ms / 1e6 / peak, 4),
+            "parts_ms": {name: round(ms[f"part:{name}"], 3) for name in parts},
             "peak_mem_mb": round(peak_mem, 2),
             **({"torch_impl_ms": round(ms["layer_torch_impl"], 3),
                 "speedup_vs_torch_impl": round(ms["layer_torch_impl"] / fwd_bwd_ms, 3)} if "layer_torch_impl" in ms else {}),

@@ -33,6 +33,9 @@ def test_moe(dtype, cf):
                 "peak_mem_mb"):
         assert out[key] > 0, key
     assert out["dtype"] == dtype and out["tokens"] == 64
+    # where the time outside the expert GEMMs goes: each part alone, forward and backward
+    assert set(out["parts_ms"]) == {"router", "permutation", "activation"}
+    assert all(t > 0 for t in out["parts_ms"].values()), out["parts_ms"]
     assert 0 < out["kept_rows"] <= 64 * 2
     if cf == "null":
         assert out["kept_rows"] == 128  # dropless keeps every assignment
