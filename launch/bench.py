@@ -242,8 +242,9 @@ def bench_moe(args) -> dict:
         mem_note = "peak-RSS rise over one forward+backward in a fresh process (after a warm-up pass)"
     print(f"moe T={T} D={D} F={Fh} E={E} K={K} cf={args.capacity_factor} {args.dtype} on {device}, "
           f"{torch.get_num_threads()} threads, malloc {args.malloc}; "
-          f"kept rows {kept}/{stats.assignments}; parts_ms = router, permutation and activation alone, forward and backward; gemm_ceiling_fraction = the layer's expert GEMMs alone (same calls "
-          f"and shapes, forward and backward) against the same peak; peak_mem_mb = {mem_note}")
+          f"kept rows {kept}/{stats.assignments}; gemm_ceiling_fraction = the layer's expert GEMMs alone (same calls "
+          f"and shapes, forward and backward) against the same peak; parts_ms = the router, the permutation and the "
+          f"activation alone, forward and backward; peak_mem_mb = {mem_note}")
     return {"bench": "moe", "device": str(device), "dtype": args.dtype, "tokens": T, "d_model": D, "d_ff": Fh,
             "experts": E, "top_k": K, "capacity_factor": args.capacity_factor, "kept_rows": kept,
             "threads": torch.get_num_threads(), "malloc": args.malloc, "flush_denormal": args.flush_denormal,
