@@ -79,11 +79,12 @@ def build(name: str) -> Path:
 
 @functools.lru_cache(maxsize=None)
 def library(name: str, signatures: tuple) -> tuple[Optional[ctypes.CDLL], Optional[str]]:
-    """(kernel `name` loaded, None) or (None, why not), once per process. `signatures`: ((function, argtypes), ...)."""
+    """(kernel `name` loaded, None) or (None, why not), once per process. `signatures`: ((function, argtypes), ...),
+    or (function, argtypes, restype) for a function that returns a value."""
     try:
         lib = ctypes.CDLL(str(build(name)))
     except (RuntimeError, OSError) as err:
         return None, str(err)
-    for fn, argtypes in signatures:
-        getattr(lib, fn).argtypes, getattr(lib, fn).restype = list(argtypes), None
+    for fn, argtypes, *restype in signatures:
+        getattr(lib, fn).argtypes, getattr(lib, fn).restype = list(argtypes), (restype or [None])[0]
     return lib, None

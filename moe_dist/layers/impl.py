@@ -5,7 +5,8 @@
   cannot run (triton not installed, or no CUDA device and no TRITON_INTERPRET=1), and again at call time for
   tensors on a device it cannot use.
 - "cpu", for the keys that offer it (model.mamba.impl, model.moe.impl): the compiled CPU kernel (`CpuKernel`;
-  the selective scan, the MoE permutation, the experts' gated SiLU and, on AMX CPUs, their grouped GEMM), with
+  the selective scan, the MoE permutation, the router's top-k and expert sort, the experts' gated SiLU and, on
+  AMX CPUs, their grouped GEMM), with
   the same one-line errors where it cannot be built (no C++ compiler) or cannot take the tensors.
 - A part of a layer that has no kernel of the chosen family (the gated SiLU under "triton") runs its PyTorch
   path.

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_dist.config import ConfigError, MoEConfig
-from moe_dist.kernels import grouped_gemm_cpu, permute_cpu
+from moe_dist.kernels import grouped_gemm_cpu, permute_cpu, routing_cpu
 from moe_dist.layers.impl import IMPLS_WITH_CPU, CpuKernel, resolve
 from moe_dist.layers.mlp import gated_silu, select_gated_silu
 
@@ -57,13 +57,42 @@ class Routing:
     num_tokens: int  # T
 
 
-def _sorted_by_expert(expert_A: torch.Tensor, priority_A: Optional[torch.Tensor]) -> torch.Tensor:
-    """Assignment indices grouped by expert, in `priority_A` order inside each expert (stable sorts); without
-    `priority_A`, in assignment order (one sort: a stable sort keeps slot-major order within each expert)."""
-    if priority_A is None:
-        return torch.argsort(expert_A, stable=True)
-    by_priority = torch.argsort(priority_A, stable=True)
-    return by_priority[torch.argsort(expert_A[by_priority], stable=True)]
+def topk(probs_TE: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The PyTorch path of the router's top-k: (values, indices), (T, k) each, in descending order."""
+    return probs_TE.topk(k, dim=-1)
+
+
+def argsort_by_expert(expert_A: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """The PyTorch path of the stable sort of assignments by expert id."""
+    return torch.argsort(expert_A, stable=True)
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The router's two selections for `model.moe.impl`, chosen once (moe_dist.layers.impl.resolve): the PyTorch
+    functions above, or the compiled CPU kernels (moe_dist.kernels.routing_cpu) for CPU tensors."""
+
+    topk: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+    argsort_by_expert: Callable[[torch.Tensor, int], torch.Tensor]
+
+    @classmethod
+    def from_impl(cls, impl: str) -> "Selection":
+        def cpu(name):
+            return CpuKernel(getattr(routing_cpu, name), getattr(routing_cpu, f"{name}_unsupported"),
+                             routing_cpu.unavailable)
+
+        key = "model.moe.impl"
+        return cls(resolve(impl, key, "router top-k", topk, None, cpu("topk"), IMPLS_WITH_CPU),
+                   resolve(impl, key, "expert sort", argsort_by_expert, None, cpu("argsort_by_expert"),
+                           IMPLS_WITH_CPU))
+
+    def sorted_by_expert(self, expert_A: torch.Tensor, priority_A: Optional[torch.Tensor], num_experts: int):
+        """Assignment indices grouped by expert, in `priority_A` order inside each expert (stable sorts); without
+        `priority_A`, in assignment order (one sort: a stable sort keeps slot-major order within each expert)."""
+        if priority_A is None:
+            return self.argsort_by_expert(expert_A, num_experts)
+        by_priority = torch.argsort(priority_A, stable=True)
+        return by_priority[self.argsort_by_expert(expert_A[by_priority], num_experts)]
 
 
 class Router(nn.Module):
@@ -74,6 +103,7 @@ class Router(nn.Module):
         self.cfg = cfg
         self.init_std = init_std
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, d_model))
+        self.selection = Selection.from_impl(cfg.impl)
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -89,7 +119,7 @@ class Router(nn.Module):
         # as with spread logits (30x the time), its softmax does not: the router's forward+backward at T=4096 E=64
         # took 0.85x the time of one exp pass for softmax and lse (same process), 0.89x at E=8.
         probs_TE = logits_TE.softmax(dim=-1)
-        top_p_TK, expert_TK = probs_TE.topk(K, dim=-1)
+        top_p_TK, expert_TK = self.selection.topk(probs_TE, K)
         lse_T = logits_TE.gather(1, expert_TK[:, :1]).squeeze(1) - top_p_TK[:, 0].log()
         weight_TK = top_p_TK / top_p_TK.sum(dim=-1, keepdim=True) if cfg.renormalize else top_p_TK
 
@@ -101,7 +131,7 @@ class Router(nn.Module):
         # "probability": highest router probability first; "position": earlier tokens, first choices first,
         # which is the slot-major assignment order itself.
         priority_A = -top_p_TK.t().reshape(-1).detach() if cfg.drop_policy == "probability" else None
-        order_A = _sorted_by_expert(expert_A, priority_A)
+        order_A = self.selection.sorted_by_expert(expert_A, priority_A, E)
         cap = expert_capacity(cfg, T)
         if cap is None:
             rows_R, kept_E = order_A, counts_E
