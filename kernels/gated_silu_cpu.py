@@ -46,14 +46,21 @@ class _GatedSiLU(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, dh: torch.Tensor) -> torch.Tensor:
-        lib, _ = _library()
         (ab,) = ctx.saved_tensors
-        half = ab.shape[-1] // 2
-        dh = dh.to(ab.dtype).contiguous()
-        dab = torch.empty_like(ab)
-        lib.gated_silu_bwd(ab.numel() // max(1, 2 * half), half, ab.dtype == torch.bfloat16, ab.data_ptr(),
-                           dh.data_ptr(), dab.data_ptr(), torch.get_num_threads())
-        return dab
+        return gated_silu_backward(ab, dh)
+
+
+def gated_silu_backward(ab: torch.Tensor, dh: torch.Tensor) -> torch.Tensor:
+    """d[a | b] of h = silu(a) · b from the forward's input ab (contiguous, as it was saved) and dh: the backward
+    kernel alone, for an autograd Function that computed h itself (the AMX GEMM's gated mode)."""
+    lib, why = _library()
+    assert lib is not None, why
+    half = ab.shape[-1] // 2
+    dh = dh.to(ab.dtype).contiguous()
+    dab = torch.empty_like(ab)
+    lib.gated_silu_bwd(ab.numel() // max(1, 2 * half), half, ab.dtype == torch.bfloat16, ab.data_ptr(),
+                       dh.data_ptr(), dab.data_ptr(), torch.get_num_threads())
+    return dab
 
 
 def gated_silu_unsupported(ab: torch.Tensor) -> Optional[str]:

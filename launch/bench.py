@@ -184,11 +184,24 @@ def _moe_parts(moe, x, dy) -> dict:
         torch.autograd.grad([rows_RD, moe.dispatcher.combine(y_RD, state)], [x_TD, y_RD, weight_A], [g_RD, dy])
 
     parts = {"router": router, "permutation": permutation}
-    activation = getattr(moe.experts.swiglu, "keywords", {}).get("activation")
-    if activation is not None:
-        ab_R2F, g_RF = leaf(R, 2 * Fh), torch.randn(R, Fh, dtype=x.dtype, device=x.device)
-        parts["activation"] = lambda: torch.autograd.grad(activation(ab_R2F), ab_R2F, g_RF)
+    if not fused_gate_up(moe, x):
+        activation = getattr(moe.experts.swiglu, "keywords", {}).get("activation")
+        if activation is not None:
+            ab_R2F, g_RF = leaf(R, 2 * Fh), torch.randn(R, Fh, dtype=x.dtype, device=x.device)
+            parts["activation"] = lambda: torch.autograd.grad(activation(ab_R2F), ab_R2F, g_RF)
     return parts
+
+
+def fused_gate_up(moe, x) -> bool:
+    """Whether the layer's gated SiLU runs inside its gate/up GEMM (the AMX kernel's gated mode) for rows like x."""
+    from moe_dist.kernels import grouped_gemm_cpu
+
+    if getattr(moe.experts.swiglu, "keywords", {}).get("gate_up") is None:
+        return False
+    rows = torch.empty(1, x.shape[1], dtype=x.dtype, device=x.device)
+    counts = torch.zeros(moe.experts.w13.shape[0], dtype=torch.long)
+    counts[0] = 1
+    return grouped_gemm_cpu.grouped_mm_gated_unsupported(rows, moe.experts.w13, counts) is None
 
 
 def _rss_mb(field: str) -> float:
@@ -244,7 +257,8 @@ def bench_moe(args) -> dict:
           f"{torch.get_num_threads()} threads, malloc {args.malloc}; "
           f"kept rows {kept}/{stats.assignments}; gemm_ceiling_fraction = the layer's expert GEMMs alone (same calls "
           f"and shapes, forward and backward) against the same peak; parts_ms = the router, the permutation and the "
-          f"activation alone, forward and backward; peak_mem_mb = {mem_note}")
+          f"activation (unless fused_gate_up: then in the gate/up GEMM) alone, forward and backward; "
+          f"peak_mem_mb = {mem_note}")
     return {"bench": "moe", "device": str(device), "dtype": args.dtype, "tokens": T, "d_model": D, "d_ff": Fh,
             "experts": E, "top_k": K, "capacity_factor": args.capacity_factor, "kept_rows": kept,
             "threads": torch.get_num_threads(), "malloc": args.malloc, "flush_denormal": args.flush_denormal,
@@ -255,6 +269,7 @@ def bench_moe(args) -> dict:
             "roofline_fraction": round(gemm_flops / fwd_bwd_ms / 1e6 / peak, 4),
             "expert_gemms_ms": round(gemms_ms, 3), "gemm_ceiling_fraction": round(gemm_flops / gemms_ms / 1e6 / peak, 4),
             "parts_ms": {name: round(ms[f"part:{name}"], 3) for name in parts},
+            "fused_gate_up": fused_gate_up(moe, x),
             "peak_mem_mb": round(peak_mem, 2),
             **({"torch_impl_ms": round(ms["layer_torch_impl"], 3),
                 "speedup_vs_torch_impl": round(ms["layer_torch_impl"] / fwd_bwd_ms, 3)} if "layer_torch_impl" in ms else {}),

@@ -159,3 +159,47 @@ def test_moe_layer_with_the_kernel_matches_the_torch_layer():
     for name, a, b in zip(("y", "dx", "dw13", "dw2"), outs["auto"], outs["torch"]):
         scale = b.double().abs().max()
         assert scale > 0 and (a.double() - b.double()).abs().max() <= 0.03 * scale, name
+
+
+def unfused(x, w13, counts):
+    from moe_dist.kernels import gated_silu_cpu
+
+    return gated_silu_cpu.gated_silu(grouped_gemm_cpu.grouped_mm(x, w13, counts))
+
+
+@pytest.mark.parametrize("counts, d_in, d_ff", [
+    ([0, 1, 31, 32, 33], 64, 32),  # empty expert, single row, block tails: the pair's rows split 16 / rest
+    ([300, 5, 129], 96, 96),  # gate and up panels three apart
+    ([1100, 0, 700], 512, 64),  # several work units per expert: pending pairs carried across units
+    ([8] * 40, 512, 256),  # 40 experts of 0.5 MiB packed weights: two runs of experts (SCRATCH_BYTES)
+])
+def test_gated_mode_has_the_bits_of_the_gemm_then_the_gated_silu(counts, d_in, d_ff):
+    x, w13, counts, _ = make(counts, d_in, 2 * d_ff, seed=3)
+    dh = torch.randn(x.shape[0], d_ff, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    got = run(grouped_gemm_cpu.grouped_mm_gated, x, w13, counts, dh)
+    want = run(unfused, x, w13, counts, dh)
+    for name, a, b in zip(("h", "dx", "dw13"), got, want):
+        assert a.shape == b.shape and b.abs().sum() > 0, name
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16)), name
+
+
+def test_gated_mode_refuses_a_hidden_size_that_is_not_a_multiple_of_32():
+    x, w13, counts, _ = make([20, 12], 32, 96)  # F = 48
+    assert "F = 48" in grouped_gemm_cpu.grouped_mm_gated_unsupported(x, w13, counts)
+    with pytest.raises(ValueError, match="grouped_mm_gated: .*F = 48"):
+        grouped_gemm_cpu.grouped_mm_gated(x, w13, counts)
+
+
+def test_experts_take_the_gated_mode_for_bf16_under_auto_and_cpu_only(monkeypatch):
+    calls = []
+    real = grouped_gemm_cpu._GroupedGatedMM.apply
+    monkeypatch.setattr(grouped_gemm_cpu._GroupedGatedMM, "apply", lambda *a: calls.append(a[0].dtype) or real(*a))
+    x, w13, counts, _ = make([20, 12], 32, 64)
+    w2 = w13[:, :, :32].transpose(1, 2).contiguous()  # (E, F, D)
+    for impl in ("auto", "cpu", "torch"):
+        swiglu = moe_mod.expert_swiglu("native", impl)
+        for dtype in (torch.bfloat16, torch.float32) if impl == "auto" else (torch.bfloat16,):
+            calls.clear()
+            y = swiglu(x.to(dtype), w13.to(dtype), w2.to(dtype), counts)
+            assert y.shape == x.shape and y.dtype == dtype
+            assert calls == ([torch.bfloat16] if impl != "torch" and dtype == torch.bfloat16 else []), (impl, dtype)
