@@ -147,7 +147,7 @@ class _GroupedMM(torch.autograd.Function):
 
 
 class _GroupedGatedMM(torch.autograd.Function):
-    """h = silu(gate) · up of [gate | up] = x · W13 per expert, the gated SiLU in the GEMM's epilogue; saves x and
+    """h = silu(gate) · up of [gate | up] = x · W13 per expert, the gated SiLU in the GEMM's epilogue; keeps x and
     [gate | up] (bf16), as the unfused GEMM and SiLU do. Backward: the gated SiLU's backward kernel, then the GEMM's."""
 
     @staticmethod
@@ -158,16 +158,22 @@ class _GroupedGatedMM(torch.autograd.Function):
         starts = [sum(counts[:e]) for e in range(len(counts))]
         h_RF = x_RD.new_empty(x_RD.shape[0], w13_ED2F.shape[2] // 2)
         ab_R2F = _weight_gemm(lib, x_RD, w13_ED2F, counts, starts, transposed=False, h_RF=h_RF)
-        ctx.save_for_backward(x_RD, w13_ED2F, ab_R2F)
-        ctx.counts, ctx.starts = counts, starts
+        ctx.save_for_backward(x_RD, w13_ED2F)
+        # [gate | up] is this Function's own tensor (no one else can modify it): held as an attribute, so that the
+        # backward can drop it before the GEMMs, as the unfused SiLU's backward does (else peak memory grows by it)
+        ctx.ab_R2F, ctx.counts, ctx.starts = ab_R2F, counts, starts
         return h_RF
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dh_RF: torch.Tensor):
         lib, _ = _library()
-        x_RD, w13_ED2F, ab_R2F = ctx.saved_tensors
-        dab_R2F = gated_silu_cpu.gated_silu_backward(ab_R2F, dh_RF)
+        x_RD, w13_ED2F = ctx.saved_tensors
+        if ctx.ab_R2F is None:
+            raise RuntimeError("grouped_mm_gated: a second backward through the same graph (retain_graph=True) is not "
+                               "supported: the first one freed its [gate | up]")
+        dab_R2F = gated_silu_cpu.gated_silu_backward(ctx.ab_R2F, dh_RF)
+        ctx.ab_R2F = None
         dw = (_grad_weight(lib, x_RD, dab_R2F, w13_ED2F.shape, ctx.counts, ctx.starts)
               if ctx.needs_input_grad[1] else None)
         dx = (_weight_gemm(lib, dab_R2F, w13_ED2F, ctx.counts, ctx.starts, transposed=True)

@@ -203,3 +203,14 @@ def test_experts_take_the_gated_mode_for_bf16_under_auto_and_cpu_only(monkeypatc
             y = swiglu(x.to(dtype), w13.to(dtype), w2.to(dtype), counts)
             assert y.shape == x.shape and y.dtype == dtype
             assert calls == ([torch.bfloat16] if impl != "torch" and dtype == torch.bfloat16 else []), (impl, dtype)
+
+
+def test_gated_mode_frees_gate_up_in_its_backward_and_says_so_on_a_second_one():
+    x, w13, counts, _ = make([20, 12], 32, 64)
+    x.requires_grad_()
+    h = grouped_gemm_cpu.grouped_mm_gated(x, w13, counts)
+    assert h.grad_fn.ab_R2F.shape == (32, 64)  # kept for the backward ...
+    h.sum().backward(retain_graph=True)
+    assert h.grad_fn.ab_R2F is None  # ... and dropped by it, before its GEMMs (peak memory as unfused)
+    with pytest.raises(RuntimeError, match="retain_graph"):
+        h.sum().backward()
