@@ -123,27 +123,33 @@ def _weight_gemm(lib, a_RK: torch.Tensor, w_EIO: torch.Tensor, counts: list, sta
     return c_RN
 
 
+def _rows(rows_per_expert_E: torch.Tensor) -> tuple[list, list]:
+    """(rows of each expert, first row of each expert) as Python ints."""
+    counts = [int(n) for n in rows_per_expert_E.tolist()]
+    return counts, [sum(counts[:e]) for e in range(len(counts))]
+
+
+def _grads(lib, ctx, x_RI: torch.Tensor, w_EIO: torch.Tensor, dy_RO: torch.Tensor) -> tuple:
+    """(dx, dW) of y = x · W per expert, each only if asked for (ctx.needs_input_grad)."""
+    dw = _grad_weight(lib, x_RI, dy_RO, w_EIO.shape, ctx.counts, ctx.starts) if ctx.needs_input_grad[1] else None
+    dx = _weight_gemm(lib, dy_RO, w_EIO, ctx.counts, ctx.starts, transposed=True) if ctx.needs_input_grad[0] else None
+    return dx, dw
+
+
 class _GroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_RI: torch.Tensor, w_EIO: torch.Tensor, rows_per_expert_E: torch.Tensor) -> torch.Tensor:
         lib, why = _library()
         assert lib is not None, why
-        counts = [int(n) for n in rows_per_expert_E.tolist()]
-        starts = [sum(counts[:e]) for e in range(len(counts))]
+        ctx.counts, ctx.starts = _rows(rows_per_expert_E)
         ctx.save_for_backward(x_RI, w_EIO)
-        ctx.counts, ctx.starts = counts, starts
-        return _weight_gemm(lib, x_RI, w_EIO, counts, starts, transposed=False)
+        return _weight_gemm(lib, x_RI, w_EIO, ctx.counts, ctx.starts, transposed=False)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy_RO: torch.Tensor):
-        lib, _ = _library()
         x_RI, w_EIO = ctx.saved_tensors
-        dy_RO = dy_RO.to(torch.bfloat16).contiguous()
-        dw_EIO = _grad_weight(lib, x_RI, dy_RO, w_EIO.shape, ctx.counts, ctx.starts) if ctx.needs_input_grad[1] else None
-        dx_RI = (_weight_gemm(lib, dy_RO, w_EIO, ctx.counts, ctx.starts, transposed=True)
-                 if ctx.needs_input_grad[0] else None)
-        return dx_RI, dw_EIO, None
+        return *_grads(_library()[0], ctx, x_RI, w_EIO, dy_RO.to(torch.bfloat16).contiguous()), None
 
 
 class _GroupedGatedMM(torch.autograd.Function):
@@ -154,31 +160,24 @@ class _GroupedGatedMM(torch.autograd.Function):
     def forward(ctx, x_RD: torch.Tensor, w13_ED2F: torch.Tensor, rows_per_expert_E: torch.Tensor) -> torch.Tensor:
         lib, why = _library()
         assert lib is not None, why
-        counts = [int(n) for n in rows_per_expert_E.tolist()]
-        starts = [sum(counts[:e]) for e in range(len(counts))]
+        ctx.counts, ctx.starts = _rows(rows_per_expert_E)
         h_RF = x_RD.new_empty(x_RD.shape[0], w13_ED2F.shape[2] // 2)
-        ab_R2F = _weight_gemm(lib, x_RD, w13_ED2F, counts, starts, transposed=False, h_RF=h_RF)
-        ctx.save_for_backward(x_RD, w13_ED2F)
         # [gate | up] is this Function's own tensor (no one else can modify it): held as an attribute, so that the
         # backward can drop it before the GEMMs, as the unfused SiLU's backward does (else peak memory grows by it)
-        ctx.ab_R2F, ctx.counts, ctx.starts = ab_R2F, counts, starts
+        ctx.ab_R2F = _weight_gemm(lib, x_RD, w13_ED2F, ctx.counts, ctx.starts, transposed=False, h_RF=h_RF)
+        ctx.save_for_backward(x_RD, w13_ED2F)
         return h_RF
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dh_RF: torch.Tensor):
-        lib, _ = _library()
         x_RD, w13_ED2F = ctx.saved_tensors
         if ctx.ab_R2F is None:
             raise RuntimeError("grouped_mm_gated: a second backward through the same graph (retain_graph=True) is not "
                                "supported: the first one freed its [gate | up]")
         dab_R2F = gated_silu_cpu.gated_silu_backward(ctx.ab_R2F, dh_RF)
         ctx.ab_R2F = None
-        dw = (_grad_weight(lib, x_RD, dab_R2F, w13_ED2F.shape, ctx.counts, ctx.starts)
-              if ctx.needs_input_grad[1] else None)
-        dx = (_weight_gemm(lib, dab_R2F, w13_ED2F, ctx.counts, ctx.starts, transposed=True)
-              if ctx.needs_input_grad[0] else None)
-        return dx, dw, None
+        return *_grads(_library()[0], ctx, x_RD, w13_ED2F, dab_R2F), None
 
 
 def _grad_weight(lib, x_RI: torch.Tensor, dy_RO: torch.Tensor, shape, counts: list, starts: list) -> torch.Tensor:
