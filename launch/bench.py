@@ -201,7 +201,8 @@ def fused_gate_up(moe, x) -> bool:
     rows = torch.empty(1, x.shape[1], dtype=x.dtype, device=x.device)
     counts = torch.zeros(moe.experts.w13.shape[0], dtype=torch.long)
     counts[0] = 1
-    return grouped_gemm_cpu.grouped_mm_gated_unsupported(rows, moe.experts.w13, counts) is None
+    return (grouped_gemm_cpu.unavailable() is None
+            and grouped_gemm_cpu.grouped_mm_gated_unsupported(rows, moe.experts.w13, counts) is None)
 
 
 def _rss_mb(field: str) -> float:
