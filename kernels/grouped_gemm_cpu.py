@@ -106,7 +106,6 @@ def _weight_gemm(lib, a_RK: torch.Tensor, w_EIO: torch.Tensor, counts: list, sta
     E, I, O = w_EIO.shape
     K, N = (O, I) if transposed else (I, O)
     c_RN = a_RK.new_empty(a_RK.shape[0], N)
-    gated = {} if h_RF is None else {"h": h_RF}
     runs = _chunks([2 * I * O] * E)
     scratch = a_RK.new_empty(max(e1 - e0 for e0, e1 in runs) * I * O)
     for e0, e1 in runs:
@@ -116,10 +115,9 @@ def _weight_gemm(lib, a_RK: torch.Tensor, w_EIO: torch.Tensor, counts: list, sta
         else:  # W_g (I, O) as the B operand
             _call(lib.pack_rows, n, [j * I for j in range(n)], [I] * n, [I] * n, O, w_EIO[e0:e1], O, scratch,
                   [j * I * O for j in range(n)])
-        if gated:
-            gated["h_off"] = [s * (N // 2) for s in starts[e0:e1]]
+        h_off = None if h_RF is None else [s * (N // 2) for s in starts[e0:e1]]
         _gemm(lib, counts[e0:e1], [K] * n, N, a_RK, [s * K for s in starts[e0:e1]], [K] * n, scratch,
-              [j * I * O for j in range(n)], c_RN, [s * N for s in starts[e0:e1]], N, **gated)
+              [j * I * O for j in range(n)], c_RN, [s * N for s in starts[e0:e1]], N, h_RF, h_off)
     return c_RN
 
 
