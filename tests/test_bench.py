@@ -1,4 +1,4 @@
-"""launch/bench.py: every subcommand at tiny sizes, as a subprocess; the last stdout line is one JSON object with
+"""benchmarks/bench.py: every subcommand at tiny sizes, as a subprocess; the last stdout line is one JSON object with
 the documented keys and sane figures. No timing thresholds (timings are noisy; the bench reports them)."""
 
 import json
@@ -12,7 +12,7 @@ import torch
 from moe_dist.kernels import grouped_gemm_cpu
 
 REPO = Path(__file__).resolve().parents[1]
-BENCH = str(REPO / "launch" / "bench.py")
+BENCH = str(REPO / "benchmarks" / "bench.py")
 
 
 def run_bench(*args: str, expect_rc: int = 0) -> subprocess.CompletedProcess:

@@ -1,4 +1,4 @@
-"""Multi-node runs across network namespaces (launch/netns_cluster.sh), and failure to reach the master.
+"""Multi-node runs across network namespaces (tests/netns_cluster.sh), and failure to reach the master.
 
 The two-node test needs root (network namespaces); it skips with the reason where they cannot be created. The
 unreachable-master drills run on localhost and need nothing special.
@@ -18,7 +18,7 @@ from support import console_script, free_port, train_records
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = str(REPO / "launch" / "train.py")
-NETNS = str(REPO / "launch" / "netns_cluster.sh")
+NETNS = str(REPO / "tests" / "netns_cluster.sh")
 STEPS = 4
 # ep = 4 on a 4-rank world: every MoE all-to-all spans both nodes.
 ARGS = ["--config", "configs/debug.json", "--set", f"train.steps={STEPS}", "train.eval_every=0",

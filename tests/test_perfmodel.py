@@ -100,7 +100,7 @@ def test_spanning_all_to_all_pays_the_slow_link_only_for_its_inter_node_share():
 
 
 def test_step_schedule_matches_an_instrumented_training_step():
-    # launch/scaling.py measured, for configs/debug.json at world 4, ep 2, ZeRO-1, one micro-batch per rank:
+    # benchmarks/scaling.py measured, for configs/debug.json at world 4, ep 2, ZeRO-1, one micro-batch per rank:
     # 2 count + 8 row all-to-alls in the 2-rank EP group, dense-gradient all-reduce over 4 ranks, expert-gradient
     # all-reduce over the 2-rank EDP group, parameter all-gathers over the same groups.
     cfg = load_config(CONFIGS / "debug.json", ["train.eval_batches=4"])
@@ -117,7 +117,7 @@ def test_step_schedule_matches_an_instrumented_training_step():
 
 
 def test_tensor_parallel_schedule_matches_the_measured_one():
-    # launch/comm_report.py measured, for configs/mixtral_small.json at tp=2 (3 attention + 3 Mamba layers, 6 MoE
+    # benchmarks/comm_report.py measured, for configs/mixtral_small.json at tp=2 (3 attention + 3 Mamba layers, 6 MoE
     # FFNs, one 8x128-token micro-batch, fp32): 28,504,064 bytes of TP all-reduces per rank per micro-batch.
     cfg = load_config(CONFIGS / "mixtral_small.json")
     calls = pm.step_calls(cfg, pm.Layout(dp=1, ep=1, tp=2), ranks_per_node=2)

@@ -1,5 +1,5 @@
 """TensorBoard pictures: expert-load and drop-rate heatmaps, the custom-scalars layout, generic scalars, the
-per-expert drop recovery they draw from, and launch/tb_report.py."""
+per-expert drop recovery they draw from, and benchmarks/tb_report.py."""
 
 from __future__ import annotations
 
@@ -113,7 +113,7 @@ def test_dropped_per_expert_recovers_the_routers_drops(policy, capacity_factor, 
 def test_tb_report_writes_a_png(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     _log(tmp_path, range(1, 6), image_every=0)
-    main = runpy.run_path(str(REPO / "launch" / "tb_report.py"), run_name="launch_script")["main"]
+    main = runpy.run_path(str(REPO / "benchmarks" / "tb_report.py"), run_name="launch_script")["main"]
     assert main([str(tmp_path)]) == 0
     img = Image.open(tmp_path / "tb_report.png")
     assert img.format == "PNG" and img.size == (1000, 1100)

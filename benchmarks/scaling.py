@@ -1,16 +1,16 @@
 """Weak- and strong-scaling sweeps with a time breakdown per collective, and the calibrated performance model.
 
-    python launch/scaling.py [sweep] [--out runs/scaling] [--worlds 1 2 4] [--steps 6] [--no-netns]
-    python launch/scaling.py report --out runs/scaling      # re-aggregate and re-fit a finished sweep
-    python launch/scaling.py predict [--config configs/mixtral_8x7b.json] [--mfu 0.4]   # H200 cluster sweep
+    python benchmarks/scaling.py [sweep] [--out runs/scaling] [--worlds 1 2 4] [--steps 6] [--no-netns]
+    python benchmarks/scaling.py report --out runs/scaling      # re-aggregate and re-fit a finished sweep
+    python benchmarks/scaling.py predict [--config configs/mixtral_8x7b.json] [--mfu 0.4]   # H200 cluster sweep
 
 `sweep` runs every point on one node (torchrun) and, as root, across two network-namespace nodes
-(launch/netns_cluster.sh), then writes OUT/scaling.md (tables), OUT/scaling.csv, OUT/scaling.png and
+(tests/netns_cluster.sh), then writes OUT/scaling.md (tables), OUT/scaling.csv, OUT/scaling.png and
 TensorBoard scalars in OUT/tb, and OUT/predictions.md (`predict`'s table). Strong scaling keeps the global
 batch fixed; weak scaling grows it with the world size. The job is configs/debug.json widened (DEFAULT_SET)
 with its experts spread over all ranks (parallel.ep = world), so the all-to-all crosses the nodes.
 
-Each point runs `launch/scaling.py worker`, which is launch/train.py's job plus timers wrapped around every
+Each point runs `benchmarks/scaling.py worker`, which is launch/train.py's job plus timers wrapped around every
 torch.distributed collective (the one seam every caller — our comm.py, DeepSpeed's comm — goes through);
 the loop itself is unchanged. Per step and rank it records seconds and bytes sent per collective kind, and
 per call the (hops, bytes, seconds) samples that moe_dist.perfmodel fits α and β on. Blocking gloo collectives
@@ -255,13 +255,13 @@ def run_point(p: dict, config: str, overrides: list[str], out: Path, timeout: fl
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         cmd = [shutil.which("torchrun") or "torchrun", "--nproc_per_node", str(p["world"]), "--master_port",
-               str(port), str(REPO / "launch" / "scaling.py"), *worker_args, "--run-dir", str(run_dir)]
+               str(port), str(REPO / "benchmarks" / "scaling.py"), *worker_args, "--run-dir", str(run_dir)]
     else:
         # netns_cluster.sh writes the job into RUN_DIR/<launcher>; run_dir is that folder.
         run_dir = out / p["name"] / "torchrun"
-        cmd = ["bash", str(REPO / "launch" / "netns_cluster.sh"), "--nodes", str(p["nodes"]), "--nproc",
+        cmd = ["bash", str(REPO / "tests" / "netns_cluster.sh"), "--nodes", str(p["nodes"]), "--nproc",
                str(p["world"] // p["nodes"]), "--launchers", "torchrun", "--run-dir", str(out / p["name"]),
-               "--script", str(REPO / "launch" / "scaling.py"), "--timeout", str(int(timeout)), "--", *worker_args]
+               "--script", str(REPO / "benchmarks" / "scaling.py"), "--timeout", str(int(timeout)), "--", *worker_args]
     tic, load = time.perf_counter(), os.getloadavg()[0]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout + 60)
     p["run_dir"] = str(run_dir)
@@ -492,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "sweep":
         nodes = [1]
         if not args.no_netns:
-            check = subprocess.run(["bash", str(REPO / "launch" / "netns_cluster.sh"), "--check"],
+            check = subprocess.run(["bash", str(REPO / "tests" / "netns_cluster.sh"), "--check"],
                                    capture_output=True, text=True)
             if check.returncode == 0:
                 nodes.append(2)

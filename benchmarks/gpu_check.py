@@ -1,8 +1,8 @@
 """GPU check of the Triton kernels: their tests on CUDA, then each kernel against its PyTorch path.
 
-    python launch/gpu_check.py                 # tests, then benchmarks
-    python launch/gpu_check.py --tests-only
-    python launch/gpu_check.py --bench-only
+    python benchmarks/gpu_check.py                 # tests, then benchmarks
+    python benchmarks/gpu_check.py --tests-only
+    python benchmarks/gpu_check.py --bench-only
 
 Tests: the same files as on CPU (tests/kernels), run by pytest with MOE_DIST_KERNEL_DEVICE=cuda instead of the
 Triton interpreter (which adds a few realistic sizes), one process per file, in parallel.

@@ -2,16 +2,16 @@
 # A multi-node cluster on one machine: N "nodes" as Linux network namespaces, each with its own address on a
 # private bridge, and a training job run across them under `deepspeed --no_ssh` and `torchrun` (run as root).
 #
-#   sudo launch/netns_cluster.sh [options] [-- TRAIN_ARGS...]
-#   sudo launch/netns_cluster.sh --nodes 2 --nproc 2 -- --config configs/debug.json --set parallel.ep=4
-#   launch/netns_cluster.sh --check          # exit 0 if namespaces can be created here, 77 (with the reason) if not
+#   sudo tests/netns_cluster.sh [options] [-- TRAIN_ARGS...]
+#   sudo tests/netns_cluster.sh --nodes 2 --nproc 2 -- --config configs/debug.json --set parallel.ep=4
+#   tests/netns_cluster.sh --check          # exit 0 if namespaces can be created here, 77 (with the reason) if not
 #
 # Options:
 #   --nodes N             nodes (network namespaces), default 2
 #   --nproc P             processes per node, default 2
 #   --launchers L[,L]     deepspeed | torchrun | torchrun-c10d, default deepspeed,torchrun
 #   --run-dir DIR         output root; launcher L writes DIR/L (plus DIR/L/nodeK.log), default runs/netns
-#   --script PATH         training script, default launch/train.py (launch/scaling.py uses its own worker)
+#   --script PATH         training script, default launch/train.py (benchmarks/scaling.py uses its own worker)
 #   --subnet A.B.C        private /24 used only inside the created namespaces, default 10.213.7
 #   --port PORT           master (rendezvous) port, default 29500
 #   --timeout S           wall-clock limit of each launcher on each node, default 600

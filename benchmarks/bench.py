@@ -1,8 +1,8 @@
 """Benchmarks: where the time of an MoE layer, the selective scan and a training step goes.
 
-    python launch/bench.py moe --tokens 4096 --d-model 512 --d-ff 1024 --experts 8 --top-k 2 [--dtype bf16]
-    python launch/bench.py scan --batch 2 --seq 2048 --dim 512 --state 16
-    python launch/bench.py step --config configs/mixtral_small.json [--set KEY=VALUE ...] [--steps 4]
+    python benchmarks/bench.py moe --tokens 4096 --d-model 512 --d-ff 1024 --experts 8 --top-k 2 [--dtype bf16]
+    python benchmarks/bench.py scan --batch 2 --seq 2048 --dim 512 --state 16
+    python benchmarks/bench.py step --config configs/mixtral_small.json [--set KEY=VALUE ...] [--steps 4]
 
 Each prints readable lines, then one JSON object as the last stdout line. Speeds are ratios measured in the
 same run (DESIGN.md §7): achieved FLOP/s against this machine's own dense-matmul rate for the dtype, and the

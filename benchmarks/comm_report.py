@@ -1,7 +1,7 @@
 """Communication per layer of one micro-batch's forward and backward, measured, under a parallel layout.
 
-    torchrun --nproc_per_node 2 launch/comm_report.py --config configs/mixtral_small.json --set parallel.tp=2
-    torchrun --nproc_per_node 4 launch/comm_report.py --config ... --set parallel.tp=2 parallel.ep=2
+    torchrun --nproc_per_node 2 benchmarks/comm_report.py --config configs/mixtral_small.json --set parallel.tp=2
+    torchrun --nproc_per_node 4 benchmarks/comm_report.py --config ... --set parallel.tp=2 parallel.ep=2
 
 Builds this rank's shard exactly as training does (`parallelize`), runs one micro-batch forward, the loss and
 backward (no optimizer: DeepSpeed's gradient reduction over the data-parallel group comes on top, once per step),
