@@ -205,24 +205,21 @@ def _attn_bwd_dq_kernel(
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def flash_attention_unsupported(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True, softmax_scale: Optional[float] = None
-) -> Optional[str]:
-    """Why the kernel cannot take these inputs (None when it can); the public function raises it as ValueError."""
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """The kernel's preconditions, each a one-line ValueError naming what it got."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        return (f"expected 4-d (batch, heads, seq, head_dim) q, k, v, got {tuple(q.shape)}, {tuple(k.shape)}, "
-                f"{tuple(v.shape)}")
+        raise ValueError(f"flash_attention: expected 4-d (batch, heads, seq, head_dim) q, k, v, got {tuple(q.shape)}, {tuple(k.shape)}, "
+             f"{tuple(v.shape)}")
     if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
-        return f"q {tuple(q.shape)} and k/v {tuple(k.shape)}/{tuple(v.shape)} differ in batch, seq or head_dim"
+        raise ValueError(f"flash_attention: q {tuple(q.shape)} and k/v {tuple(k.shape)}/{tuple(v.shape)} differ in batch, seq or head_dim")
     if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
-        return f"q_heads ({q.shape[1]}) must be a multiple of kv_heads ({k.shape[1]})"
+        raise ValueError(f"flash_attention: q_heads ({q.shape[1]}) must be a multiple of kv_heads ({k.shape[1]})")
     if not 16 <= q.shape[3] <= 128:
-        return f"head_dim must be in 16..128, got {q.shape[3]}"
+        raise ValueError(f"flash_attention: head_dim must be in 16..128, got {q.shape[3]}")
     if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        return f"q, k, v must share one dtype of fp16/bf16/fp32, got {q.dtype}, {k.dtype}, {v.dtype}"
+        raise ValueError(f"flash_attention: q, k, v must share one dtype of fp16/bf16/fp32, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
-        return f"q, k, v are on different devices ({q.device}, {k.device}, {v.device})"
-    return None
+        raise ValueError(f"flash_attention: q, k, v are on different devices ({q.device}, {k.device}, {v.device})")
 
 
 def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
@@ -336,9 +333,7 @@ def flash_attention(
     j <= i. Returns (batch, q_heads, seq, head_dim) in q's dtype (memory laid out as (batch, seq, heads, dim)).
     Tensors must be CUDA tensors, or CPU tensors under TRITON_INTERPRET=1.
     """
-    reason = flash_attention_unsupported(q, k, v, causal, softmax_scale)
-    if reason is not None:
-        raise ValueError(f"flash_attention: {reason}")
+    _check_inputs(q, k, v)
     sm_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if q.numel() == 0:  # an empty batch or sequence: nothing to launch
         return q * 0

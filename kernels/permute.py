@@ -83,31 +83,22 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _BLOCK_ROWS, _BLOCK_D = 16, 256
 
 
-def _check(x: torch.Tensor, rows_R: torch.Tensor) -> Optional[str]:
+def _check_rows(fn: str, x: torch.Tensor, rows_R: torch.Tensor) -> None:
     if x.dim() != 2 or x.dtype not in _DTYPES:
-        return f"expected a 2-d fp16/bf16/fp32 tensor, got {tuple(x.shape)} {x.dtype}"
+        raise ValueError(f"{fn}: expected a 2-d fp16/bf16/fp32 tensor, got {tuple(x.shape)} {x.dtype}")
     if rows_R.dim() != 1 or rows_R.dtype != torch.int64 or rows_R.device != x.device:
-        return (f"rows_R must be a 1-d int64 tensor on {x.device}, "
-                f"got {tuple(rows_R.shape)} {rows_R.dtype} on {rows_R.device}")
-    return None
+        raise ValueError(f"{fn}: rows_R must be a 1-d int64 tensor on {x.device}, "
+                         f"got {tuple(rows_R.shape)} {rows_R.dtype} on {rows_R.device}")
 
 
-def permute_tokens_unsupported(x_TD: torch.Tensor, rows_R: torch.Tensor, top_k: int) -> Optional[str]:
-    """Why `permute_tokens` cannot take these inputs (None when it can)."""
-    return _check(x_TD, rows_R)
-
-
-def unpermute_tokens_unsupported(
-    y_RD: torch.Tensor, rows_R: torch.Tensor, weight_A: torch.Tensor, num_tokens: int
-) -> Optional[str]:
-    """Why `unpermute_tokens` cannot take these inputs (None when it can)."""
-    reason = _check(y_RD, rows_R)
-    if reason is None and y_RD.shape[0] != rows_R.shape[0]:
-        reason = f"y_RD has {y_RD.shape[0]} rows but rows_R has {rows_R.shape[0]}"
-    if reason is None and (weight_A.dim() != 1 or weight_A.numel() % max(num_tokens, 1) != 0
-                           or not weight_A.is_floating_point() or weight_A.device != y_RD.device):
-        reason = f"weight_A must be a 1-d float tensor of K·T entries (T={num_tokens}), got {tuple(weight_A.shape)}"
-    return reason
+def _check_unpermute(y_RD: torch.Tensor, rows_R: torch.Tensor, weight_A: torch.Tensor, num_tokens: int) -> None:
+    _check_rows("unpermute_tokens", y_RD, rows_R)
+    if y_RD.shape[0] != rows_R.shape[0]:
+        raise ValueError(f"unpermute_tokens: y_RD has {y_RD.shape[0]} rows but rows_R has {rows_R.shape[0]}")
+    if (weight_A.dim() != 1 or weight_A.numel() % max(num_tokens, 1) != 0 or not weight_A.is_floating_point()
+            or weight_A.device != y_RD.device):
+        raise ValueError(f"unpermute_tokens: weight_A must be a 1-d float tensor of K·T entries (T={num_tokens}) "
+                         f"on {y_RD.device}, got {tuple(weight_A.shape)} {weight_A.dtype} on {weight_A.device}")
 
 
 def _row_of_assignment(rows_R: torch.Tensor, num_assignments: int) -> torch.Tensor:
@@ -194,9 +185,7 @@ def permute_tokens(x_TD: torch.Tensor, rows_R: torch.Tensor, top_k: int) -> torc
     row r is token rows_R[r] % T. The gradient sums each token's rows in fp32.
     Tensors must be CUDA tensors, or CPU tensors under TRITON_INTERPRET=1.
     """
-    reason = permute_tokens_unsupported(x_TD, rows_R, top_k)
-    if reason is not None:
-        raise ValueError(f"permute_tokens: {reason}")
+    _check_rows("permute_tokens", x_TD, rows_R)
     return _PermuteTokens.apply(x_TD.contiguous(), rows_R.contiguous(), int(top_k))
 
 
@@ -211,7 +200,5 @@ def unpermute_tokens(
     summed in fp32; a token whose assignments were all dropped gets 0. Dropped assignments get weight grad 0.
     Tensors must be CUDA tensors, or CPU tensors under TRITON_INTERPRET=1.
     """
-    reason = unpermute_tokens_unsupported(y_RD, rows_R, weight_A, num_tokens)
-    if reason is not None:
-        raise ValueError(f"unpermute_tokens: {reason}")
+    _check_unpermute(y_RD, rows_R, weight_A, num_tokens)
     return _UnpermuteTokens.apply(y_RD.contiguous(), rows_R.contiguous(), weight_A.contiguous(), int(num_tokens))

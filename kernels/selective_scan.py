@@ -221,29 +221,27 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_STATE = 256
 
 
-def selective_scan_unsupported(
-    u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus: bool = False
-) -> Optional[str]:
-    """Why the kernel cannot take these inputs (None when it can); the public function raises it as ValueError."""
+def _check_inputs(u, delta, A, B, C, D, z, delta_bias) -> None:
+    """The kernel's preconditions, each a one-line ValueError naming what it got."""
     if u.dim() != 3 or delta.shape != u.shape or (z is not None and z.shape != u.shape):
-        return f"u, delta, z must be (batch, dim, seqlen) alike, got {tuple(u.shape)}, {tuple(delta.shape)}"
+        raise ValueError(f"selective_scan: u, delta, z must be (batch, dim, seqlen) alike, got {tuple(u.shape)}, "
+                         f"{tuple(delta.shape)}")
     batch, dim, seqlen = u.shape
     if A.dim() != 2 or A.shape[0] != dim:
-        return f"A must be (dim={dim}, state), got {tuple(A.shape)}"
+        raise ValueError(f"selective_scan: A must be (dim={dim}, state), got {tuple(A.shape)}")
     dstate = A.shape[1]
     if B.shape != (batch, dstate, seqlen) or C.shape != (batch, dstate, seqlen):
-        return (f"B and C must be (batch, state, seqlen) = {(batch, dstate, seqlen)}, "
-                f"got {tuple(B.shape)}, {tuple(C.shape)}")
+        raise ValueError(f"selective_scan: B and C must be (batch, state, seqlen) = {(batch, dstate, seqlen)}, "
+                         f"got {tuple(B.shape)}, {tuple(C.shape)}")
     if any(t is not None and t.shape != (dim,) for t in (D, delta_bias)):
-        return f"D and delta_bias must be (dim={dim},)"
+        raise ValueError(f"selective_scan: D and delta_bias must be (dim={dim},)")
     if not 1 <= dstate <= _MAX_STATE:
-        return f"state size must be in 1..{_MAX_STATE}, got {dstate}"
+        raise ValueError(f"selective_scan: state size must be in 1..{_MAX_STATE}, got {dstate}")
     tensors = [t for t in (u, delta, A, B, C, D, z, delta_bias) if t is not None]
     if any(t.dtype not in _DTYPES for t in tensors):
-        return f"inputs must be fp16, bf16 or fp32, got {sorted({str(t.dtype) for t in tensors})}"
+        raise ValueError(f"selective_scan: inputs must be fp16, bf16 or fp32, got {sorted({str(t.dtype) for t in tensors})}")
     if len({t.device for t in tensors}) != 1:
-        return "inputs are on different devices"
-    return None
+        raise ValueError(f"selective_scan: inputs are on different devices {sorted({str(t.device) for t in tensors})}")
 
 
 def _blocks(dim: int, dstate: int, budget: int) -> dict:
@@ -346,9 +344,7 @@ def selective_scan(
     Returns (batch, dim, seqlen) in u's dtype; gradients come back in each input's dtype.
     Inputs that are not contiguous are copied. Tensors must be CUDA tensors, or CPU tensors under TRITON_INTERPRET=1.
     """
-    reason = selective_scan_unsupported(u, delta, A, B, C, D, z, delta_bias, delta_softplus)
-    if reason is not None:
-        raise ValueError(f"selective_scan: {reason}")
+    _check_inputs(u, delta, A, B, C, D, z, delta_bias)
     args = [None if t is None else t.contiguous() for t in (u, delta, A, B, C, D, z, delta_bias)]
     if u.numel() == 0:  # an empty batch, channel set or sequence: nothing to launch
         return u * 0

@@ -29,7 +29,7 @@ class AttentionConfig:
     rope: bool = True  # rotary position embeddings (Jamba's attention has none: its Mamba layers carry position)
     rope_theta: float = 10000.0  # RoPE base frequency
     sliding_window: Optional[int] = None  # attend only to the last N positions (Mistral/Mixtral); null = all
-    impl: Literal["auto", "torch", "triton"] = "auto"  # attention kernel choice (see layers/attention.py)
+    impl: Literal["auto", "torch", "triton"] = "auto"  # attention: auto/torch = SDPA (flash/cuDNN on CUDA), triton = ours
 
 
 @dataclass
@@ -41,8 +41,8 @@ class MambaConfig:
     conv_bias: bool = True  # bias in the depthwise conv1d
     proj_bias: bool = False  # bias in in_proj / out_proj
     inner_norms: bool = False  # Jamba's RMSNorms on Δ, B and C after x_proj
-    chunk_size: int = 16  # chunk length of the chunked PyTorch scan (impl "torch", or fp64; 16 is fastest on CPU)
-    impl: Literal["auto", "torch", "triton", "cpu"] = "auto"  # scan kernel choice (cpu: the compiled C++ kernel)
+    chunk_size: int = 16  # chunk length of the chunked PyTorch scan (the CPU path; 16 is fastest on CPU)
+    impl: Literal["auto", "torch", "triton"] = "auto"  # scan: auto = Triton kernel on CUDA, chunked PyTorch on CPU
 
 
 @dataclass
@@ -56,7 +56,7 @@ class MoEConfig:
     renormalize: bool = True  # renormalize the top-k weights to sum to 1 (Mixtral)
     aux_loss_coef: float = 0.01  # coefficient of the Switch/GShard load-balancing loss
     z_loss_coef: float = 0.001  # coefficient of the ST-MoE router z-loss
-    impl: Literal["auto", "torch", "triton", "cpu"] = "auto"  # kernels: permutation (triton, cpu), gated SiLU (cpu)
+    impl: Literal["auto", "torch", "triton"] = "auto"  # token permutation: auto = Triton kernel on CUDA, PyTorch on CPU
     backend: Literal["native", "megablocks"] = "native"  # expert GEMMs: torch grouped_mm, or MegaBlocks (CUDA only)
 
 
@@ -113,9 +113,6 @@ class TrainConfig:
     histogram_every: int = 10  # TensorBoard histogram period in steps
     image_every: int = 10  # TensorBoard expert-load image period in steps (0 = off)
     threads: int = 0  # torch CPU threads per process (0 = cores / local processes)
-    flush_denormal: bool = True  # CPU: flush subnormal floats to zero (a saturated router's gradients crawl otherwise)
-    cpu_malloc: Literal["keep", "default"] = "keep"  # CPU: keep: glibc keeps freed memory (no page faults on new tensors)
-    cpu_hugepages: bool = True  # CPU: transparent huge pages for tensors of 2 MiB and more (fewer TLB misses)
     keep_last: int = 0  # checkpoints kept: after each save all but the newest N are deleted (0 = keep all)
     max_nonfinite_steps: int = 5  # stop after this many optimizer steps in a row skipped for NaN/Inf (0 = never)
     compile: bool = False  # torch.compile norms, attention and dense FFNs in place (MoE and Mamba stay eager)

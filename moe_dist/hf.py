@@ -291,7 +291,7 @@ def load_hf_model(path: str | Path, dtype: Optional[torch.dtype] = torch.float32
         parts = [torch.stack([get(n).t() for n in names[i:i + E]]) for i in range(0, len(names), E)]
         return torch.cat(parts, dim=2)  # w13: [gate | up]
 
-    model = _assign(build_model(cfg, "meta"), read, str(path), dtype)
+    model = _assign(build_model(cfg), read, str(path), dtype)
     unused = sorted(set(index) - used - ({"lm_head.weight"} if cfg.tie_embeddings else set()))
     if unused:
         raise HFConfigError(f"{path}: {len(unused)} tensors not used by the model built from config.json, "
@@ -386,7 +386,7 @@ def load_checkpoint_model(path: str | Path, dtype: Optional[torch.dtype] = None,
             return torch.stack([get(f"{name}.{e}") for e in range(cfg.model.moe.num_experts)])
         return get(name)
 
-    return _assign(build_model(model_cfg, "meta"), read, str(ckpt), dtype), cfg
+    return _assign(build_model(model_cfg), read, str(ckpt), dtype), cfg
 
 
 def write_initial_checkpoint(model: Decoder, cfg: JobConfig, run_dir: str | Path) -> Path:

@@ -158,7 +158,7 @@ def model_cost(cfg: JobConfig) -> ModelCost:
     from moe_dist.models.decoder import build_model
 
     m = cfg.model
-    model = build_model(m, "meta")
+    model = build_model(m)
     matmul = dense = expert = 0.0
     for name, p in model.named_parameters():
         is_expert = ".experts." in name

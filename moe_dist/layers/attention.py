@@ -1,24 +1,22 @@
 """Causal multi-head attention with grouped-query heads, RoPE and an optional sliding window.
 
-The attention kernel is chosen once, in `attention_kernel` (resolved by `moe_dist.layers.impl`): PyTorch SDPA
-(which never materializes repeated k/v for grouped-query heads) or the Triton flash-attention kernel
-(`moe_dist.kernels.flash_attention`), which "auto" takes for CUDA tensors. Sliding-window attention (imported
+The attention kernel is chosen once, when the layer is built for its device (`attention_kernel`, resolved by
+`moe_dist.layers.impl`): PyTorch SDPA (which never materializes repeated k/v for grouped-query heads; "auto"
+everywhere) or the Triton flash-attention kernel (`moe_dist.kernels.flash_attention`, impl "triton"). Sliding-window attention (imported
 Mistral-style checkpoints) and the inference path with a `KVCache` take SDPA with an explicit mask.
 """
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from moe_dist.config import AttentionConfig
-from moe_dist.layers.impl import resolve
+from moe_dist.layers.impl import Kernel, resolve
 from moe_dist.layers.rope import apply_rope, rope_cos_sin
-
-AttnFn = Callable[..., torch.Tensor]  # (q, k, v, causal=True, softmax_scale=None) -> out
 
 
 def _sdpa(
@@ -38,9 +36,11 @@ def _window_mask(q_len: int, k_len: int, offset: int, window: Optional[int], dev
     return allowed if window is None else allowed & (k_pos > q_pos - window)
 
 
-def attention_kernel(impl: str) -> AttnFn:
-    """The attention function for `model.attention.impl`, with `flash_attention`'s signature."""
-    return resolve(impl, "model.attention.impl", "flash-attention kernel", _sdpa, "flash_attention.flash_attention")
+def attention_kernel(impl: str, device: torch.device | str = "cpu") -> Kernel:
+    """`model.attention.impl` for a layer built for `device`, with `flash_attention`'s signature: SDPA ("torch",
+    which "auto" takes everywhere: its flash / cuDNN backends on CUDA) or our Triton kernel ("triton")."""
+    return resolve(impl, "model.attention.impl", device, _sdpa, "flash_attention.flash_attention",
+                   "flash-attention kernel")
 
 
 @dataclass
@@ -63,7 +63,8 @@ class KVCache:
 
 
 class Attention(nn.Module):
-    def __init__(self, d_model: int, cfg: AttentionConfig, init_std: float, n_layers: int):
+    def __init__(self, d_model: int, cfg: AttentionConfig, init_std: float, n_layers: int,
+                 device: torch.device | str = "cpu"):
         super().__init__()
         self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.n_kv_heads
         self.head_dim = cfg.head_dim or d_model // cfg.n_heads
@@ -75,9 +76,13 @@ class Attention(nn.Module):
         self.wk = nn.Linear(d_model, self.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(d_model, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(self.n_heads * self.head_dim, d_model, bias=False)
-        self.kernel = attention_kernel(cfg.impl)
+        self.kernel = attention_kernel(cfg.impl, device)
         self.init_std = init_std
         self.out_std = init_std / math.sqrt(2 * n_layers)
+
+    @property
+    def implementations(self) -> dict[str, str]:
+        return {"attention": "sdpa" if self.kernel.name == "torch" else self.kernel.name}
 
     @torch.no_grad()
     def init_weights(self) -> None:

@@ -9,30 +9,27 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from moe_dist.config import MambaConfig
-from moe_dist.kernels import selective_scan_cpu
-from moe_dist.layers.impl import IMPLS_WITH_CPU, CpuKernel, resolve
+from moe_dist.layers.impl import Kernel, resolve
 from moe_dist.layers.norm import RMSNorm
-from moe_dist.layers.scan import native_unsupported, selective_scan
+from moe_dist.layers.scan import selective_scan
 
 # Initial step size Δ range, sampled log-uniformly per channel (mamba_ssm: dt_min, dt_max, dt_init_floor).
 _DT_MIN, _DT_MAX, _DT_FLOOR = 1e-3, 1e-1, 1e-4
 
 
-def select_scan(impl: str, chunk_size: int) -> Callable[..., torch.Tensor]:
-    """The scan for `MambaConfig.impl`, with `selective_scan_ref`'s signature: the chunked PyTorch scan, the
-    Triton kernel (`moe_dist.kernels.selective_scan`, which "auto" takes for CUDA tensors) or the compiled CPU
-    kernel (`moe_dist.kernels.selective_scan_cpu`, which "auto" takes for CPU tensors computing in fp32)."""
-    torch_scan = functools.partial(selective_scan, chunk_size=chunk_size)
-    cpu = CpuKernel(functools.partial(selective_scan, native=True), native_unsupported, selective_scan_cpu.unavailable)
-    return resolve(impl, "model.mamba.impl", "selective scan", torch_scan, "selective_scan.selective_scan", cpu,
-                   IMPLS_WITH_CPU)
+def scan_kernel(impl: str, device: torch.device | str = "cpu", chunk_size: int = 16) -> Kernel:
+    """`model.mamba.impl` for a layer built for `device`, with `selective_scan_ref`'s signature: the chunked
+    PyTorch scan (`moe_dist.layers.scan`) or the Triton kernel (`moe_dist.kernels.selective_scan`, which "auto"
+    takes on CUDA)."""
+    return resolve(impl, "model.mamba.impl", device, functools.partial(selective_scan, chunk_size=chunk_size),
+                   "selective_scan.selective_scan", "selective scan")
 
 
 @dataclass
@@ -50,14 +47,15 @@ class Mamba(nn.Module):
     `__init__` only declares parameters so the layer can be built on the meta device; `init_weights` fills them.
     """
 
-    def __init__(self, d_model: int, cfg: MambaConfig, norm_eps: float, init_std: float):
+    def __init__(self, d_model: int, cfg: MambaConfig, norm_eps: float, init_std: float,
+                 device: torch.device | str = "cpu"):
         super().__init__()
         self.d_inner = cfg.expand * d_model
         self.d_state = cfg.d_state
         self.dt_rank = cfg.dt_rank or math.ceil(d_model / 16)
         self.inner_norms = cfg.inner_norms
         self.init_std = init_std
-        self.scan = select_scan(cfg.impl, cfg.chunk_size)
+        self.scan = scan_kernel(cfg.impl, device, cfg.chunk_size)
 
         self.in_proj = nn.Linear(d_model, 2 * self.d_inner, bias=cfg.proj_bias)
         self.conv1d = nn.Conv1d(
@@ -73,6 +71,10 @@ class Mamba(nn.Module):
         self.A_log = nn.Parameter(torch.empty(self.d_inner, self.d_state))  # A = -exp(A_log) < 0 keeps the SSM stable
         self.D = nn.Parameter(torch.empty(self.d_inner))  # skip connection u → y
         self.out_proj = nn.Linear(self.d_inner, d_model, bias=cfg.proj_bias)
+
+    @property
+    def implementations(self) -> dict[str, str]:
+        return {"scan": self.scan.name}
 
     def init_weights(self) -> None:
         """Standard Mamba init (mamba_ssm `Mamba.__init__`, dt_init="random"), in place, from the global RNG."""

@@ -2,14 +2,10 @@
 fused [gate | up] projection that the experts use."""
 
 import math
-from typing import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe_dist.kernels import gated_silu_cpu
-from moe_dist.layers.impl import IMPLS_WITH_CPU, CpuKernel, resolve
 
 
 class _GatedSiLU(torch.autograd.Function):
@@ -36,16 +32,9 @@ class _GatedSiLU(torch.autograd.Function):
 
 
 def gated_silu(ab: torch.Tensor) -> torch.Tensor:
-    """silu(gate) · up of a fused (..., 2F) projection [gate | up] → (..., F)."""
+    """silu(gate) · up of a fused (..., 2F) projection [gate | up] → (..., F). One implementation on every device:
+    on CUDA it is a few elementwise kernels that run at memory speed, with no kernel of ours to earn a place."""
     return _GatedSiLU.apply(ab)
-
-
-def select_gated_silu(impl: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The gated SiLU for `model.moe.impl`: this PyTorch one, or the compiled CPU kernel
-    (`moe_dist.kernels.gated_silu_cpu`, which "auto" takes for fp32 and bf16 CPU tensors). No Triton kernel: on CUDA
-    it is three elementwise kernels that the GPU runs at memory speed."""
-    cpu = CpuKernel(gated_silu_cpu.gated_silu, gated_silu_cpu.gated_silu_unsupported, gated_silu_cpu.unavailable)
-    return resolve(impl, "model.moe.impl", "gated SiLU", gated_silu, None, cpu, IMPLS_WITH_CPU)
 
 
 class SwiGLU(nn.Module):

@@ -1,8 +1,7 @@
 """Selective scan for training in pure PyTorch: chunked, with a log-depth parallel scan inside each chunk.
 
-On CPU tensors computing in fp32, "auto" runs the fused C++ kernel instead (`native=True`,
-`moe_dist.kernels.selective_scan_cpu`, about 3× faster: no pass over (B, L, N, D) state at all); this chunked
-scan remains the path for fp64, for impl "torch" and for machines without a C++ compiler.
+This is the PyTorch path of the scan (the CPU path; impl "torch" on any device); the GPU kernel is
+`moe_dist.kernels.selective_scan`.
 
 The sequential recurrence (`moe_dist.kernels.reference.selective_scan_ref`) runs one tiny op per timestep,
 which is slow and builds a huge autograd graph. Here the sequence is cut into chunks of T timesteps that are
@@ -33,7 +32,6 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from moe_dist.kernels.selective_scan_cpu import selective_scan_time_major
 
 
 def _scan_steps(coef: torch.Tensor, x: torch.Tensor, reverse: bool, coef_work: Optional[torch.Tensor] = None):
@@ -187,7 +185,6 @@ def selective_scan(
     delta_bias: Optional[torch.Tensor] = None,
     delta_softplus: bool = False,
     chunk_size: int = 64,
-    native: bool = False,
 ) -> torch.Tensor:
     """Mamba-1 selective scan with the semantics and argument layout of `selective_scan_ref`.
 
@@ -196,14 +193,9 @@ def selective_scan(
     `chunk_size` is the number of timesteps per chunk; it sets the size of the (batch, chunk, state, dim)
     buffers, and with it the trade between cache misses (large chunks) and Python overhead (many chunks).
     The result does not depend on it; any seqlen works.
-    `native` runs the recurrence in the fused C++ CPU kernel (`moe_dist.kernels.selective_scan_cpu`) instead of
-    the chunked scan: CPU tensors computing in fp32 only (see `native_unsupported`); chunk_size is then unused.
     """
     if chunk_size < 1:
         raise ValueError(f"selective_scan: chunk_size must be positive, got {chunk_size}")
-    why_not = native_unsupported(u) if native else None
-    if why_not is not None:
-        raise ValueError(f"selective_scan(native=True): {why_not}")
     out_dtype = u.dtype
     compute = torch.promote_types(u.dtype, torch.float32)
     u, delta, A, B, C = (t.to(compute) for t in (u, delta, A, B, C))
@@ -219,20 +211,7 @@ def selective_scan(
     u_t, delta_t, B_t, C_t = (t.transpose(1, 2).contiguous() for t in (u, delta, B, C))
     D = D.to(compute) if D is not None else None
     z_t = None if z is None else z.transpose(1, 2).to(compute)  # (B, L, D)
-    if native:  # the kernel applies the gate itself: no pass over y for it, none for its gradient
-        z_t = None if z_t is None else z_t.contiguous()
-        y = selective_scan_time_major(u_t, delta_t, A.contiguous(), B_t, C_t, D, z_t)  # (B, L, D)
-    else:
-        y = _SelectiveScan.apply(u_t, delta_t, A.contiguous(), B_t, C_t, D, chunk_size)  # (B, L, D)
-        if z_t is not None:
-            y = y * F.silu(z_t)
+    y = _SelectiveScan.apply(u_t, delta_t, A.contiguous(), B_t, C_t, D, chunk_size)  # (B, L, D)
+    if z_t is not None:
+        y = y * F.silu(z_t)
     return y.transpose(1, 2).to(out_dtype)
-
-
-def native_unsupported(u: torch.Tensor, *args, **kwargs) -> Optional[str]:
-    """Why `selective_scan(..., native=True)` cannot take these arguments (`selective_scan`'s), or None."""
-    if u.device.type != "cpu":
-        return f"the fused CPU scan takes CPU tensors, got {u.device}"
-    if torch.promote_types(u.dtype, torch.float32) != torch.float32:
-        return f"the fused CPU scan computes in fp32, got {u.dtype} (the chunked scan computes in fp64)"
-    return None

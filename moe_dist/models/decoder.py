@@ -32,13 +32,13 @@ def layer_kinds(cfg: ModelConfig) -> list[tuple[str, str]]:
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, mixer: str, ffn: str):
+    def __init__(self, cfg: ModelConfig, mixer: str, ffn: str, device: torch.device | str):
         super().__init__()
         self.mixer_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mixer = (Attention(cfg.d_model, cfg.attention, cfg.init_std, cfg.n_layers) if mixer == "A"
-                      else Mamba(cfg.d_model, cfg.mamba, cfg.norm_eps, cfg.init_std))
+        self.mixer = (Attention(cfg.d_model, cfg.attention, cfg.init_std, cfg.n_layers, device) if mixer == "A"
+                      else Mamba(cfg.d_model, cfg.mamba, cfg.norm_eps, cfg.init_std, device))
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.ffn = (MoE(cfg.d_model, cfg.d_ff, cfg.moe, cfg.init_std, cfg.n_layers) if ffn == "E"
+        self.ffn = (MoE(cfg.d_model, cfg.d_ff, cfg.moe, cfg.init_std, cfg.n_layers, device) if ffn == "E"
                     else SwiGLU(cfg.d_model, cfg.d_ff, cfg.init_std, cfg.n_layers))
 
     def init_weights(self) -> None:
@@ -72,13 +72,24 @@ class InferenceCache:
 
 
 class Decoder(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """The model; `device` is the device it is built to run on, for which each layer chooses its kernels (its
+    parameters are allocated by whoever builds it: `build_model` builds on the meta device)."""
+
+    def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu"):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg, m, f) for m, f in layer_kinds(cfg))
+        self.blocks = nn.ModuleList(Block(cfg, m, f, device) for m, f in layer_kinds(cfg))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+
+    def implementations(self) -> dict[str, str]:
+        """What each operation runs, over all layers: e.g. {"attention": "sdpa", "scan": "triton", ...}."""
+        found: dict[str, str] = {}
+        for module in self.modules():
+            if module is not self and hasattr(module, "implementations"):
+                found.update(module.implementations)
+        return found
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -113,10 +124,11 @@ class Decoder(nn.Module):
         return DecoderOutput(logits=logits, aux_loss=aux, z_loss=z, moe_stats=stats)
 
 
-def build_model(cfg: ModelConfig, device: torch.device | str = "meta") -> Decoder:
-    """Construct on `device` without allocating real storage when it is "meta"."""
-    with torch.device(device):
-        return Decoder(cfg)
+def build_model(cfg: ModelConfig, device: torch.device | str = "cpu") -> Decoder:
+    """Construct on the meta device (no storage: any size builds anywhere), with kernels chosen for `device`,
+    where `materialize` then allocates it."""
+    with torch.device("meta"):
+        return Decoder(cfg, device)
 
 
 def materialize(model: Decoder, device: torch.device | str, seed: int) -> Decoder:
@@ -138,7 +150,7 @@ def materialize(model: Decoder, device: torch.device | str, seed: int) -> Decode
 
 def param_counts(cfg: ModelConfig) -> dict[str, int]:
     """Total parameters, and active ones per token (shared weights + top_k of each MoE layer's experts)."""
-    model = build_model(cfg, "meta")
+    model = build_model(cfg)
     total = sum(p.numel() for p in model.parameters())
     inactive = 0
     for block in model.blocks:

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moe_dist.layers.moe import Permutation, Routing
+from moe_dist.layers.moe import Routing
+from moe_dist.layers.permutation import Permutation
 from moe_dist.parallel.comm import all_to_all_equal, all_to_all_rows
 
 
@@ -54,7 +55,7 @@ class AllToAllDispatcher:
 
     def dispatch(self, x_TD: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, _A2AState]:
         P, L = self.ep, self.num_local
-        x_RD = self.permutation.gather(x_TD, routing)
+        x_RD = self.permutation.permute(x_TD, routing.rows_R, routing.top_k)
         send_counts_PL = routing.tokens_per_expert_E.view(P, L)
         recv_counts_PL = all_to_all_equal(send_counts_PL, self.group).cpu()  # row s: what rank s sends here
         send_splits = send_counts_PL.sum(1).tolist()
@@ -69,4 +70,5 @@ class AllToAllDispatcher:
     def combine(self, y_QD: torch.Tensor, state: _A2AState) -> torch.Tensor:
         to_source_order_Q = segment_permutation(state.recv_counts_PL.t()).to(y_QD.device)
         y_RD = all_to_all_rows(y_QD[to_source_order_Q], state.send_splits, state.recv_splits, self.group)
-        return self.permutation.scatter(y_RD, state.routing)
+        r = state.routing
+        return self.permutation.unpermute(y_RD, r.rows_R, r.weight_A, r.num_tokens)

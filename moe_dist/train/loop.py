@@ -27,7 +27,6 @@ from moe_dist.parallel.tensor_parallel import vocab_parallel_lm_loss
 from moe_dist.train.checkpoint import CheckpointMismatch, check_fits, load_checkpoint, save_checkpoint
 from moe_dist.train.data import TokenDataset, load_tokens, micro_batches
 from moe_dist.train.guard import NonFiniteGuard, operation
-from moe_dist.train.host import configure_host
 from moe_dist.train.metrics import MetricsLogger, StepAccumulator
 from moe_dist.train.optim import build_optimizer, deepspeed_config
 from moe_dist.train.resume import complete_checkpoints, prune_checkpoints, select_checkpoint
@@ -171,8 +170,6 @@ def train(cfg: JobConfig, run_dir: Path, resume: bool = False) -> list[dict]:
     ones; start fresh when there is none. So one command line serves the first start and every restart."""
     _check_settings(cfg)
     t = cfg.train
-    # first: before torch starts its thread pool and allocates its first tensor (see host.py)
-    configure_host(0, t.flush_denormal, t.cpu_malloc, t.cpu_hugepages)
     train_tokens, val_tokens = load_tokens(cfg.data, t.seq_len)
     _check_vocab(train_tokens, cfg.model.vocab_size, "training split")
     _check_vocab(val_tokens, cfg.model.vocab_size, "validation split")
@@ -194,7 +191,7 @@ def train(cfg: JobConfig, run_dir: Path, resume: bool = False) -> list[dict]:
         if mesh.rank == 0:
             tqdm.write(line, file=sys.stderr)
 
-    model = maybe_compile(parallelize(build_model(cfg.model), mesh, cfg), cfg)
+    model = maybe_compile(parallelize(build_model(cfg.model, mesh.device), mesh, cfg), cfg)
     ckpt_root = run_dir / "checkpoints"
     found = _checkpoint_to_resume(ckpt_root, model, mesh, data_identity, timeout, say) if resume else None
 

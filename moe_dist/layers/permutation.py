@@ -1,0 +1,117 @@
+"""MoE token permutation: the gather of token rows into expert order and the weighted sum back.
+
+Shape legend (as in moe.py): T tokens, D d_model, K top_k, A = K·T assignments (slot-major, a = k·T + t),
+R routed rows (kept assignments sorted by expert).
+
+The PyTorch path here has the semantics and signatures of `moe_dist.kernels.reference.(un)permute_tokens_ref`
+(their specification and test oracle), with backwards written as gathers: the reference's autograd would
+scatter-add with repeated indices, which runs serially on CPU. The GPU kernel is `moe_dist.kernels.permute`;
+`Permutation.for_device` chooses between the two once (moe_dist.layers.impl).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moe_dist.layers.impl import Kernel, resolve
+
+
+def _slots(rows_R: torch.Tensor, num_tokens: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where every assignment's row is: row_KT[k, t] indexes rows_R's order (0 where the assignment was dropped),
+    kept_KT is 1.0 for a kept assignment and 0.0 for a dropped one. (K, T) int64 and (K, T) fp32."""
+    R, dev = rows_R.shape[0], rows_R.device
+    row_A = torch.zeros(top_k * num_tokens, dtype=torch.long, device=dev).index_put_((rows_R,), torch.arange(R, device=dev))
+    kept_A = torch.zeros(top_k * num_tokens, dtype=torch.float32, device=dev).index_fill_(0, rows_R, 1.0)
+    return row_A.view(top_k, num_tokens), kept_A.view(top_k, num_tokens)
+
+
+def _sum_slots(rows_RD: torch.Tensor, row_KT: torch.Tensor, scale_KT: torch.Tensor) -> torch.Tensor:
+    """out[t] = Σ_k scale_KT[k, t] · rows[row_KT[k, t]] in the compute dtype (fp32 at least). (T, D).
+
+    One (T, D) gather and fused multiply-add per top-k slot: gathers instead of a scatter-add, and no (R, D)
+    temporary in fp32. A dropped slot reads row 0 with scale 0 (so an inf in row 0 would reach it as NaN: such a
+    step is non-finite anyway, and the guard skips it)."""
+    compute = torch.promote_types(rows_RD.dtype, torch.float32)
+    K, T = row_KT.shape
+    if rows_RD.shape[0] == 0:  # every assignment dropped: nothing to gather from
+        return rows_RD.new_zeros(T, rows_RD.shape[1], dtype=compute)
+    scale_KT = scale_KT.to(compute)
+    out_TD = rows_RD.index_select(0, row_KT[0]).to(compute).mul_(scale_KT[0, :, None])
+    for k in range(1, K):  # K ≤ a handful: a loop over slots, never over tokens or experts
+        out_TD.addcmul_(rows_RD.index_select(0, row_KT[k]).to(compute), scale_KT[k, :, None])
+    return out_TD
+
+
+class _PermuteRows(torch.autograd.Function):
+    """x_RD = x_TD[rows_R % T]; backward sums each token's kept slots by gathers."""
+
+    @staticmethod
+    def forward(ctx, x_TD: torch.Tensor, rows_R: torch.Tensor, top_k: int) -> torch.Tensor:
+        T = x_TD.shape[0]
+        ctx.save_for_backward(rows_R)
+        ctx.top_k, ctx.num_tokens = top_k, T
+        return x_TD.index_select(0, rows_R % T) if T else x_TD.new_zeros(0, x_TD.shape[1])
+
+    @staticmethod
+    def backward(ctx, grad_RD: torch.Tensor):
+        (rows_R,) = ctx.saved_tensors
+        row_KT, kept_KT = _slots(rows_R, ctx.num_tokens, ctx.top_k)
+        return _sum_slots(grad_RD, row_KT, kept_KT).to(grad_RD.dtype), None, None
+
+
+class _UnpermuteRows(torch.autograd.Function):
+    """out[t] = Σ_{kept a of t} weight_A[a] · y[row(a)], fp32 accumulation."""
+
+    @staticmethod
+    def forward(ctx, y_RD: torch.Tensor, rows_R: torch.Tensor, weight_A: torch.Tensor, num_tokens: int):
+        K = weight_A.shape[0] // max(num_tokens, 1)
+        row_KT, kept_KT = _slots(rows_R, num_tokens, K)
+        ctx.save_for_backward(y_RD, rows_R, weight_A, row_KT, kept_KT)
+        ctx.num_tokens = num_tokens
+        return _sum_slots(y_RD, row_KT, weight_A.view(K, num_tokens) * kept_KT).to(y_RD.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_TD: torch.Tensor):
+        y_RD, rows_R, weight_A, row_KT, kept_KT = ctx.saved_tensors
+        compute = torch.promote_types(y_RD.dtype, torch.float32)
+        grad_weight_A = None
+        if ctx.needs_input_grad[2]:
+            # d out[t] / d weight[k, t] = y[row(k, t)]: row-wise dot products in fp32, one top-k slot at a time (no
+            # (R, D) fp32 temporaries); dropped slots get 0
+            grad_weight_A = torch.zeros_like(weight_A)
+            if y_RD.shape[0]:  # else every assignment was dropped: all zero
+                g_TD = grad_TD.to(compute)
+                dots = [torch.linalg.vecdot(g_TD, y_RD.index_select(0, row_KT[k]).to(compute))
+                        for k in range(row_KT.shape[0])]
+                grad_weight_A = (torch.stack(dots) * kept_KT).view(-1).to(weight_A.dtype)
+        # each row's token gradient times its weight, in the gradient's dtype (the weight rounded to it once)
+        weight_R = weight_A.index_select(0, rows_R).to(grad_TD.dtype)
+        grad_y = grad_TD.index_select(0, rows_R % ctx.num_tokens).mul_(weight_R[:, None])
+        return grad_y, None, grad_weight_A, None
+
+
+def permute_rows(x_TD: torch.Tensor, rows_R: torch.Tensor, top_k: int) -> torch.Tensor:
+    """The PyTorch path of the token gather: `permute_tokens_ref`'s semantics and signature, faster backward."""
+    return _PermuteRows.apply(x_TD, rows_R, top_k)
+
+
+def unpermute_rows(y_RD: torch.Tensor, rows_R: torch.Tensor, weight_A: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """The PyTorch path of the weighted sum back: `unpermute_tokens_ref`'s semantics and signature, by gathers."""
+    return _UnpermuteRows.apply(y_RD, rows_R, weight_A, num_tokens)
+
+
+@dataclass(frozen=True)
+class Permutation:
+    """The gather into expert order and the weighted sum back, as chosen for one device."""
+
+    permute: Kernel  # (x_TD, rows_R, top_k) -> x_RD
+    unpermute: Kernel  # (y_RD, rows_R, weight_A, num_tokens) -> out_TD
+
+    @classmethod
+    def for_device(cls, impl: str, device: torch.device | str) -> "Permutation":
+        """`model.moe.impl` resolved for a layer built for `device`: the Triton kernels or the functions above."""
+        key, what = "model.moe.impl", "token permutation"
+        return cls(resolve(impl, key, device, permute_rows, "permute.permute_tokens", what),
+                   resolve(impl, key, device, unpermute_rows, "permute.unpermute_tokens", what))
