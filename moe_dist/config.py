@@ -109,7 +109,6 @@ class TrainConfig:
     save_every: int = 0  # checkpoint every N steps (0 = only at the end)
     eval_every: int = 0  # validation every N steps (0 = only at the end)
     eval_batches: int = 4  # validation micro-batches in one pass, in total over the data-parallel ranks
-    log_every: int = 1  # TensorBoard scalar logging period in steps
     histogram_every: int = 10  # TensorBoard histogram period in steps
     image_every: int = 10  # TensorBoard expert-load image period in steps (0 = off)
     threads: int = 0  # torch CPU threads per process (0 = cores / local processes)

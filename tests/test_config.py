@@ -1,5 +1,6 @@
 """Config loading: every shipped file loads, errors are one line naming the dotted path, overrides work."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -7,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from moe_dist.config import ConfigError, JobConfig, check_layout, config_from_dict, config_to_dict, load_config
+from moe_dist.config import (ConfigError, JobConfig, TrainConfig, check_layout, config_from_dict, config_to_dict,
+                             load_config)
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((REPO / "configs").glob("*.json"))
@@ -38,6 +40,11 @@ def _write(tmp_path, raw):
     ({"model": {"mixer_pattern": "AX"}}, "model.mixer_pattern: letters A (attention) and M (Mamba) only, got 'AX'"),
     ({"model": {"n_layers": 3, "ffn_pattern": "DE"}}, "model.ffn_pattern: length 2 must divide model.n_layers=3"),
     ({"train": {"global_batch_size": 6, "micro_batch_size": 4}}, "train.global_batch_size: must be a multiple of train.micro_batch_size=4, got 6"),
+    # keys and values of the retired compiled CPU kernels and host tuning
+    *[({"train": {key: value}}, f"train.{key}: unknown config key (valid keys: "
+       + ", ".join(f.name for f in dataclasses.fields(TrainConfig)) + ")")
+      for key, value in (("cpu_hugepages", True), ("flush_denormal", True), ("cpu_malloc", "keep"))],
+    ({"model": {"mamba": {"impl": "cpu"}}}, "model.mamba.impl: expected one of ['auto', 'torch', 'triton'], got 'cpu'"),
 ])
 def test_errors_are_one_line_and_name_the_key(tmp_path, raw, message):
     with pytest.raises(ConfigError) as e:

@@ -15,7 +15,8 @@ import torch
 from moe_dist.config import MoEConfig
 from moe_dist.kernels.permute import permute_tokens, unpermute_tokens
 from moe_dist.kernels.reference import permute_tokens_ref, unpermute_tokens_ref
-from moe_dist.layers.moe import LocalDispatcher, Permutation, Router
+from moe_dist.layers.moe import LocalDispatcher, Router
+from moe_dist.layers.permutation import Permutation
 
 ON_CUDA = os.environ.get("MOE_DIST_KERNEL_DEVICE") == "cuda"
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
@@ -122,7 +123,7 @@ def test_same_as_the_moe_dispatcher(capacity_factor, device):
     router.init_weights()
     x_TD = torch.randn(50, 32, device=device)
     routing, _ = router(x_TD)
-    dispatcher = LocalDispatcher(Permutation.from_impl("torch"))
+    dispatcher = LocalDispatcher(Permutation.for_device("torch", device))
     x_RD, rows_per_expert_E, state = dispatcher.dispatch(x_TD, routing)
     assert torch.equal(permute_tokens(x_TD, routing.rows_R, cfg.top_k), x_RD)
     y_RD = torch.randn_like(x_RD)

@@ -136,7 +136,7 @@ def test_batch_rows_are_independent():
 
 
 def test_impl_choice():
-    assert attention_kernel("auto") is attention_kernel("torch")
+    assert attention_kernel("auto") == attention_kernel("torch") == attention_kernel("auto", "cuda")
     Attention(D_MODEL, AttentionConfig(n_heads=4, n_kv_heads=2, impl="torch"), init_std=0.02, n_layers=2)
     with pytest.raises(ValueError, match=r"model\.attention\.impl"):
         Attention(D_MODEL, AttentionConfig(n_heads=4, n_kv_heads=2, impl="triton"), init_std=0.02, n_layers=2)

@@ -15,6 +15,7 @@ import moe_dist.layers.moe as moe_mod
 from moe_dist.config import MoEConfig
 from moe_dist.layers.mlp import SwiGLU
 from moe_dist.layers.moe import MoE, Router, expert_capacity
+from moe_dist.layers.permutation import permute_rows, unpermute_rows
 
 F64 = torch.float64
 
@@ -585,7 +586,7 @@ def test_permute_rows_match_reference(T, K, keep, dtype, tol):
     w = torch.rand(A, generator=g, dtype=torch.float32)
     gy_TD = torch.randn(T, D, generator=g, dtype=F64).to(dtype)
     results = []
-    for perm, unperm in ((moe_mod.permute_rows, moe_mod.unpermute_rows), (permute_tokens_ref, unpermute_tokens_ref)):
+    for perm, unperm in ((permute_rows, unpermute_rows), (permute_tokens_ref, unpermute_tokens_ref)):
         xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
         x_RD = perm(xi, rows_R, K)
         y_RD = x_RD * 1.5  # stands in for the experts
@@ -687,13 +688,3 @@ def test_gated_silu_matches_autograd_of_silu_times_up(shape, dtype, tol):
     assert got.shape == ref.shape and got.dtype == dtype
     torch.testing.assert_close(got.double(), ref.double(), rtol=tol, atol=tol)
     torch.testing.assert_close(got_in.grad.double(), ref_in.grad.double(), rtol=tol, atol=tol)
-
-
-def test_without_amx_every_impl_runs_torchs_grouped_gemm(monkeypatch, recwarn):
-    """A CPU without AMX-BF16 has no compiled grouped GEMM: "cpu" and "auto" take torch's, silently."""
-    from moe_dist.kernels import grouped_gemm_cpu
-
-    monkeypatch.setattr(grouped_gemm_cpu, "cpu_has_amx", lambda: False)
-    for impl in ("cpu", "auto", "torch"):
-        assert moe_mod.select_grouped_mm(impl) is moe_mod.grouped_mm
-    assert not [w for w in recwarn if "grouped GEMM" in str(w.message)]
