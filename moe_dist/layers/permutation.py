@@ -30,17 +30,17 @@ def _slots(rows_R: torch.Tensor, num_tokens: int, top_k: int) -> tuple[torch.Ten
 def _sum_slots(rows_RD: torch.Tensor, row_KT: torch.Tensor, scale_KT: torch.Tensor) -> torch.Tensor:
     """out[t] = Σ_k scale_KT[k, t] · rows[row_KT[k, t]] in the compute dtype (fp32 at least). (T, D).
 
-    One (T, D) gather and fused multiply-add per top-k slot: gathers instead of a scatter-add, and no (R, D)
-    temporary in fp32. A dropped slot reads row 0 with scale 0 (so an inf in row 0 would reach it as NaN: such a
-    step is non-finite anyway, and the guard skips it)."""
+    One (T, D) gather and fused multiply-add per top-k slot: gathers instead of a scatter-add, and the rows are
+    widened inside the multiply (type promotion), never copied to fp32. A dropped slot reads row 0 with scale 0
+    (so an inf in row 0 would reach it as NaN: such a step is non-finite anyway, and the guard skips it)."""
     compute = torch.promote_types(rows_RD.dtype, torch.float32)
     K, T = row_KT.shape
     if rows_RD.shape[0] == 0:  # every assignment dropped: nothing to gather from
         return rows_RD.new_zeros(T, rows_RD.shape[1], dtype=compute)
-    scale_KT = scale_KT.to(compute)
-    out_TD = rows_RD.index_select(0, row_KT[0]).to(compute).mul_(scale_KT[0, :, None])
+    scale_KT1 = scale_KT.to(compute).unsqueeze(-1)
+    out_TD = torch.mul(rows_RD.index_select(0, row_KT[0]), scale_KT1[0])
     for k in range(1, K):  # K ≤ a handful: a loop over slots, never over tokens or experts
-        out_TD.addcmul_(rows_RD.index_select(0, row_KT[k]).to(compute), scale_KT[k, :, None])
+        out_TD.addcmul_(rows_RD.index_select(0, row_KT[k]), scale_KT1[k])
     return out_TD
 
 
@@ -68,27 +68,23 @@ class _UnpermuteRows(torch.autograd.Function):
     def forward(ctx, y_RD: torch.Tensor, rows_R: torch.Tensor, weight_A: torch.Tensor, num_tokens: int):
         K = weight_A.shape[0] // max(num_tokens, 1)
         row_KT, kept_KT = _slots(rows_R, num_tokens, K)
-        ctx.save_for_backward(y_RD, rows_R, weight_A, row_KT, kept_KT)
+        ctx.save_for_backward(y_RD, rows_R, weight_A)
         ctx.num_tokens = num_tokens
         return _sum_slots(y_RD, row_KT, weight_A.view(K, num_tokens) * kept_KT).to(y_RD.dtype)
 
     @staticmethod
     def backward(ctx, grad_TD: torch.Tensor):
-        y_RD, rows_R, weight_A, row_KT, kept_KT = ctx.saved_tensors
+        y_RD, rows_R, weight_A = ctx.saved_tensors
         compute = torch.promote_types(y_RD.dtype, torch.float32)
+        grad_R = grad_TD.index_select(0, rows_R % ctx.num_tokens)  # each row's token gradient (R, D)
         grad_weight_A = None
         if ctx.needs_input_grad[2]:
-            # d out[t] / d weight[k, t] = y[row(k, t)]: row-wise dot products in fp32, one top-k slot at a time (no
-            # (R, D) fp32 temporaries); dropped slots get 0
+            # d out[t] / d weight[a] = y[row(a)]: a dot product per kept row in fp32; dropped assignments get 0
             grad_weight_A = torch.zeros_like(weight_A)
-            if y_RD.shape[0]:  # else every assignment was dropped: all zero
-                g_TD = grad_TD.to(compute)
-                dots = [torch.linalg.vecdot(g_TD, y_RD.index_select(0, row_KT[k]).to(compute))
-                        for k in range(row_KT.shape[0])]
-                grad_weight_A = (torch.stack(dots) * kept_KT).view(-1).to(weight_A.dtype)
-        # each row's token gradient times its weight, in the gradient's dtype (the weight rounded to it once)
-        weight_R = weight_A.index_select(0, rows_R).to(grad_TD.dtype)
-        grad_y = grad_TD.index_select(0, rows_R % ctx.num_tokens).mul_(weight_R[:, None])
+            dots_R = torch.linalg.vecdot(grad_R.to(compute), y_RD.to(compute))
+            grad_weight_A.index_copy_(0, rows_R, dots_R.to(weight_A.dtype))
+        # times its weight, in the gradient's dtype (the weight rounded to it once)
+        grad_y = grad_R.mul_(weight_A.index_select(0, rows_R).to(grad_TD.dtype)[:, None])
         return grad_y, None, grad_weight_A, None
 
 
