@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import functools
-import inspect
 import json
 import math
 import os
@@ -32,22 +30,13 @@ import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
+from common import Collective, CollectiveTracer, measure_matmul_gflops
+
 REPO = Path(__file__).resolve().parents[1]
 KINDS = ("all_to_all", "all_reduce", "reduce_scatter", "all_gather", "other")
-# torch.distributed function → (kind, argument holding the payload); payload conventions: perfmodel.collective_terms
-WRAPPED = {
-    "all_reduce": ("all_reduce", "tensor"), "all_reduce_coalesced": ("all_reduce", "tensors"),
-    "all_gather": ("all_gather", "tensor_list"), "all_gather_single": ("all_gather", "output_tensor"),
-    "all_gather_into_tensor": ("all_gather", "output_tensor"), "_all_gather_base": ("all_gather", "output_tensor"),
-    "reduce_scatter": ("reduce_scatter", "input_list"), "reduce_scatter_single": ("reduce_scatter", "input"),
-    "reduce_scatter_tensor": ("reduce_scatter", "input"), "_reduce_scatter_base": ("reduce_scatter", "input"),
-    "all_to_all_single": ("all_to_all", "input"), "all_to_all": ("all_to_all", "input_tensor_list"),
-    "broadcast": ("other", "tensor"), "reduce": ("other", "tensor"), "barrier": ("other", None),
-}
 MAX_SAMPLES = 4000  # per rank
 # configs/debug.json widened so that FLOPs, not per-operator overhead, dominate a rank's compute (2 cores).
 DEFAULT_SET = ["model.d_model=128", "model.d_ff=512", "train.seq_len=64"]
@@ -55,41 +44,19 @@ DEFAULT_SET = ["model.d_model=128", "model.d_ff=512", "train.seq_len=64"]
 
 # ----------------------------------------------------------------------------------------------- the worker
 
-def _nbytes(x) -> int:
-    if isinstance(x, (list, tuple)):
-        return sum(_nbytes(t) for t in x)
-    return x.numel() * x.element_size() if hasattr(x, "numel") else 0
-
-
 class CollectiveTimer:
-    """Wraps torch.distributed's collectives; attributes their time and bytes to the current training step.
-
-    Only the outermost call is timed (all_gather_into_tensor calls all_gather_single, for instance).
-    """
+    """Attributes the collectives that common.CollectiveTracer sees to the current training step: seconds and
+    bytes sent per kind, and the (hops, bytes, seconds) samples of each call after the first step."""
 
     def __init__(self, ranks_per_node: int):
         self.ranks_per_node = ranks_per_node
-        self.local = threading.local()
         self.steps: list[dict] = []
         self.samples: list[tuple] = []
         self.current: dict | None = None
-        self._groups: dict[int, tuple[int, int, int]] = {}
+        self._groups: dict[int, tuple[int, int]] = {}
 
-    def install(self) -> None:
-        import torch.distributed as dist
-        import torch.distributed.distributed_c10d as c10d
-
-        for name, (kind, arg) in WRAPPED.items():
-            fn = getattr(c10d, name, None)
-            if fn is None:
-                continue
-            wrapped = self._wrap(fn, name, kind, arg)
-            setattr(c10d, name, wrapped)
-            if getattr(dist, name, None) is fn:
-                setattr(dist, name, wrapped)
-
-    def _group(self, group) -> tuple[int, int, int]:
-        """(size, most ranks of the group on one node, this rank's index in it), cached per group."""
+    def _group(self, group) -> tuple[int, int]:
+        """(most ranks of the group on one node, this rank's index in it), cached per group."""
         import torch.distributed as dist
 
         key = id(group)
@@ -98,50 +65,31 @@ class CollectiveTimer:
             per_node: dict[int, int] = {}
             for r in ranks:
                 per_node[r // self.ranks_per_node] = per_node.get(r // self.ranks_per_node, 0) + 1
-            self._groups[key] = (len(ranks), max(per_node.values()), ranks.index(dist.get_rank()))
+            self._groups[key] = (max(per_node.values()), ranks.index(dist.get_rank()))
         return self._groups[key]
 
-    def _wrap(self, fn, name: str, kind: str, arg: str | None):
-        sig = inspect.signature(fn)
-
-        @functools.wraps(fn)
-        def timed(*args, **kwargs):
-            if getattr(self.local, "inside", False) or self.current is None:
-                return fn(*args, **kwargs)
-            self.local.inside = True
-            tic = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                seconds = time.perf_counter() - tic
-                self.local.inside = False
-                self._record(name, kind, arg, sig.bind(*args, **kwargs).arguments, seconds)
-
-        return timed
-
-    def _record(self, name: str, kind: str, arg: str | None, bound: dict, seconds: float) -> None:
+    def record(self, call: Collective) -> None:
         from moe_dist.perfmodel import bottleneck_features, collective_terms
 
-        n, g, me = self._group(bound.get("group"))
-        payload = _nbytes(bound.get(arg)) if arg else 0
-        if name == "all_gather":
-            payload = _nbytes(bound.get("tensor")) * n
+        if self.current is None:  # outside a training step (set-up, eval, checkpoints)
+            return
+        n, kind, payload = call.group_size, call.kind, call.payload_bytes
+        g, me = self._group(call.args.get("group"))
         wire = None
-        if name == "all_to_all_single" and n > 1:  # uneven splits: count exactly what leaves this rank
-            splits = bound.get("input_split_sizes")
-            x = bound.get("input")
+        if call.name == "all_to_all_single" and n > 1:  # uneven splits: count exactly what leaves this rank
+            splits, x = call.args.get("input_split_sizes"), call.args["input"]
             row_bytes = math.prod(x.shape[1:]) * x.element_size()  # x may hold no rows at all
             own = splits[me] * row_bytes if splits else payload / n
             wire = payload - own
         hops, sent = collective_terms(kind, n, payload)
         sent = sent if wire is None else wire
         entry = self.current["kinds"].setdefault(kind, [0.0, 0.0, 0])
-        entry[0] += seconds
+        entry[0] += call.seconds
         entry[1] += sent
         entry[2] += 1
         if n > 1 and len(self.steps) >= 1 and len(self.samples) < MAX_SAMPLES:  # skip the first (warm-up) step
             h, b = bottleneck_features(kind, n, g, payload, wire)
-            self.samples.append((kind, n, g, h, b, seconds, "train"))
+            self.samples.append((kind, n, g, h, b, call.seconds, "train"))
 
     def calibrate(self, sizes=(1 << 10, 1 << 14, 1 << 18, 1 << 21, 1 << 23), repeats=3) -> None:
         """All-reduce and all-to-all of the world at sizes the training step does not reach, each after a
@@ -152,7 +100,7 @@ class CollectiveTimer:
 
         from moe_dist.perfmodel import bottleneck_features
 
-        n, g, _ = self._group(None)
+        n, (g, _) = dist.get_world_size(), self._group(None)
         if n == 1:
             return
         for size in sizes:
@@ -187,7 +135,7 @@ def worker(argv: list[str]) -> int:
     p.add_argument("--local_rank", "--local-rank", type=int, default=None)
     args = p.parse_args(argv)
     timer = CollectiveTimer(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    timer.install()  # before DeepSpeed binds torch.distributed functions at its initialization
+    CollectiveTracer(timer.record).install()  # before DeepSpeed binds torch.distributed functions at its initialization
 
     import torch.distributed as dist
 
@@ -383,21 +331,16 @@ def write_outputs(rows: list[dict], hw, out: Path, cores: int, matmul_peak: floa
     plot(rows, out / "scaling.png")
 
 
-def measure_matmul_peak(n: int = 512, seconds: float = 1.0) -> float:
+def measure_matmul_peak(n: int = 512) -> float:
     """FLOP/s of an n×n fp32 matmul on one thread: the device's own peak that F is compared with (DESIGN §7)."""
     import torch
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b
-    count, tic = 0, time.perf_counter()
-    while time.perf_counter() - tic < seconds:
-        a @ b
-        count += 1
-    rate = 2 * n**3 * count / (time.perf_counter() - tic)
-    torch.set_num_threads(threads)
-    return rate
+    try:
+        return 1e9 * measure_matmul_gflops([(n, n, n)], torch.float32, "cpu", repeats=20)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def describe(hw) -> str:

@@ -24,3 +24,19 @@ def console_script(name: str) -> str:
 def train_records(records: list[dict]) -> list[dict]:
     """The per-step training records of a metrics.jsonl (evaluation-only records, e.g. step 0, left out)."""
     return [r for r in records if "loss" in r]
+
+
+def load_script(path: Path):
+    """A script of benchmarks/ (or launch/) imported as a module, with its own folder on sys.path while it loads,
+    as when it runs as `python benchmarks/x.py` (its sibling `common` resolves the same way)."""
+    import importlib.util
+
+    name = f"script_{path.parent.name}_{path.stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)  # dataclasses look their module up
+    sys.path.insert(0, str(path.parent))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(path.parent))
+    return module

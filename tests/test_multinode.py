@@ -44,7 +44,8 @@ def test_two_nodes_equal_one_node(tmp_path, netns, run_train, metrics):
 
     tic = time.perf_counter()
     proc = subprocess.run(["bash", NETNS, "--nodes", "2", "--nproc", "2", "--launchers", "deepspeed,torchrun",
-                           "--run-dir", str(tmp_path / "two_nodes"), "--timeout", "600", "--", *ARGS],
+                           "--run-dir", str(tmp_path / "two_nodes"), "--port", str(free_port()), "--timeout", "600",
+                           "--", *ARGS],
                           cwd=REPO, capture_output=True, text=True, timeout=1500)
     two_nodes_s = time.perf_counter() - tic
     print(f"1 node x 4 processes (torchrun): {one_node_s:.1f} s end to end")

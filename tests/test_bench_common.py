@@ -1,0 +1,116 @@
+"""benchmarks/common.py (the timer, the matmul peak, the collective tracer) and the two scripts built on its tracer:
+comm_report.py and scaling.py, whose counts must match moe_dist.perfmodel's schedule of the same job."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+from support import console_script, free_port, load_script
+
+from moe_dist import perfmodel as pm
+from moe_dist.config import load_config
+
+REPO = Path(__file__).resolve().parents[1]
+BENCHMARKS = REPO / "benchmarks"
+common = load_script(BENCHMARKS / "common.py")
+
+
+def test_interleaved_ms_runs_round_by_round():
+    calls = []
+    fns = {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}
+    ms = common.interleaved_ms(fns, "cpu", repeats=3, warmup=1, number=2)
+    assert set(ms) == {"a", "b"} and all(t >= 0 for t in ms.values())
+    # one warm-up round, then three rounds of two calls each, a's and b's in turn
+    assert calls == ["a", "b"] + ["a", "a", "b", "b"] * 3
+
+
+def test_matmul_gflops_is_the_median_rate_of_the_mm_entries():
+    ms = {"layer": 1.0, ("mm", 10, 20, 30): 2.0, ("mm", 100, 10, 10): 1.0, ("mm", 10, 10, 10): 0.001}
+    rates = sorted([2 * 10 * 20 * 30 / 2.0 / 1e6, 2 * 100 * 10 * 10 / 1.0 / 1e6, 2 * 1000 / 0.001 / 1e6])
+    assert common.matmul_gflops(ms) == pytest.approx(rates[1])
+    with pytest.raises(ValueError, match="matmul_fns"):
+        common.matmul_gflops({"layer": 1.0})
+    fns = common.matmul_fns([(4, 8, 16)], torch.float32, "cpu")
+    assert list(fns) == [("mm", 4, 8, 16)] and fns[("mm", 4, 8, 16)]().shape == (4, 16)
+
+
+def test_collective_tracer_sees_each_outermost_call_once_and_uninstalls():
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    originals = (dist.all_reduce, c10d.all_reduce, dist.all_gather_into_tensor)
+    seen = []
+    try:
+        with common.CollectiveTracer(seen.append):
+            assert dist.all_reduce is not originals[0] and c10d.all_reduce is not originals[1]
+            dist.all_reduce(torch.ones(4))
+            out = torch.empty(3)
+            # all_gather_into_tensor calls all_gather_single where torch has it: one call, under the name called
+            getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(out, torch.ones(3))
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    assert (dist.all_reduce, c10d.all_reduce, dist.all_gather_into_tensor) == originals
+    assert [(c.kind, c.group_size, c.payload_bytes) for c in seen] == [
+        ("all_reduce", 1, 16), ("all_gather", 1, 12), ("other", 1, 0)]
+    assert seen[1].contributed_bytes == 12 and all(c.seconds >= 0 for c in seen)
+    assert seen[0].args["tensor"].shape == (4,)
+
+
+def _torchrun(nproc: int, script: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    cmd = [console_script("torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(free_port()),
+           str(BENCHMARKS / script), *args]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_comm_report_matches_the_performance_model():
+    """The tensor-parallel all-reduces that comm_report counts are the bytes perfmodel schedules for the job."""
+    proc = _torchrun(2, "comm_report.py", "--config", "configs/debug.json", "--set", "parallel.tp=2")
+    total = int(re.search(r"total bytes per rank for one micro-batch: ([\d,]+)", proc.stdout)[1].replace(",", ""))
+    rows = re.findall(r"^\| (blocks\.\d+\.\w+) \| (forward|backward) \| (\w+) \| 2 \|", proc.stdout, re.MULTILINE)
+    assert {layer for layer, _, _ in rows} == {f"blocks.{i}.{p}" for i in range(4) for p in ("mixer", "ffn")}
+    cfg = load_config(REPO / "configs" / "debug.json", ["parallel.tp=2"])
+    layout = pm.Layout(dp=1, ep=1, tp=2)
+    tp = [c for c in pm.step_calls(cfg, layout, ranks_per_node=2) if c.label.startswith("tp_")]
+    assert total == sum(c.payload_bytes * c.count for c in tp) / pm.micro_batches_per_rank(cfg, layout)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_scaling_worker_counts_the_scheduled_collectives(tmp_path):
+    """`scaling.py worker` times every collective of a 2-rank job with ep=2 and attributes it to its step: as
+    many all-to-alls per step as perfmodel schedules, and samples for the α-β fit."""
+    steps = 3
+    sets = [f"train.steps={steps}", "train.eval_every=0", "train.save_every=0", "train.image_every=0",
+            "parallel.ep=2", "train.threads=1"]
+    _torchrun(2, "scaling.py", "worker", "--config", "configs/debug.json", "--set", *sets,
+              "--run-dir", str(tmp_path))
+    profiles = [json.loads((tmp_path / "profile" / f"rank{r}.json").read_text()) for r in (0, 1)]
+    cfg = load_config(REPO / "configs" / "debug.json", sets)
+    a2a = sum(c.count for c in pm.step_calls(cfg, pm.Layout(2, 2, 1), ranks_per_node=2) if c.kind == "all_to_all")
+    for prof in profiles:
+        assert len(prof["steps"]) == steps
+        for step in prof["steps"]:
+            seconds, sent, calls = step["kinds"]["all_to_all"]
+            assert calls == a2a and sent > 0 and seconds > 0
+            assert step["kinds"]["all_reduce"][2] > 0
+            assert step["wall_s"] > seconds
+        assert {s[0] for s in prof["samples"] if s[6] == "train"} >= {"all_to_all", "all_reduce"}
+        assert {s[6] for s in prof["samples"]} == {"train", "calibration"}
+
+
+def test_scaling_predict_runs():
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "scaling.py"), "predict"], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "| GPUs | layout |" in proc.stdout and "Recommended" in proc.stdout
