@@ -1,211 +1,396 @@
-"""GPU check of the Triton kernels: their tests on CUDA, then each kernel against its PyTorch path.
+"""The GPU verification: everything worth checking on a CUDA machine, in one run that fits in 8 minutes.
 
-    python benchmarks/gpu_check.py                 # tests, then benchmarks
-    python benchmarks/gpu_check.py --tests-only
-    python benchmarks/gpu_check.py --bench-only
+    python benchmarks/gpu_check.py                                  # every part, default budgets
+    python benchmarks/gpu_check.py --parts tests,train --budget tests=300
+    python benchmarks/gpu_check.py --dry-run --out /tmp/gc          # CPU: the training parts, tiny, PyTorch paths
 
-Tests: the same files as on CPU (tests/kernels), run by pytest with MOE_DIST_KERNEL_DEVICE=cuda instead of the
-Triton interpreter (which adds a few realistic sizes), one process per file, in parallel.
-Benchmarks, at training-like sizes in bf16: flash attention against SDPA (TFLOP/s, also as a fraction of the bf16
-matmul peak measured here), the selective scan against the reference and against the chunked PyTorch scan the
-model uses off-GPU (GB/s of the minimum bytes moved), token permutation against PyTorch index ops (GB/s).
-Ratios are Triton / PyTorch, measured in the same run. Sized to finish within 5 minutes on one H200, most of it
-Triton compiling kernel variants for the tests (cached in ~/.triton afterwards).
-Exit status: nonzero when a test fails or there is no CUDA device.
+Parts, in this order, each with a time budget in seconds (--budget PART=S; the defaults add up to 470 s). A part
+stops itself when its budget is spent and says so: a verifying part (tests, train, resume) then counts as failed,
+the benchmarks as partial.
+  tests   pytest -q on tests/kernels/test_{flash_attention,permute,selective_scan}.py with MOE_DIST_KERNEL_DEVICE=cuda,
+          one process per file, in parallel (most of the time is Triton compiling kernel variants)
+  bench   each Triton kernel against its PyTorch path at training-like sizes in bf16, in the same interleaved
+          rounds: flash attention vs SDPA (TFLOP/s, and as a fraction of the bf16 matmul peak measured here), the
+          selective scan vs the chunked PyTorch scan and the token permutation vs index ops (GB/s moved)
+  train   configs/debug.json (widened) in bf16 with the Triton kernels (model.{attention,mamba,moe}.impl=triton)
+          and with the PyTorch paths (impl=torch): every step's loss within --loss-rtol; both step times
+  resume  the same model, fp32, default kernels: N steps saving at N/2, then a fresh run directory holding only
+          that checkpoint resumed to N: the resumed steps' losses equal the uninterrupted run's
+Runs go to --out (default runs/gpu_check), one run directory each; a summary table ends the output and is
+written to OUT/summary.txt. --dry-run checks this script on a machine without a GPU: the train and resume parts on
+the CPU at a tiny size (both sides of `train` on the PyTorch paths), the GPU-only parts skipped.
+Exit status: 0 every part passed; 1 a part failed or ran out of its budget; 2 bad usage, or no CUDA device.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
+import shutil
+import signal
+import statistics
 import subprocess
 import sys
-import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
-import torch.nn.functional as F
+from common import interleaved_ms, measure_matmul_gflops
 
 REPO = Path(__file__).resolve().parents[1]
+PARTS = ("tests", "bench", "train", "resume")
+BUDGETS = {"tests": 200, "bench": 60, "train": 120, "resume": 90}  # seconds; 470 of the 480 the whole may take
+KERNEL_TESTS = ("tests/kernels/test_flash_attention.py", "tests/kernels/test_permute.py",
+                "tests/kernels/test_selective_scan.py")
+CONFIG = "configs/debug.json"
+# debug.json widened so that the kernels have work to do (head_dim 64, 256 positions); no evaluation or images.
+WIDE = ["model.d_model=256", "model.d_ff=512", "train.seq_len=256", "train.eval_every=0", "train.image_every=0"]
+TINY = ["train.seq_len=32", "train.eval_every=0", "train.image_every=0"]  # --dry-run, on the CPU
+KERNEL_KEYS = ("model.attention.impl", "model.mamba.impl", "model.moe.impl")
 BF16 = torch.bfloat16
 
 
-def run_tests() -> int:
-    """pytest on each file of tests/kernels with MOE_DIST_KERNEL_DEVICE=cuda, the files in parallel processes:
-    most of the time is Triton compiling kernel variants, one CPU core per process. Returns the failure count."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["MOE_DIST_KERNEL_DEVICE"] = "cuda"
-    # Every test file but the runner that a plain pytest run uses to start these same files in subprocesses.
-    files = sorted(str(p.relative_to(REPO)) for p in (REPO / "tests" / "kernels").glob("test_*.py")
-                   if p.name != "test_kernel_suites.py")
-    print(f"$ MOE_DIST_KERNEL_DEVICE=cuda python -m pytest -q <file>, in parallel for: {' '.join(files)}", flush=True)
-    logs = [tempfile.TemporaryFile(mode="w+") for _ in files]  # files, not pipes: no process blocks on output
-    procs = [subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f], cwd=REPO, env=env,
-                              stdout=log, stderr=subprocess.STDOUT, text=True) for f, log in zip(files, logs)]
-    failed = 0
-    for f, proc, log in zip(files, procs, logs):
-        ok = proc.wait() == 0
-        failed += not ok
-        log.seek(0)
-        lines = log.read().strip().splitlines()
-        print(f"--- {f}: {'ok' if ok else f'FAILED (exit {proc.returncode})'}")
-        print("\n".join(lines if not ok else lines[-1:]), flush=True)
-    return failed
+class BudgetSpent(Exception):
+    pass
 
 
-def time_ms(fn: Callable[[], object], warmup: int = 3, reps: int = 10) -> float:
-    """Mean wall time of fn on the GPU stream, in milliseconds."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
+class Budget:
+    def __init__(self, part: str, seconds: float):
+        self.part, self.seconds, self.start = part, seconds, time.monotonic()
+
+    def left(self) -> float:
+        return self.seconds - (time.monotonic() - self.start)
+
+    def check(self, doing: str) -> None:
+        if self.left() <= 0:
+            raise BudgetSpent(f"budget of {self.seconds:.0f} s spent before {doing}")
 
 
-def fwd_bwd(fn: Callable, inputs: list[torch.Tensor], grad: torch.Tensor, **kw) -> Callable[[], object]:
+@dataclass
+class Result:
+    part: str
+    status: str  # ok | FAILED | STOPPED (budget spent) | partial (benchmarks cut short) | skipped
+    seconds: float
+    summary: str
+
+
+# ----------------------------------------------------------------------------------------------- subprocesses
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    """End a process we started and everything it started (its own session, so its own process group)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def start(cmd: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as f:  # a file, not a pipe: no process blocks on its output
+        return subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+                                stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def finish(procs: dict[str, subprocess.Popen], budget: Budget) -> dict[str, int]:
+    """Wait for every process until the budget is spent; then end the rest and raise BudgetSpent."""
+    codes = {}
+    for name, proc in procs.items():
+        try:
+            codes[name] = proc.wait(timeout=max(budget.left(), 0.01))
+        except subprocess.TimeoutExpired:
+            for other in procs.values():
+                if other.poll() is None:
+                    _kill(other)
+            raise BudgetSpent(f"budget of {budget.seconds:.0f} s spent while {name} was running (ended)") from None
+    return codes
+
+
+def tail(log: Path, n: int = 30) -> str:
+    return "\n".join(log.read_text(errors="replace").strip().splitlines()[-n:])
+
+
+# ----------------------------------------------------------------------------------------------- tests
+
+
+def part_tests(args, budget: Budget) -> tuple[str, str]:
+    env = {"MOE_DIST_KERNEL_DEVICE": "cuda"}
+    print(f"$ MOE_DIST_KERNEL_DEVICE=cuda python -m pytest -q FILE, in parallel for {' '.join(KERNEL_TESTS)}")
+    logs = {f: args.out / "logs" / f"{Path(f).stem}.log" for f in KERNEL_TESTS}
+    procs = {f: start([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f], logs[f], env)
+             for f in KERNEL_TESTS}
+    codes = finish(procs, budget)
+    lines = []
+    for f, code in codes.items():
+        last = tail(logs[f], 1)
+        print(f"--- {f}: {'ok' if code == 0 else f'FAILED (exit {code})'}: {last}")
+        if code:
+            print(tail(logs[f]))
+        lines.append(f"{Path(f).stem.removeprefix('test_')}: {last}")
+    return ("ok" if not any(codes.values()) else "FAILED"), "; ".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------- benchmarks
+
+
+def _fwd(fn, *inputs, **kw):
+    """A closure running fn forward only."""
+    return torch.no_grad()(lambda: fn(*inputs, **kw))
+
+
+def _fwd_bwd(fn, inputs: list[torch.Tensor], grad: torch.Tensor, **kw):
     """A closure running fn forward and backward into fresh gradients (no accumulation)."""
     leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in inputs]
     wrt = [t for t in leaves if t.requires_grad]
     return lambda: torch.autograd.grad(fn(*leaves, **kw), wrt, grad)
 
 
-def report(name: str, shape: str, unit: str, work: float, triton_ms: float, torch_ms: float, note: str = "") -> None:
-    """`work` is FLOPs (unit TFLOP/s) or bytes (unit GB/s)."""
-    scale = 1e12 if unit == "TFLOP/s" else 1e9
-    tri, tor = work / (triton_ms * 1e-3) / scale, work / (torch_ms * 1e-3) / scale
-    print(f"{name:<30} {shape:<34} {tri:8.1f} {tor:8.1f} {unit:<8} {tri / tor:6.2f}x  {note}", flush=True)
+def attention_cases(peak: float):
+    from moe_dist.layers.attention import attention_kernel
 
-
-def matmul_peak_tflops() -> float:
-    a = torch.randn(8192, 8192, device="cuda", dtype=BF16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=BF16)
-    return 2 * 8192**3 / (time_ms(lambda: a @ b, reps=20) * 1e-3) / 1e12
-
-
-def bench_attention(peak: float) -> None:
-    from moe_dist.kernels.flash_attention import flash_attention
-
-    def sdpa(q, k, v, causal=True):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
-
+    flash, sdpa = attention_kernel("triton", "cuda"), attention_kernel("torch", "cuda")
     for batch, hq, hkv, seq, dh, causal in [(4, 32, 8, 4096, 128, True), (8, 16, 16, 2048, 64, True),
                                             (4, 32, 8, 4096, 128, False)]:
         q = torch.randn(batch, hq, seq, dh, device="cuda", dtype=BF16)
         k, v = (torch.randn(batch, hkv, seq, dh, device="cuda", dtype=BF16) for _ in range(2))
-        grad = torch.randn_like(q)
         flops = 4 * batch * hq * seq * seq * dh * (0.5 if causal else 1.0)  # QKᵀ and PV
         shape = f"B{batch} H{hq}/{hkv} S{seq} D{dh} {'causal' if causal else 'full'}"
-        with torch.no_grad():
-            t_tri = time_ms(lambda: flash_attention(q, k, v, causal=causal))
-            t_tor = time_ms(lambda: sdpa(q, k, v, causal=causal))
-        report("attention fwd vs SDPA", shape, "TFLOP/s", flops, t_tri, t_tor,
-               f"{flops / (t_tri * 1e-3) / 1e12 / peak:.0%} of matmul peak")
-        t_tri = time_ms(fwd_bwd(flash_attention, [q, k, v], grad, causal=causal))
-        t_tor = time_ms(fwd_bwd(sdpa, [q, k, v], grad, causal=causal))
-        report("attention fwd+bwd vs SDPA", shape, "TFLOP/s", 3.5 * flops, t_tri, t_tor,  # bwd = 2.5 × fwd
-               f"{3.5 * flops / (t_tri * 1e-3) / 1e12 / peak:.0%} of matmul peak")
+        note = lambda ms, f: f"{f / (ms * 1e-3) / 1e12 / peak:.0%} of matmul peak"
+        yield ("attention fwd vs SDPA", shape, "TFLOP/s", flops, note,
+               _fwd(flash, q, k, v, causal=causal), _fwd(sdpa, q, k, v, causal=causal))
+        grad = torch.randn_like(q)
+        yield ("attention fwd+bwd vs SDPA", shape, "TFLOP/s", 3.5 * flops, note,  # backward = 2.5 × forward
+               _fwd_bwd(flash, [q, k, v], grad, causal=causal), _fwd_bwd(sdpa, [q, k, v], grad, causal=causal))
 
 
-def bench_scan() -> None:
-    from moe_dist.kernels.reference import selective_scan_ref
-    from moe_dist.kernels.selective_scan import selective_scan
-    from moe_dist.layers.scan import selective_scan as chunked_scan
+def scan_cases(peak: float):
+    from moe_dist.layers.mamba import scan_kernel
 
+    triton_scan, chunked = scan_kernel("triton", "cuda"), scan_kernel("torch", "cuda")
     batch, dim, seqlen, state = 2, 4096, 2048, 16
-    act = dict(device="cuda", dtype=BF16)
-    u, delta, z = (torch.randn(batch, dim, seqlen, **act) for _ in range(3))
-    B, C = (torch.randn(batch, state, seqlen, **act) for _ in range(2))
+    u, delta, z = (torch.randn(batch, dim, seqlen, device="cuda", dtype=BF16) for _ in range(3))
+    B, C = (torch.randn(batch, state, seqlen, device="cuda", dtype=BF16) for _ in range(2))
     A = -torch.rand(dim, state, device="cuda") - 0.5
     D, bias = torch.randn(dim, device="cuda"), torch.randn(dim, device="cuda") - 2.0
-    inputs, grad = [u, delta, A, B, C, D, z, bias], torch.randn_like(u)
-    kw = dict(delta_softplus=True)
-    act_bytes, bc_bytes = u.numel() * 2, B.numel() * 2
-    fwd_bytes = 4 * act_bytes + 2 * bc_bytes  # read u, Δ, z, B, C; write y
-    bwd_bytes = fwd_bytes + 4 * act_bytes + 2 * bc_bytes  # plus read dy; write du, dΔ, dz, dB, dC
+    inputs = [u, delta, A, B, C, D, z, bias]
+    fwd_bytes = 4 * u.numel() * 2 + 2 * B.numel() * 2  # read u, Δ, z, B, C; write y (bf16)
+    bwd_bytes = 2 * fwd_bytes  # plus read dy; write du, dΔ, dz, dB, dC
     shape = f"B{batch} D{dim} L{seqlen} N{state}"
-    with torch.no_grad():
-        t_tri = time_ms(lambda: selective_scan(*inputs, **kw))
-        for name, fn in [("reference", selective_scan_ref), ("chunked torch", chunked_scan)]:
-            report(f"scan fwd vs {name}", shape, "GB/s", fwd_bytes, t_tri, time_ms(lambda: fn(*inputs, **kw), reps=3))
-    t_tri = time_ms(fwd_bwd(selective_scan, inputs, grad, **kw))
-    for name, fn in [("reference", selective_scan_ref), ("chunked torch", chunked_scan)]:
-        report(f"scan fwd+bwd vs {name}", shape, "GB/s", bwd_bytes, t_tri,
-               time_ms(fwd_bwd(fn, inputs, grad, **kw), warmup=1, reps=3))
+    yield ("scan fwd vs chunked torch", shape, "GB/s", fwd_bytes, None,
+           _fwd(triton_scan, *inputs, delta_softplus=True), _fwd(chunked, *inputs, delta_softplus=True))
+    grad = torch.randn_like(u)
+    yield ("scan fwd+bwd vs chunked torch", shape, "GB/s", bwd_bytes, None,
+           _fwd_bwd(triton_scan, inputs, grad, delta_softplus=True), _fwd_bwd(chunked, inputs, grad, delta_softplus=True))
 
 
-def bench_permutation() -> None:
-    from moe_dist.kernels.permute import permute_tokens, unpermute_tokens
-    from moe_dist.kernels.reference import permute_tokens_ref, unpermute_tokens_ref
+def permutation_cases(peak: float):
+    from moe_dist.layers.permutation import Permutation
 
+    tri, ref = Permutation.for_device("triton", "cuda"), Permutation.for_device("torch", "cuda")
     T, D, K, E, cf = 16384, 4096, 2, 8, 1.25
     g = torch.Generator(device="cuda").manual_seed(0)
     expert_A = torch.randint(0, E, (K * T,), device="cuda", generator=g)
     order_A = torch.argsort(expert_A, stable=True)
     counts_E = torch.bincount(expert_A, minlength=E)
     position_A = torch.arange(K * T, device="cuda") - (torch.cumsum(counts_E, 0) - counts_E)[expert_A[order_A]]
-    rows_R = order_A[position_A < math.ceil(cf * T * K / E)]
+    rows_R = order_A[position_A < math.ceil(cf * T * K / E)]  # kept assignments, by expert
     R = rows_R.shape[0]
     weight_A = torch.rand(K * T, device="cuda")
-    x_TD = torch.randn(T, D, device="cuda", dtype=BF16)
-    y_RD = torch.randn(R, D, device="cuda", dtype=BF16)
+    x_TD, y_RD = torch.randn(T, D, device="cuda", dtype=BF16), torch.randn(R, D, device="cuda", dtype=BF16)
     row, tok = R * D * 2, T * D * 2  # bytes of the (R, D) and (T, D) bf16 tensors
     shape = f"T{T} D{D} K{K} E{E} cf{cf} R{R}"
-    with torch.no_grad():
-        report("permute fwd vs index ops", shape, "GB/s", 2 * row,  # read and write R rows
-               time_ms(lambda: permute_tokens(x_TD, rows_R, K)), time_ms(lambda: permute_tokens_ref(x_TD, rows_R, K)))
-        report("unpermute fwd vs index ops", shape, "GB/s", row + tok,  # read R rows, write T rows
-               time_ms(lambda: unpermute_tokens(y_RD, rows_R, weight_A, T)),
-               time_ms(lambda: unpermute_tokens_ref(y_RD, rows_R, weight_A, T)))
-    grad_RD = torch.randn(R, D, device="cuda", dtype=BF16)
-    report("permute fwd+bwd vs index ops", shape, "GB/s", 2 * row + row + tok,  # bwd: read R rows, write T rows
-           time_ms(fwd_bwd(lambda x: permute_tokens(x, rows_R, K), [x_TD], grad_RD)),
-           time_ms(fwd_bwd(lambda x: permute_tokens_ref(x, rows_R, K), [x_TD], grad_RD)))
-    grad_TD = torch.randn(T, D, device="cuda", dtype=BF16)
-    report("unpermute fwd+bwd vs index ops", shape, "GB/s", row + tok + 3 * row,  # bwd: read dout rows, y; write dy
-           time_ms(fwd_bwd(lambda y, w: unpermute_tokens(y, rows_R, w, T), [y_RD, weight_A], grad_TD)),
-           time_ms(fwd_bwd(lambda y, w: unpermute_tokens_ref(y, rows_R, w, T), [y_RD, weight_A], grad_TD)))
+    yield ("permute fwd vs index ops", shape, "GB/s", 2 * row, None,  # read and write R rows
+           _fwd(tri.permute, x_TD, rows_R, K), _fwd(ref.permute, x_TD, rows_R, K))
+    yield ("unpermute fwd vs index ops", shape, "GB/s", row + tok, None,  # read R rows, write T rows
+           _fwd(tri.unpermute, y_RD, rows_R, weight_A, T), _fwd(ref.unpermute, y_RD, rows_R, weight_A, T))
+    grad_RD, grad_TD = torch.randn(R, D, device="cuda", dtype=BF16), torch.randn(T, D, device="cuda", dtype=BF16)
+    yield ("permute fwd+bwd vs index ops", shape, "GB/s", 3 * row + tok,  # bwd: read R rows, write T rows
+           None, _fwd_bwd(lambda x: tri.permute(x, rows_R, K), [x_TD], grad_RD),
+           _fwd_bwd(lambda x: ref.permute(x, rows_R, K), [x_TD], grad_RD))
+    yield ("unpermute fwd+bwd vs index ops", shape, "GB/s", 4 * row + tok, None,  # bwd: read dout rows, y; write dy
+           _fwd_bwd(lambda y, w: tri.unpermute(y, rows_R, w, T), [y_RD, weight_A], grad_TD),
+           _fwd_bwd(lambda y, w: ref.unpermute(y, rows_R, w, T), [y_RD, weight_A], grad_TD))
 
 
-def run_benchmarks() -> None:
+def part_bench(args, budget: Budget) -> tuple[str, str]:
     import triton
 
-    print(f"\n{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
-    peak = matmul_peak_tflops()
-    print(f"bf16 matmul peak (8192³, measured): {peak:.0f} TFLOP/s\n")
-    print(f"{'benchmark':<30} {'shape':<34} {'triton':>8} {'torch':>8} {'unit':<8} {'ratio':>7}")
-    bench_attention(peak)
-    bench_scan()
-    bench_permutation()
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
+    peak = measure_matmul_gflops([(8192, 8192, 8192)], BF16, "cuda", repeats=10) / 1e3
+    print(f"bf16 matmul peak (8192³, measured): {peak:.0f} TFLOP/s")
+    print(f"{'benchmark':<32} {'shape':<34} {'triton':>8} {'torch':>8} {'unit':<8} {'ratio':>7}")
+    done, ratios = 0, []
+    for family in (attention_cases, scan_cases, permutation_cases):
+        for name, shape, unit, work, note, triton_fn, torch_fn in family(peak):
+            try:
+                budget.check(name)
+            except BudgetSpent as stop:
+                return "partial", f"{done} benchmarks, then {stop}; ratios {', '.join(ratios)}"
+            ms = interleaved_ms({"triton": triton_fn, "torch": torch_fn}, "cuda", repeats=10, warmup=3)
+            scale = 1e12 if unit == "TFLOP/s" else 1e9
+            tri, tor = (work / (ms[k] * 1e-3) / scale for k in ("triton", "torch"))
+            print(f"{name:<32} {shape:<34} {tri:8.1f} {tor:8.1f} {unit:<8} {tri / tor:6.2f}x  "
+                  f"{note(ms['triton'], work) if note else ''}", flush=True)
+            done += 1
+            ratios.append(f"{name.split(' vs')[0]} {tri / tor:.2f}x")
+    return "ok", f"bf16 matmul peak {peak:.0f} TFLOP/s; triton/torch: {', '.join(ratios)}"
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    which = parser.add_mutually_exclusive_group()
-    which.add_argument("--tests-only", action="store_true", help="run the kernel tests on CUDA, no benchmarks")
-    which.add_argument("--bench-only", action="store_true", help="run the benchmarks, no tests")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("gpu_check: torch sees no CUDA device; run this on a GPU machine (the CPU kernel tests run in the "
-              "ordinary `python -m pytest`, under the Triton interpreter)", file=sys.stderr)
+# ----------------------------------------------------------------------------------------------- training
+
+
+def train_records(run_dir: Path) -> list[dict]:
+    """The per-step training records of a run's metrics.jsonl (evaluation-only records left out)."""
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, filter(None, lines)) if "loss" in r]
+
+
+def max_rel_diff(a: list[float], b: list[float]) -> float:
+    if len(a) != len(b) or not a:
+        raise ValueError(f"cannot compare {len(a)} losses with {len(b)}")
+    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
+
+
+def step_ms(records: list[dict], tokens_per_step: int, warmup: int = 2) -> float:
+    """Median step time after the first `warmup` steps (Triton compiling, allocator warming)."""
+    timed = records[warmup:] or records
+    return statistics.median(1e3 * tokens_per_step / r["tokens_per_s"] for r in timed)
+
+
+def train(args, budget: Budget, name: str, overrides: list[str], resume_from: Path | None = None) -> list[dict]:
+    """launch/train.py in one process (it picks a free port itself) into OUT/name; its training records."""
+    run_dir = args.out / name
+    shutil.rmtree(run_dir, ignore_errors=True)
+    if resume_from is not None:  # a fresh run directory holding only this checkpoint
+        shutil.copytree(resume_from, run_dir / "checkpoints" / resume_from.name)
+    cmd = [sys.executable, "launch/train.py", "--config", CONFIG, "--run-dir", str(run_dir),
+           *(["--resume"] if resume_from is not None else []), "--set", *overrides]
+    print(f"$ {' '.join(cmd[1:])}", flush=True)
+    log = args.out / "logs" / f"{name}.log"
+    env = {"CUDA_VISIBLE_DEVICES": ""} if args.dry_run else {}
+    code = finish({name: start(cmd, log, env)}, budget)[name]
+    if code != 0:
+        raise RuntimeError(f"{name}: launch/train.py exited {code}:\n{tail(log)}")
+    return train_records(run_dir)
+
+
+def part_train(args, budget: Budget) -> tuple[str, str]:
+    from moe_dist.config import load_config
+
+    base = [*(TINY if args.dry_run else WIDE), f"train.steps={args.steps}", "train.dtype=bf16", "train.save_every=0"]
+    t = load_config(REPO / CONFIG, base).train
+    tokens = t.global_batch_size * t.seq_len
+    kernels = "torch" if args.dry_run else "triton"  # --dry-run: no Triton on the CPU
+    tri, tor = (train(args, budget, name, [*base, *(f"{k}={impl}" for k in KERNEL_KEYS)])
+                for name, impl in (("train_triton", kernels), ("train_torch", "torch")))
+    diff = max_rel_diff([r["loss"] for r in tri], [r["loss"] for r in tor])
+    status = "ok" if diff <= args.loss_rtol else "FAILED"
+    return status, (f"{len(tri)} bf16 steps, impl {kernels} vs torch: max relative loss difference {diff:.2e} "
+                    f"(tolerance {args.loss_rtol:g}); final losses {tri[-1]['loss']:.4f} / {tor[-1]['loss']:.4f}; "
+                    f"step {step_ms(tri, tokens):.1f} / {step_ms(tor, tokens):.1f} ms")
+
+
+def part_resume(args, budget: Budget) -> tuple[str, str]:
+    steps = max(2, args.resume_steps)
+    half = steps // 2
+    base = [*(TINY if args.dry_run else WIDE), f"train.steps={steps}", f"train.save_every={half}"]
+    full = train(args, budget, "resume_full", base)
+    resumed = train(args, budget, f"resume_from_{half}", base,
+                    resume_from=args.out / "resume_full" / "checkpoints" / f"step_{half}")
+    want = [r for r in full if r["step"] > half]
+    if [r["step"] for r in resumed] != [r["step"] for r in want]:
+        return "FAILED", (f"resumed steps {[r['step'] for r in resumed]}, expected {[r['step'] for r in want]}")
+    got_loss, want_loss = [r["loss"] for r in resumed], [r["loss"] for r in want]
+    diff = max_rel_diff(got_loss, want_loss)
+    status = "ok" if diff <= args.resume_rtol else "FAILED"
+    return status, (f"steps {half + 1}-{steps} resumed from step {half}: "
+                    f"{'bitwise equal' if got_loss == want_loss else f'max relative difference {diff:.1e}'} "
+                    f"(tolerance {args.resume_rtol:g})")
+
+
+# ----------------------------------------------------------------------------------------------- driver
+
+
+def run_part(part: str, args, seconds: float) -> Result:
+    fn = {"tests": part_tests, "bench": part_bench, "train": part_train, "resume": part_resume}[part]
+    if args.dry_run and part in ("tests", "bench"):
+        return Result(part, "skipped", 0.0, "--dry-run: needs CUDA")
+    print(f"\n=== {part} (budget {seconds:.0f} s)", flush=True)
+    budget = Budget(part, seconds)
+    try:
+        status, summary = fn(args, budget)
+    except BudgetSpent as stop:
+        status, summary = ("partial" if part == "bench" else "STOPPED"), str(stop)
+    except Exception as err:  # a part's failure is reported, and the other parts still run
+        status, summary = "FAILED", f"{type(err).__name__}: {err}"
+    print(f"--- {part}: {status}: {summary}", flush=True)
+    return Result(part, status, time.monotonic() - budget.start, summary)
+
+
+def summary_table(results: list[Result], budgets: dict[str, float]) -> str:
+    lines = [f"{'part':<7} {'status':<8} {'seconds':>7} {'budget':>6}  result"]
+    for r in results:
+        first, *rest = r.summary.splitlines() or [""]
+        lines.append(f"{r.part:<7} {r.status:<8} {r.seconds:7.0f} {budgets[r.part]:6.0f}  {first}")
+        lines += [f"{'':<32}{line}" for line in rest[-10:]]
+    return "\n".join(lines)
+
+
+def passed(results: list[Result]) -> bool:
+    return all(r.status in ("ok", "partial", "skipped") for r in results)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, from {','.join(PARTS)} (default all)")
+    p.add_argument("--budget", nargs="+", default=[], metavar="PART=SECONDS",
+                   help="time budgets, default " + " ".join(f"{k}={v}" for k, v in BUDGETS.items()))
+    p.add_argument("--out", type=Path, default=REPO / "runs" / "gpu_check", help="run directories and logs")
+    p.add_argument("--steps", type=int, default=None, help="train: steps of each run (default 20; --dry-run 3)")
+    p.add_argument("--loss-rtol", type=float, default=0.02,
+                   help="train: largest relative difference of a step's bf16 loss, Triton vs PyTorch")
+    p.add_argument("--resume-steps", type=int, default=6, help="resume: steps of the uninterrupted run")
+    p.add_argument("--resume-rtol", type=float, default=1e-5,
+                   help="resume: largest relative loss difference (GPU atomics may reorder fp32 sums)")
+    p.add_argument("--dry-run", action="store_true", help="no GPU: the train and resume parts, tiny, on the CPU")
+    args = p.parse_args(argv)
+    args.parts = [s for s in args.parts.split(",") if s]
+    if bad := [s for s in args.parts if s not in PARTS]:
+        p.error(f"--parts: unknown {', '.join(bad)} (choose from {', '.join(PARTS)})")
+    budgets = dict(BUDGETS)
+    for item in args.budget:
+        part, _, seconds = item.partition("=")
+        if part not in PARTS or not seconds.replace(".", "", 1).isdigit():
+            p.error(f"--budget: expected PART=SECONDS with PART in {', '.join(PARTS)}, got {item!r}")
+        budgets[part] = float(seconds)
+    args.budgets = budgets
+    args.steps = args.steps or (3 if args.dry_run else 20)
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not args.dry_run and not torch.cuda.is_available():
+        print("gpu_check: torch sees no CUDA device; run this on a GPU machine (or --dry-run to check the script "
+              "on the CPU)", file=sys.stderr)
         return 2
     if os.environ.get("TRITON_INTERPRET"):
         print("gpu_check: unset TRITON_INTERPRET: it would run the kernels in the CPU interpreter", file=sys.stderr)
         return 2
-    start = time.time()
-    status = 0 if args.bench_only else run_tests()
-    if not args.tests_only:
-        run_benchmarks()
-    print(f"\ngpu_check: tests {'skipped' if args.bench_only else 'passed' if status == 0 else 'FAILED'}, "
-          f"{time.time() - start:.0f} s")
-    return 1 if status else 0
+    args.out = args.out.resolve()
+    args.out.mkdir(parents=True, exist_ok=True)
+    start_s = time.monotonic()
+    results = [run_part(part, args, args.budgets[part]) for part in args.parts]
+    table = summary_table(results, args.budgets)
+    verdict = "passed" if passed(results) else "FAILED"
+    footer = f"gpu_check: {verdict} in {time.monotonic() - start_s:.0f} s{' (dry run, CPU)' if args.dry_run else ''}"
+    print(f"\n{table}\n{footer}")
+    (args.out / "summary.txt").write_text(f"{table}\n{footer}\n")
+    return 0 if verdict == "passed" else 1
 
 
 if __name__ == "__main__":
