@@ -17,30 +17,21 @@ Bad input → one `error:` line and exit status 2.
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import json
 import subprocess
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
-from common import interleaved_ms, matmul_fns, matmul_gflops, sync
+from bench_step import bench_step
+from common import DTYPES, interleaved_ms, matmul_fns, matmul_gflops, resolve_device, sig
 from torch import nn
 
-from moe_dist.config import ConfigError, MoEConfig, load_config
+from moe_dist.config import ConfigError, MoEConfig
 
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 IMPLS = ["auto", "torch", "triton"]
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda: no CUDA device here")
-    return torch.device(name)
+POSITIVE = ("tokens", "d_model", "d_ff", "experts", "top_k", "batch", "seq", "dim", "state", "steps", "repeats")
 
 
 def emit(result: dict) -> None:
@@ -59,18 +50,22 @@ class PlainMoE(nn.Module):
     gate/up, SiLU · up, grouped GEMM for down → weight and `index_add_` back per token. No capacity, no aux or z
     losses. Its own weights, of our layer's shapes: router (E, D), w13 = [gate | up] (E, D, 2F), w2 (E, F, D)."""
 
-    def __init__(self, d_model: int, d_ff: int, num_experts: int, top_k: int, dtype: torch.dtype,
-                 device: torch.device):
+    def __init__(self, d_model: int, d_ff: int, num_experts: int, top_k: int, dtype: torch.dtype, device: torch.device):
         super().__init__()
         align = 16 // torch.empty(0, dtype=dtype).element_size()
         if d_model % align or d_ff % align:  # torch's grouped GEMM takes 16-byte aligned rows only
-            raise ConfigError(f"the plain layer (torch's grouped GEMM) needs --d-model and --d-ff multiples of "
-                              f"{align} in {dtype}, got {d_model} and {d_ff}")
+            raise ConfigError(
+                f"the plain layer (torch's grouped GEMM) needs --d-model and --d-ff multiples of "
+                f"{align} in {dtype}, got {d_model} and {d_ff}"
+            )
         self.top_k, g = top_k, torch.Generator().manual_seed(1)
-        w = lambda *shape, std: nn.Parameter((torch.randn(*shape, generator=g) * std).to(device, dtype))
+
+        def w(*shape: int, std: float) -> nn.Parameter:
+            return nn.Parameter((torch.randn(*shape, generator=g) * std).to(device, dtype))
+
         self.router = w(num_experts, d_model, std=1.0)  # as bench_moe sets ours: routing spread over all experts
-        self.w13 = w(num_experts, d_model, 2 * d_ff, std=d_model ** -0.5)
-        self.w2 = w(num_experts, d_ff, d_model, std=d_ff ** -0.5)
+        self.w13 = w(num_experts, d_model, 2 * d_ff, std=d_model**-0.5)
+        self.w2 = w(num_experts, d_ff, d_model, std=d_ff**-0.5)
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
@@ -90,8 +85,14 @@ def _moe_setup(args, impl: str | None = None):
     from moe_dist.layers.moe import MoE
 
     device, dtype, impl = resolve_device(args.device), DTYPES[args.dtype], impl or args.impl
-    cfg = MoEConfig(num_experts=args.experts, top_k=args.top_k, d_ff=args.d_ff, capacity_factor=args.capacity_factor,
-                    backend=args.backend, impl=impl)
+    cfg = MoEConfig(
+        num_experts=args.experts,
+        top_k=args.top_k,
+        d_ff=args.d_ff,
+        capacity_factor=args.capacity_factor,
+        backend=args.backend,
+        impl=impl,
+    )
     torch.manual_seed(0)
     try:
         moe = MoE(args.d_model, args.d_ff, cfg, init_std=0.02, n_layers=2, device=device).to(device)
@@ -191,18 +192,26 @@ def _peak_mem_mb(moe, x, dy, device) -> tuple[float, str]:
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
         _moe_fwd_bwd(moe, x, dy)
-        return ((torch.cuda.max_memory_allocated(device) - base) / 2**20,
-                "torch.cuda.max_memory_allocated rise over one forward+backward")
-    out = subprocess.run([sys.executable, __file__, "_moe_mem", *sys.argv[2:]], capture_output=True, text=True,
-                         check=True)
-    return (float(out.stdout.strip().splitlines()[-1]),
-            "peak-RSS rise over one forward+backward in a fresh process (after a warm-up pass)")
+        return (
+            (torch.cuda.max_memory_allocated(device) - base) / 2**20,
+            "torch.cuda.max_memory_allocated rise over one forward+backward",
+        )
+    out = subprocess.run(
+        [sys.executable, __file__, "_moe_mem", *sys.argv[2:]], capture_output=True, text=True, check=True
+    )
+    return (
+        float(out.stdout.strip().splitlines()[-1]),
+        "peak-RSS rise over one forward+backward in a fresh process (after a warm-up pass)",
+    )
 
 
 def bench_moe(args) -> dict:
     moe, x, dy, device, dtype = _moe_setup(args)
     plain = PlainMoE(args.d_model, args.d_ff, args.experts, args.top_k, dtype, device)
-    plain_fwd_bwd = lambda: torch.autograd.grad(plain(x), [x, *plain.parameters()], dy)
+
+    def plain_fwd_bwd():
+        torch.autograd.grad(plain(x), [x, *plain.parameters()], dy)
+
     stats = _moe_fwd_bwd(moe, x, dy)
     try:
         plain_fwd_bwd()
@@ -213,35 +222,66 @@ def bench_moe(args) -> dict:
     parts = _moe_parts(moe, x, dy)
     # Peak reference: dense matmuls with all T·K rows as one expert, in the shapes of the forward and both
     # gradient GEMMs of w1/w3 (D → F) and w2 (F → D), timed in turn with the layer.
-    fns = {"layer": lambda: _moe_fwd_bwd(moe, x, dy), "plain": plain_fwd_bwd,
-           "gemms": _expert_gemms(moe, x.detach()), **{f"part:{name}": fn for name, fn in parts.items()},
-           **matmul_fns([(T * K, D, Fh), (T * K, Fh, D), (D, T * K, Fh), (Fh, T * K, D)], dtype, device)}
+    fns = {
+        "layer": lambda: _moe_fwd_bwd(moe, x, dy),
+        "plain": plain_fwd_bwd,
+        "gemms": _expert_gemms(moe, x.detach()),
+        **{f"part:{name}": fn for name, fn in parts.items()},
+        **matmul_fns([(T * K, D, Fh), (T * K, Fh, D), (D, T * K, Fh), (Fh, T * K, D)], dtype, device),
+    }
     torch_moe = _moe_setup(args, impl="torch")[0]
     if torch_moe.implementations != moe.implementations:  # the same layer (same weights) on the PyTorch paths
         fns["layer_torch_impl"] = lambda: _moe_fwd_bwd(torch_moe, x, dy)
     ms = interleaved_ms(fns, device, args.repeats)
     fwd_bwd_ms, gemms_ms, plain_ms, peak = ms["layer"], ms["gemms"], ms["plain"], matmul_gflops(ms)
-    vs_plain = round(plain_ms / fwd_bwd_ms, 3)
+    vs_plain = sig(plain_ms / fwd_bwd_ms)
     gemm_flops = 3 * 3 * 2 * kept * D * Fh  # gate, up, down (D·F each), ×3 for forward + the two backward GEMMs
     peak_mem, mem_note = _peak_mem_mb(moe, x, dy, device)
-    print(f"moe T={T} D={D} F={Fh} E={E} K={K} cf={args.capacity_factor} {args.dtype} on {device}, "
-          f"{torch.get_num_threads()} threads, implementations {moe.implementations}; kept rows {kept}/{stats.assignments}")
-    print(f"  ours {fwd_bwd_ms:.3f} ms, plain {plain_ms:.3f} ms (dropless, all {T * K} rows): vs_plain {vs_plain} "
-          f"(plain_ms / fwd_bwd_ms, >= 1: ours at least as fast); gemm_ceiling_fraction = the layer's expert GEMMs "
-          f"alone (same calls and shapes, forward and backward) against the same peak; parts_ms = the router, the "
-          f"permutation and the activation alone, forward and backward; peak_mem_mb = {mem_note}")
-    return {"bench": "moe", "device": str(device), "dtype": args.dtype, "tokens": T, "d_model": D, "d_ff": Fh,
-            "experts": E, "top_k": K, "capacity_factor": args.capacity_factor, "kept_rows": kept,
-            "threads": torch.get_num_threads(), "impl": args.impl, "implementations": moe.implementations,
-            "fwd_bwd_ms": round(fwd_bwd_ms, 3), "plain_ms": round(plain_ms, 3), "vs_plain": vs_plain,
-            "gemm_peak_gflops": round(peak, 1),
-            "achieved_gemm_gflops": round(gemm_flops / fwd_bwd_ms / 1e6, 1),
-            "roofline_fraction": round(gemm_flops / fwd_bwd_ms / 1e6 / peak, 4),
-            "expert_gemms_ms": round(gemms_ms, 3), "gemm_ceiling_fraction": round(gemm_flops / gemms_ms / 1e6 / peak, 4),
-            "parts_ms": {name: round(ms[f"part:{name}"], 3) for name in parts}, "peak_mem_mb": round(peak_mem, 2),
-            **({"torch_impl_ms": round(ms["layer_torch_impl"], 3),
-                "speedup_vs_torch_impl": round(ms["layer_torch_impl"] / fwd_bwd_ms, 3)} if "layer_torch_impl" in ms else {}),
-            "weight_grad_mb": round(sum(p.numel() * p.element_size() for p in moe.parameters()) / 2**20, 2)}
+    print(
+        f"moe T={T} D={D} F={Fh} E={E} K={K} cf={args.capacity_factor} {args.dtype} on {device}, "
+        f"{torch.get_num_threads()} threads, implementations {moe.implementations}; "
+        f"kept rows {kept}/{stats.assignments}"
+    )
+    print(
+        f"  ours {fwd_bwd_ms:.3f} ms, plain {plain_ms:.3f} ms (dropless, all {T * K} rows): vs_plain {vs_plain} "
+        f"(plain_ms / fwd_bwd_ms, >= 1: ours at least as fast); gemm_ceiling_fraction = the layer's expert GEMMs "
+        f"alone (same calls and shapes, forward and backward) against the same peak; parts_ms = the router, the "
+        f"permutation and the activation alone, forward and backward; peak_mem_mb = {mem_note}"
+    )
+    return {
+        "bench": "moe",
+        "device": str(device),
+        "dtype": args.dtype,
+        "tokens": T,
+        "d_model": D,
+        "d_ff": Fh,
+        "experts": E,
+        "top_k": K,
+        "capacity_factor": args.capacity_factor,
+        "kept_rows": kept,
+        "threads": torch.get_num_threads(),
+        "impl": args.impl,
+        "implementations": moe.implementations,
+        "fwd_bwd_ms": sig(fwd_bwd_ms),
+        "plain_ms": sig(plain_ms),
+        "vs_plain": vs_plain,
+        "gemm_peak_gflops": sig(peak),
+        "achieved_gemm_gflops": sig(gemm_flops / fwd_bwd_ms / 1e6),
+        "roofline_fraction": sig(gemm_flops / fwd_bwd_ms / 1e6 / peak),
+        "expert_gemms_ms": sig(gemms_ms),
+        "gemm_ceiling_fraction": sig(gemm_flops / gemms_ms / 1e6 / peak),
+        "parts_ms": {name: sig(ms[f"part:{name}"]) for name in parts},
+        "peak_mem_mb": sig(peak_mem),
+        **(
+            {
+                "torch_impl_ms": sig(ms["layer_torch_impl"]),
+                "speedup_vs_torch_impl": sig(ms["layer_torch_impl"] / fwd_bwd_ms),
+            }
+            if "layer_torch_impl" in ms
+            else {}
+        ),
+        "weight_grad_mb": sig(sum(p.numel() * p.element_size() for p in moe.parameters()) / 2**20),
+    }
 
 
 # ----------------------------------------------------------------------------------------------- scan
@@ -249,6 +289,7 @@ def bench_moe(args) -> dict:
 
 def bench_scan(args) -> dict:
     from moe_dist.kernels.reference import selective_scan_ref
+
     from moe_dist.layers.mamba import scan_kernel
 
     device = resolve_device(args.device)
@@ -276,162 +317,26 @@ def bench_scan(args) -> dict:
     # no warm-up for the reference: one call takes minutes at training sizes (its autograd graph has a node per
     # timestep, and the backward of each timestep's slice materializes a whole (B, D, L, N) gradient)
     ref_ms = interleaved_ms({"ref": lambda: run(selective_scan_ref)}, device, args.ref_repeats, warmup=0)["ref"]
-    print(f"scan B={Bt} L={L} D={Dm} N={N} fp32 on {device}: model.mamba.impl={args.impl!r} (runs {scan.name!r}) and "
-          f"the chunked PyTorch scan (chunk {args.chunk_size}) vs the sequential reference")
-    return {"bench": "scan", "device": str(device), "batch": Bt, "seq": L, "dim": Dm, "state": N,
-            "impl": args.impl, "implementation": scan.name, "chunk_size": args.chunk_size,
-            "fwd_bwd_ms": round(ms["scan"], 3), "chunked_ms": round(ms["chunked"], 3),
-            "speedup_vs_chunked": round(ms["chunked"] / ms["scan"], 2),
-            "reference_ms": round(ref_ms, 3), "speedup": round(ref_ms / ms["scan"], 2)}
-
-
-# ----------------------------------------------------------------------------------------------- step
-
-SECTIONS = ("attention", "mamba", "moe.router", "moe.dispatch", "moe.experts", "moe.combine", "optimizer")
-
-
-def _ranged(fn, name: str):
-    """`fn` inside a profiler range named bench::<name>; the layer's own code is untouched."""
-    from torch.profiler import record_function
-
-    def wrapped(*args, **kwargs):
-        with record_function(f"bench::{name}"):
-            return fn(*args, **kwargs)
-
-    return wrapped
-
-
-class _RangedDispatcher:
-    """Wraps an MoE dispatcher so that dispatch and combine each run inside their own profiler range."""
-
-    def __init__(self, inner):
-        self.inner = inner
-        self.dispatch = _ranged(inner.dispatch, "moe.dispatch")
-        self.combine = _ranged(inner.combine, "moe.combine")
-
-
-def instrument(model) -> None:
-    """Profiler ranges around every mixer and the four parts of every MoE layer (instance attributes only)."""
-    from moe_dist.layers.attention import Attention
-    from moe_dist.layers.moe import MoE
-
-    for block in model.blocks:
-        block.mixer.forward = _ranged(block.mixer.forward, "attention" if isinstance(block.mixer, Attention) else "mamba")
-        if isinstance(block.ffn, MoE) and hasattr(block.ffn, "dispatcher"):
-            block.ffn.router.forward = _ranged(block.ffn.router.forward, "moe.router")
-            block.ffn.experts.forward = _ranged(block.ffn.experts.forward, "moe.experts")
-            block.ffn.dispatcher = _RangedDispatcher(block.ffn.dispatcher)
-
-
-def section_times(events, cuda: bool) -> dict:
-    """Seconds per bench:: section, forward and backward: a backward node counts for the section whose forward
-    op created it (same autograd sequence number), found through its forward op's enclosing range."""
-    def elapsed(e) -> float:
-        return (e.device_time_total if cuda else e.time_range.elapsed_us()) / 1e6
-
-    def section_of(e):
-        while e is not None:
-            if e.name.startswith("bench::"):
-                return e.name[len("bench::"):]
-            e = e.cpu_parent
-        return None
-
-    out = {name: 0.0 for name in SECTIONS}
-    seq_section = {}
-    for e in events:
-        if e.name.startswith("bench::") and e.name[7:] in out:
-            out[e.name[7:]] += elapsed(e)
-        elif e.sequence_nr >= 0 and not e.name.startswith("autograd::engine"):
-            sec = section_of(e)
-            if sec is not None:
-                seq_section.setdefault(e.sequence_nr, sec)
-    for e in events:
-        if e.name.startswith("autograd::engine::evaluate_function") and e.sequence_nr in seq_section:
-            out[seq_section[e.sequence_nr]] += elapsed(e)
-    return out
-
-
-def bench_step(args) -> dict:
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    from moe_dist.models.decoder import build_model, lm_loss, materialize
-    from moe_dist.perfmodel import model_cost
-    from moe_dist.train.data import TokenDataset, load_tokens, micro_batches
-    from moe_dist.train.loop import maybe_compile
-    from moe_dist.train.optim import build_optimizer
-
-    cfg = load_config(args.config, args.set)
-    t, moe_cfg = cfg.train, cfg.model.moe
-    device = resolve_device(args.device)
-    torch.set_num_threads(args.threads or t.threads or torch.get_num_threads())
-    dtype = DTYPES[t.dtype]
-    try:
-        train_tokens, _ = load_tokens(cfg.data, t.seq_len)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    data = TokenDataset(train_tokens, t.seq_len, t.seed)
-    model = materialize(build_model(cfg.model, device), device, t.seed)
-    fpt = 3 * model_cost(cfg).fwd_flops_per_token  # forward + backward (twice the forward's FLOPs)
-    # bf16 as the DeepSpeed engine runs it: bf16 weights and gradients, fp32 master weights in the optimizer.
-    master = copy.deepcopy(model).float() if dtype != torch.float32 else model
-    model = model.to(dtype)
-    optimizer, scheduler = build_optimizer(master, cfg)
-    params, master_params = list(model.parameters()), list(master.parameters())
-    compiled = maybe_compile(model, cfg)
-    implementations = model.implementations()  # before `instrument` wraps the dispatchers
-    if not t.compile:
-        instrument(model)  # profiler ranges would only break a compiled graph
-
-    def step(s: int) -> None:
-        for batch in micro_batches(data.global_batch(s, t.global_batch_size), t.micro_batch_size, 0, 1):
-            batch = batch.to(device)
-            out = compiled(batch[:, :-1])
-            loss = lm_loss(out.logits, batch[:, 1:]) + moe_cfg.aux_loss_coef * out.aux_loss + moe_cfg.z_loss_coef * out.z_loss
-            loss.backward()
-        with record_function("bench::optimizer"):
-            if master is not model:
-                for mp, p in zip(master_params, params):
-                    mp.grad = p.grad.float()
-            if t.grad_clip:
-                torch.nn.utils.clip_grad_norm_(master_params, t.grad_clip)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            if master is not model:
-                with torch.no_grad():
-                    torch._foreach_copy_(params, master_params)
-                model.zero_grad(set_to_none=True)
-
-    step(0)  # compilation, when train.compile is on
-    steps = iter(range(1, 1 << 30))
-    fns = {"step": lambda: step(next(steps)),
-           **matmul_fns([(4096, 1024, 1024), (1024, 4096, 1024), (2048, 2048, 2048)], dtype, device)}
-    ms = interleaved_ms(fns, device, args.steps, warmup=1)
-    step_s, peak = ms["step"] / 1e3, matmul_gflops(ms)
-    tokens = t.global_batch_size * t.seq_len
-    tokens_per_s = tokens / step_s
-    result = {"bench": "step", "device": str(device), "config": args.config, "dtype": t.dtype,
-              "compile": t.compile, "tokens_per_step": tokens, "step_ms": round(step_s * 1e3, 1),
-              "tokens_per_s": round(tokens_per_s, 1),
-              "flops_per_token": round(fpt), "gemm_peak_gflops": round(peak, 1),
-              "implementations": implementations, "mfu": round(fpt * tokens_per_s / (peak * 1e9), 4)}
-    if not t.compile:
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-        with profile(activities=activities) as prof:
-            sync(device)
-            tic = time.perf_counter()
-            step(next(steps))
-            sync(device)
-            total = time.perf_counter() - tic
-        secs = section_times(prof.events(), device.type == "cuda")
-        shares = {k: round(v / total, 4) for k, v in secs.items()}
-        shares["other"] = round(max(0.0, 1 - sum(secs.values()) / total), 4)
-        result["time_share"] = shares
-        result["profiled_step_ms"] = round(total * 1e3, 1)
-    print(f"step {args.config} {t.dtype} on {device}: {t.global_batch_size}×{t.seq_len} tokens per step, median of "
-          f"{args.steps} steps after one warm-up; one process, no DeepSpeed (fp32 master weights for bf16); "
-          f"time_share from one more step under torch.profiler (forward + backward per section)")
-    return result
+    print(
+        f"scan B={Bt} L={L} D={Dm} N={N} fp32 on {device}: model.mamba.impl={args.impl!r} (runs {scan.name!r}) and "
+        f"the chunked PyTorch scan (chunk {args.chunk_size}) vs the sequential reference"
+    )
+    return {
+        "bench": "scan",
+        "device": str(device),
+        "batch": Bt,
+        "seq": L,
+        "dim": Dm,
+        "state": N,
+        "impl": args.impl,
+        "implementation": scan.name,
+        "chunk_size": args.chunk_size,
+        "fwd_bwd_ms": sig(ms["scan"]),
+        "chunked_ms": sig(ms["chunked"]),
+        "speedup_vs_chunked": sig(ms["chunked"] / ms["scan"]),
+        "reference_ms": sig(ref_ms),
+        "speedup": sig(ref_ms / ms["scan"]),
+    }
 
 
 # ----------------------------------------------------------------------------------------------- cli
@@ -449,8 +354,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         m.add_argument("--d-ff", type=int, required=True)
         m.add_argument("--experts", type=int, required=True)
         m.add_argument("--top-k", type=int, required=True)
-        m.add_argument("--capacity-factor", type=lambda s: None if s in ("null", "none") else float(s), default=1.25,
-                       help="per-expert capacity factor; 'null' = dropless (default 1.25)")
+        m.add_argument(
+            "--capacity-factor",
+            type=lambda s: None if s in ("null", "none") else float(s),
+            default=1.25,
+            help="per-expert capacity factor; 'null' = dropless (default 1.25)",
+        )
         m.add_argument("--backend", choices=["native", "megablocks"], default="native", help="model.moe.backend")
         m.add_argument("--dtype", choices=list(DTYPES), default="bf16")
         m.add_argument("--impl", choices=IMPLS, default="auto", help=impl_help.format("moe"))
@@ -471,16 +380,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     t.add_argument("--steps", type=int, default=4, help="measured optimizer steps (after one warm-up step)")
     for sp in (*parsers, s, t):
         sp.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-        sp.add_argument("--threads", type=int, default=0,
-                        help="torch CPU threads (0 = torch's default; step: train.threads, else torch's default)")
+        sp.add_argument(
+            "--threads",
+            type=int,
+            default=0,
+            help="torch CPU threads (0 = torch's default; step: train.threads, else torch's default)",
+        )
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        for key in ("tokens", "d_model", "d_ff", "experts", "top_k", "batch", "seq", "dim", "state", "steps",
-                    "repeats", "ref_repeats", "chunk_size"):
+        for key in (*POSITIVE, "ref_repeats", "chunk_size"):
             if getattr(args, key, 1) < 1:
                 raise ConfigError(f"--{key.replace('_', '-')}: must be positive, got {getattr(args, key)}")
         if args.cmd in ("moe", "_moe_mem") and args.top_k > args.experts:

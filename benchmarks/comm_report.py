@@ -52,10 +52,12 @@ def main(argv=None) -> int:
 
         def bwd(module, grad_out):
             where[:] = [name, "backward"]
+
         return fwd, bwd
 
-    layers = [("embed", model.embed)] + [(f"blocks.{i}.{part}", getattr(b, part)) for i, b in enumerate(model.blocks)
-                                         for part in ("mixer", "ffn")]
+    layers = [("embed", model.embed)] + [
+        (f"blocks.{i}.{part}", getattr(b, part)) for i, b in enumerate(model.blocks) for part in ("mixer", "ffn")
+    ]
     warnings.filterwarnings("ignore", message="Full backward hook is firing")  # the embedding's input is token ids
     for name, module in layers:
         fwd, bwd = label(name)
@@ -64,8 +66,9 @@ def main(argv=None) -> int:
     tracer = CollectiveTracer(count).install()
 
     t = cfg.train
-    tokens = torch.randint(0, cfg.model.vocab_size, (t.micro_batch_size, t.seq_len + 1),
-                           generator=torch.Generator().manual_seed(0)).to(mesh.device)
+    tokens = torch.randint(
+        0, cfg.model.vocab_size, (t.micro_batch_size, t.seq_len + 1), generator=torch.Generator().manual_seed(0)
+    ).to(mesh.device)
     out = model(tokens[:, :-1])
     where[:] = ["loss (vocab-parallel cross-entropy)", "forward"]
     lm = lm_loss(out.logits, tokens[:, 1:]) if mesh.tp == 1 else vocab_parallel_lm_loss(out.logits, tokens[:, 1:], mesh)
@@ -76,13 +79,16 @@ def main(argv=None) -> int:
     if mesh.rank == 0:
         kinds = [type(b.mixer).__name__ + "/" + type(b.ffn).__name__ for b in model.blocks]
         sp = " sequence_parallel" if cfg.parallel.sequence_parallel else ""
-        print(f"layout dp={mesh.dp} ep={mesh.ep} tp={mesh.tp}{sp}; micro-batch {t.micro_batch_size}x{t.seq_len} tokens, "
-              f"d_model {cfg.model.d_model}, {cfg.train.dtype}; blocks: {', '.join(kinds)}")
+        print(
+            f"layout dp={mesh.dp} ep={mesh.ep} tp={mesh.tp}{sp}; micro-batch {t.micro_batch_size}x{t.seq_len} tokens, "
+            f"d_model {cfg.model.d_model}, {cfg.train.dtype}; blocks: {', '.join(kinds)}"
+        )
         print("| layer | phase | collective | group size | calls | bytes per rank |")
         print("|---|---|---|---|---|---|")
         order = {name: i for i, (name, _) in enumerate(layers)}
         for (layer, phase, name, size), (calls, nbytes) in sorted(
-                table.items(), key=lambda kv: (order.get(kv[0][0], len(order)), kv[0][1] != "forward", kv[0][2])):
+            table.items(), key=lambda kv: (order.get(kv[0][0], len(order)), kv[0][1] != "forward", kv[0][2])
+        ):
             print(f"| {layer} | {phase} | {name} | {size} | {calls} | {nbytes:,} |")
         total = sum(v[1] for v in table.values())
         print(f"total bytes per rank for one micro-batch: {total:,}")

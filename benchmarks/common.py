@@ -1,4 +1,4 @@
-"""What the benchmark scripts share: the timer, the dense-matmul peak and the collective tracer.
+"""What the benchmark scripts share: the timer, the dense-matmul peak and the collective tracer (and --device).
 
 The scripts of this folder import it as a sibling module (`from common import interleaved_ms`): run as
 `python benchmarks/<script>.py`, a script's own folder is first on sys.path. benchmarks/ is a folder of scripts,
@@ -16,6 +16,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def resolve_device(name: str) -> torch.device:
+    """A benchmark's --device: "auto" takes CUDA when present; "cuda" without it is a ConfigError."""
+    from moe_dist.config import ConfigError
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device here")
+    return torch.device(name)
+
 
 # ----------------------------------------------------------------------------------------------- timing
 
@@ -48,6 +62,12 @@ def interleaved_ms(fns: dict, device: torch.device | str, repeats: int, warmup: 
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
+def sig(x: float, digits: int = 4) -> float:
+    """x to `digits` significant digits, for the reports: a fixed number of decimals would erase a small rate
+    (a loaded machine's) or a small fraction."""
+    return float(f"{x:.{digits}g}")
+
+
 # ----------------------------------------------------------------------------------------------- matmul peak
 
 
@@ -65,15 +85,24 @@ def matmul_fns(shapes: list[tuple[int, int, int]], dtype: torch.dtype, device: t
 def matmul_gflops(ms: dict) -> float:
     """This machine's dense-matmul rate in GFLOP/s: the median over the ("mm", M, K, N) entries of `ms` (times
     from `interleaved_ms` over `matmul_fns`, other entries ignored) of 2·M·K·N / time."""
-    rates = [2 * m * k * n / t / 1e6 for key, t in ms.items() if isinstance(key, tuple) and key[0] == "mm"
-             for m, k, n in [key[1:]]]
+    rates = [
+        2 * m * k * n / t / 1e6
+        for key, t in ms.items()
+        if isinstance(key, tuple) and key[0] == "mm"
+        for m, k, n in [key[1:]]
+    ]
     if not rates:
         raise ValueError("no ('mm', M, K, N) timings: time matmul_fns alongside")
     return statistics.median(rates)
 
 
-def measure_matmul_gflops(shapes: list[tuple[int, int, int]], dtype: torch.dtype, device: torch.device | str,
-                          repeats: int = 5, number: int = 1) -> float:
+def measure_matmul_gflops(
+    shapes: list[tuple[int, int, int]],
+    dtype: torch.dtype,
+    device: torch.device | str,
+    repeats: int = 5,
+    number: int = 1,
+) -> float:
     """`matmul_gflops` of `matmul_fns` timed on their own."""
     return matmul_gflops(interleaved_ms(matmul_fns(shapes, dtype, device), device, repeats, number=number))
 
@@ -83,13 +112,21 @@ def measure_matmul_gflops(shapes: list[tuple[int, int, int]], dtype: torch.dtype
 # torch.distributed function → (kind, the argument whose bytes are its payload, as moe_dist.perfmodel's
 # collective_terms counts it: all-gather the gathered output, all-to-all and reduce-scatter the input, ...)
 COLLECTIVES = {
-    "all_reduce": ("all_reduce", "tensor"), "all_reduce_coalesced": ("all_reduce", "tensors"),
-    "all_gather": ("all_gather", "tensor_list"), "all_gather_single": ("all_gather", "output_tensor"),
-    "all_gather_into_tensor": ("all_gather", "output_tensor"), "_all_gather_base": ("all_gather", "output_tensor"),
-    "reduce_scatter": ("reduce_scatter", "input_list"), "reduce_scatter_single": ("reduce_scatter", "input"),
-    "reduce_scatter_tensor": ("reduce_scatter", "input"), "_reduce_scatter_base": ("reduce_scatter", "input"),
-    "all_to_all_single": ("all_to_all", "input"), "all_to_all": ("all_to_all", "input_tensor_list"),
-    "broadcast": ("other", "tensor"), "reduce": ("other", "tensor"), "barrier": ("other", None),
+    "all_reduce": ("all_reduce", "tensor"),
+    "all_reduce_coalesced": ("all_reduce", "tensors"),
+    "all_gather": ("all_gather", "tensor_list"),
+    "all_gather_single": ("all_gather", "output_tensor"),
+    "all_gather_into_tensor": ("all_gather", "output_tensor"),
+    "_all_gather_base": ("all_gather", "output_tensor"),
+    "reduce_scatter": ("reduce_scatter", "input_list"),
+    "reduce_scatter_single": ("reduce_scatter", "input"),
+    "reduce_scatter_tensor": ("reduce_scatter", "input"),
+    "_reduce_scatter_base": ("reduce_scatter", "input"),
+    "all_to_all_single": ("all_to_all", "input"),
+    "all_to_all": ("all_to_all", "input_tensor_list"),
+    "broadcast": ("other", "tensor"),
+    "reduce": ("other", "tensor"),
+    "barrier": ("other", None),
 }
 
 

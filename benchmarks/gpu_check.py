@@ -34,6 +34,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,8 +44,11 @@ from common import interleaved_ms, measure_matmul_gflops
 REPO = Path(__file__).resolve().parents[1]
 PARTS = ("tests", "bench", "train", "resume")
 BUDGETS = {"tests": 200, "bench": 60, "train": 120, "resume": 90}  # seconds; 470 of the 480 the whole may take
-KERNEL_TESTS = ("tests/kernels/test_flash_attention.py", "tests/kernels/test_permute.py",
-                "tests/kernels/test_selective_scan.py")
+KERNEL_TESTS = (
+    "tests/kernels/test_flash_attention.py",
+    "tests/kernels/test_permute.py",
+    "tests/kernels/test_selective_scan.py",
+)
 CONFIG = "configs/debug.json"
 # debug.json widened so that the kernels have work to do (head_dim 64, 256 positions); no evaluation or images.
 WIDE = ["model.d_model=256", "model.d_ff=512", "train.seq_len=256", "train.eval_every=0", "train.image_every=0"]
@@ -92,8 +96,14 @@ def _kill(proc: subprocess.Popen) -> None:
 def start(cmd: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as f:  # a file, not a pipe: no process blocks on its output
-        return subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-                                stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
 
 def finish(procs: dict[str, subprocess.Popen], budget: Budget) -> dict[str, int]:
@@ -121,8 +131,10 @@ def part_tests(args, budget: Budget) -> tuple[str, str]:
     env = {"MOE_DIST_KERNEL_DEVICE": "cuda"}
     print(f"$ MOE_DIST_KERNEL_DEVICE=cuda python -m pytest -q FILE, in parallel for {' '.join(KERNEL_TESTS)}")
     logs = {f: args.out / "logs" / f"{Path(f).stem}.log" for f in KERNEL_TESTS}
-    procs = {f: start([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f], logs[f], env)
-             for f in KERNEL_TESTS}
+    procs = {
+        f: start([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f], logs[f], env)
+        for f in KERNEL_TESTS
+    }
     codes = finish(procs, budget)
     lines = []
     for f, code in codes.items():
@@ -149,48 +161,60 @@ def _fwd_bwd(fn, inputs: list[torch.Tensor], grad: torch.Tensor, **kw):
     return lambda: torch.autograd.grad(fn(*leaves, **kw), wrt, grad)
 
 
-def attention_cases(peak: float):
+@dataclass
+class Case:
+    """One benchmark: the same work done by the Triton kernel and by the PyTorch path."""
+
+    name: str
+    shape: str
+    work: float  # FLOPs where unit is TFLOP/s, else bytes moved (at least: each input read, each output written)
+    triton: Callable
+    torch: Callable
+    unit: str = "GB/s"
+
+
+def attention_cases():
     from moe_dist.layers.attention import attention_kernel
 
     flash, sdpa = attention_kernel("triton", "cuda"), attention_kernel("torch", "cuda")
-    for batch, hq, hkv, seq, dh, causal in [(4, 32, 8, 4096, 128, True), (8, 16, 16, 2048, 64, True),
-                                            (4, 32, 8, 4096, 128, False)]:
+    shapes = [(4, 32, 8, 4096, 128, True), (8, 16, 16, 2048, 64, True), (4, 32, 8, 4096, 128, False)]
+    for batch, hq, hkv, seq, dh, causal in shapes:
         q = torch.randn(batch, hq, seq, dh, device="cuda", dtype=BF16)
         k, v = (torch.randn(batch, hkv, seq, dh, device="cuda", dtype=BF16) for _ in range(2))
         flops = 4 * batch * hq * seq * seq * dh * (0.5 if causal else 1.0)  # QKᵀ and PV
         shape = f"B{batch} H{hq}/{hkv} S{seq} D{dh} {'causal' if causal else 'full'}"
-        note = lambda ms, f: f"{f / (ms * 1e-3) / 1e12 / peak:.0%} of matmul peak"
-        yield ("attention fwd vs SDPA", shape, "TFLOP/s", flops, note,
-               _fwd(flash, q, k, v, causal=causal), _fwd(sdpa, q, k, v, causal=causal))
+        fwd = [_fwd(fn, q, k, v, causal=causal) for fn in (flash, sdpa)]
+        yield Case("attention fwd vs SDPA", shape, flops, *fwd, unit="TFLOP/s")
         grad = torch.randn_like(q)
-        yield ("attention fwd+bwd vs SDPA", shape, "TFLOP/s", 3.5 * flops, note,  # backward = 2.5 × forward
-               _fwd_bwd(flash, [q, k, v], grad, causal=causal), _fwd_bwd(sdpa, [q, k, v], grad, causal=causal))
+        fwd_bwd = [_fwd_bwd(fn, [q, k, v], grad, causal=causal) for fn in (flash, sdpa)]
+        yield Case("attention fwd+bwd vs SDPA", shape, 3.5 * flops, *fwd_bwd, unit="TFLOP/s")  # bwd = 2.5 × fwd
 
 
-def scan_cases(peak: float):
+def scan_cases():
     from moe_dist.layers.mamba import scan_kernel
 
-    triton_scan, chunked = scan_kernel("triton", "cuda"), scan_kernel("torch", "cuda")
+    scans = scan_kernel("triton", "cuda"), scan_kernel("torch", "cuda")  # the kernel, the chunked PyTorch scan
     batch, dim, seqlen, state = 2, 4096, 2048, 16
     u, delta, z = (torch.randn(batch, dim, seqlen, device="cuda", dtype=BF16) for _ in range(3))
     B, C = (torch.randn(batch, state, seqlen, device="cuda", dtype=BF16) for _ in range(2))
     A = -torch.rand(dim, state, device="cuda") - 0.5
     D, bias = torch.randn(dim, device="cuda"), torch.randn(dim, device="cuda") - 2.0
-    inputs = [u, delta, A, B, C, D, z, bias]
+    inputs, grad = [u, delta, A, B, C, D, z, bias], torch.randn_like(u)
     fwd_bytes = 4 * u.numel() * 2 + 2 * B.numel() * 2  # read u, Δ, z, B, C; write y (bf16)
-    bwd_bytes = 2 * fwd_bytes  # plus read dy; write du, dΔ, dz, dB, dC
     shape = f"B{batch} D{dim} L{seqlen} N{state}"
-    yield ("scan fwd vs chunked torch", shape, "GB/s", fwd_bytes, None,
-           _fwd(triton_scan, *inputs, delta_softplus=True), _fwd(chunked, *inputs, delta_softplus=True))
-    grad = torch.randn_like(u)
-    yield ("scan fwd+bwd vs chunked torch", shape, "GB/s", bwd_bytes, None,
-           _fwd_bwd(triton_scan, inputs, grad, delta_softplus=True), _fwd_bwd(chunked, inputs, grad, delta_softplus=True))
+    yield Case("scan fwd vs chunked torch", shape, fwd_bytes, *[_fwd(f, *inputs, delta_softplus=True) for f in scans])
+    yield Case(
+        "scan fwd+bwd vs chunked torch",
+        shape,
+        2 * fwd_bytes,  # bwd: read dy; write du, dΔ, dz, dB, dC
+        *[_fwd_bwd(f, inputs, grad, delta_softplus=True) for f in scans],
+    )
 
 
-def permutation_cases(peak: float):
+def permutation_cases():
     from moe_dist.layers.permutation import Permutation
 
-    tri, ref = Permutation.for_device("triton", "cuda"), Permutation.for_device("torch", "cuda")
+    perms = Permutation.for_device("triton", "cuda"), Permutation.for_device("torch", "cuda")
     T, D, K, E, cf = 16384, 4096, 2, 8, 1.25
     g = torch.Generator(device="cuda").manual_seed(0)
     expert_A = torch.randint(0, E, (K * T,), device="cuda", generator=g)
@@ -201,19 +225,26 @@ def permutation_cases(peak: float):
     R = rows_R.shape[0]
     weight_A = torch.rand(K * T, device="cuda")
     x_TD, y_RD = torch.randn(T, D, device="cuda", dtype=BF16), torch.randn(R, D, device="cuda", dtype=BF16)
+    grad_RD, grad_TD = torch.randn_like(y_RD), torch.randn_like(x_TD)
     row, tok = R * D * 2, T * D * 2  # bytes of the (R, D) and (T, D) bf16 tensors
     shape = f"T{T} D{D} K{K} E{E} cf{cf} R{R}"
-    yield ("permute fwd vs index ops", shape, "GB/s", 2 * row, None,  # read and write R rows
-           _fwd(tri.permute, x_TD, rows_R, K), _fwd(ref.permute, x_TD, rows_R, K))
-    yield ("unpermute fwd vs index ops", shape, "GB/s", row + tok, None,  # read R rows, write T rows
-           _fwd(tri.unpermute, y_RD, rows_R, weight_A, T), _fwd(ref.unpermute, y_RD, rows_R, weight_A, T))
-    grad_RD, grad_TD = torch.randn(R, D, device="cuda", dtype=BF16), torch.randn(T, D, device="cuda", dtype=BF16)
-    yield ("permute fwd+bwd vs index ops", shape, "GB/s", 3 * row + tok,  # bwd: read R rows, write T rows
-           None, _fwd_bwd(lambda x: tri.permute(x, rows_R, K), [x_TD], grad_RD),
-           _fwd_bwd(lambda x: ref.permute(x, rows_R, K), [x_TD], grad_RD))
-    yield ("unpermute fwd+bwd vs index ops", shape, "GB/s", 4 * row + tok, None,  # bwd: read dout rows, y; write dy
-           _fwd_bwd(lambda y, w: tri.unpermute(y, rows_R, w, T), [y_RD, weight_A], grad_TD),
-           _fwd_bwd(lambda y, w: ref.unpermute(y, rows_R, w, T), [y_RD, weight_A], grad_TD))
+    # forward: read and write R rows; read R rows, write T rows. Backward: the reverse, plus the weights' rows
+    yield Case("permute fwd vs index ops", shape, 2 * row, *[_fwd(p.permute, x_TD, rows_R, K) for p in perms])
+    yield Case(
+        "unpermute fwd vs index ops", shape, row + tok, *[_fwd(p.unpermute, y_RD, rows_R, weight_A, T) for p in perms]
+    )
+    yield Case(
+        "permute fwd+bwd vs index ops",
+        shape,
+        3 * row + tok,
+        *[_fwd_bwd(lambda x, p=p: p.permute(x, rows_R, K), [x_TD], grad_RD) for p in perms],
+    )
+    yield Case(
+        "unpermute fwd+bwd vs index ops",
+        shape,
+        4 * row + tok,
+        *[_fwd_bwd(lambda y, w, p=p: p.unpermute(y, rows_R, w, T), [y_RD, weight_A], grad_TD) for p in perms],
+    )
 
 
 def part_bench(args, budget: Budget) -> tuple[str, str]:
@@ -223,21 +254,27 @@ def part_bench(args, budget: Budget) -> tuple[str, str]:
     peak = measure_matmul_gflops([(8192, 8192, 8192)], BF16, "cuda", repeats=10) / 1e3
     print(f"bf16 matmul peak (8192³, measured): {peak:.0f} TFLOP/s")
     print(f"{'benchmark':<32} {'shape':<34} {'triton':>8} {'torch':>8} {'unit':<8} {'ratio':>7}")
-    done, ratios = 0, []
+    done, ratios, failed = 0, [], []
     for family in (attention_cases, scan_cases, permutation_cases):
-        for name, shape, unit, work, note, triton_fn, torch_fn in family(peak):
+        for case in family():
             try:
-                budget.check(name)
+                budget.check(case.name)
             except BudgetSpent as stop:
                 return "partial", f"{done} benchmarks, then {stop}; ratios {', '.join(ratios)}"
-            ms = interleaved_ms({"triton": triton_fn, "torch": torch_fn}, "cuda", repeats=10, warmup=3)
-            scale = 1e12 if unit == "TFLOP/s" else 1e9
-            tri, tor = (work / (ms[k] * 1e-3) / scale for k in ("triton", "torch"))
-            print(f"{name:<32} {shape:<34} {tri:8.1f} {tor:8.1f} {unit:<8} {tri / tor:6.2f}x  "
-                  f"{note(ms['triton'], work) if note else ''}", flush=True)
+            try:
+                ms = interleaved_ms({"triton": case.triton, "torch": case.torch}, "cuda", repeats=10, warmup=3)
+            except Exception as err:  # a kernel that fails here is reported; the other benchmarks still run
+                failed.append(f"{case.name} {case.shape}: {type(err).__name__}: {str(err).splitlines()[0]}")
+                print(f"{case.name:<32} {case.shape:<34} FAILED {failed[-1]}")
+                continue
+            scale = 1e12 if case.unit == "TFLOP/s" else 1e9
+            tri, tor = (case.work / (ms[k] * 1e-3) / scale for k in ("triton", "torch"))
+            note = f"{tri / peak:.0%} of matmul peak" if case.unit == "TFLOP/s" else ""
+            print(f"{case.name:<32} {case.shape:<34} {tri:8.1f} {tor:8.1f} {case.unit:<8} {tri / tor:6.2f}x  {note}")
             done += 1
-            ratios.append(f"{name.split(' vs')[0]} {tri / tor:.2f}x")
-    return "ok", f"bf16 matmul peak {peak:.0f} TFLOP/s; triton/torch: {', '.join(ratios)}"
+            ratios.append(f"{case.name.split(' vs')[0]} {tri / tor:.2f}x")
+    summary = f"bf16 matmul peak {peak:.0f} TFLOP/s; triton/torch: {', '.join(ratios)}"
+    return ("FAILED", "\n".join([summary, *failed])) if failed else ("ok", summary)
 
 
 # ----------------------------------------------------------------------------------------------- training
@@ -252,7 +289,7 @@ def train_records(run_dir: Path) -> list[dict]:
 def max_rel_diff(a: list[float], b: list[float]) -> float:
     if len(a) != len(b) or not a:
         raise ValueError(f"cannot compare {len(a)} losses with {len(b)}")
-    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
+    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=True))
 
 
 def step_ms(records: list[dict], tokens_per_step: int, warmup: int = 2) -> float:
@@ -267,8 +304,17 @@ def train(args, budget: Budget, name: str, overrides: list[str], resume_from: Pa
     shutil.rmtree(run_dir, ignore_errors=True)
     if resume_from is not None:  # a fresh run directory holding only this checkpoint
         shutil.copytree(resume_from, run_dir / "checkpoints" / resume_from.name)
-    cmd = [sys.executable, "launch/train.py", "--config", CONFIG, "--run-dir", str(run_dir),
-           *(["--resume"] if resume_from is not None else []), "--set", *overrides]
+    cmd = [
+        sys.executable,
+        "launch/train.py",
+        "--config",
+        CONFIG,
+        "--run-dir",
+        str(run_dir),
+        *(["--resume"] if resume_from is not None else []),
+        "--set",
+        *overrides,
+    ]
     print(f"$ {' '.join(cmd[1:])}", flush=True)
     log = args.out / "logs" / f"{name}.log"
     env = {"CUDA_VISIBLE_DEVICES": ""} if args.dry_run else {}
@@ -285,13 +331,17 @@ def part_train(args, budget: Budget) -> tuple[str, str]:
     t = load_config(REPO / CONFIG, base).train
     tokens = t.global_batch_size * t.seq_len
     kernels = "torch" if args.dry_run else "triton"  # --dry-run: no Triton on the CPU
-    tri, tor = (train(args, budget, name, [*base, *(f"{k}={impl}" for k in KERNEL_KEYS)])
-                for name, impl in (("train_triton", kernels), ("train_torch", "torch")))
+    tri, tor = (
+        train(args, budget, name, [*base, *(f"{k}={impl}" for k in KERNEL_KEYS)])
+        for name, impl in (("train_triton", kernels), ("train_torch", "torch"))
+    )
     diff = max_rel_diff([r["loss"] for r in tri], [r["loss"] for r in tor])
     status = "ok" if diff <= args.loss_rtol else "FAILED"
-    return status, (f"{len(tri)} bf16 steps, impl {kernels} vs torch: max relative loss difference {diff:.2e} "
-                    f"(tolerance {args.loss_rtol:g}); final losses {tri[-1]['loss']:.4f} / {tor[-1]['loss']:.4f}; "
-                    f"step {step_ms(tri, tokens):.1f} / {step_ms(tor, tokens):.1f} ms")
+    return status, (
+        f"{len(tri)} bf16 steps, impl {kernels} vs torch: max relative loss difference {diff:.2e} "
+        f"(tolerance {args.loss_rtol:g}); final losses {tri[-1]['loss']:.4f} / {tor[-1]['loss']:.4f}; "
+        f"step {step_ms(tri, tokens):.1f} / {step_ms(tor, tokens):.1f} ms"
+    )
 
 
 def part_resume(args, budget: Budget) -> tuple[str, str]:
@@ -299,17 +349,20 @@ def part_resume(args, budget: Budget) -> tuple[str, str]:
     half = steps // 2
     base = [*(TINY if args.dry_run else WIDE), f"train.steps={steps}", f"train.save_every={half}"]
     full = train(args, budget, "resume_full", base)
-    resumed = train(args, budget, f"resume_from_{half}", base,
-                    resume_from=args.out / "resume_full" / "checkpoints" / f"step_{half}")
+    resumed = train(
+        args, budget, f"resume_from_{half}", base, resume_from=args.out / "resume_full" / "checkpoints" / f"step_{half}"
+    )
     want = [r for r in full if r["step"] > half]
     if [r["step"] for r in resumed] != [r["step"] for r in want]:
         return "FAILED", (f"resumed steps {[r['step'] for r in resumed]}, expected {[r['step'] for r in want]}")
     got_loss, want_loss = [r["loss"] for r in resumed], [r["loss"] for r in want]
     diff = max_rel_diff(got_loss, want_loss)
     status = "ok" if diff <= args.resume_rtol else "FAILED"
-    return status, (f"steps {half + 1}-{steps} resumed from step {half}: "
-                    f"{'bitwise equal' if got_loss == want_loss else f'max relative difference {diff:.1e}'} "
-                    f"(tolerance {args.resume_rtol:g})")
+    return status, (
+        f"steps {half + 1}-{steps} resumed from step {half}: "
+        f"{'bitwise equal' if got_loss == want_loss else f'max relative difference {diff:.1e}'} "
+        f"(tolerance {args.resume_rtol:g})"
+    )
 
 
 # ----------------------------------------------------------------------------------------------- driver
@@ -347,15 +400,28 @@ def passed(results: list[Result]) -> bool:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, from {','.join(PARTS)} (default all)")
-    p.add_argument("--budget", nargs="+", default=[], metavar="PART=SECONDS",
-                   help="time budgets, default " + " ".join(f"{k}={v}" for k, v in BUDGETS.items()))
+    p.add_argument(
+        "--budget",
+        nargs="+",
+        default=[],
+        metavar="PART=SECONDS",
+        help="time budgets, default " + " ".join(f"{k}={v}" for k, v in BUDGETS.items()),
+    )
     p.add_argument("--out", type=Path, default=REPO / "runs" / "gpu_check", help="run directories and logs")
     p.add_argument("--steps", type=int, default=None, help="train: steps of each run (default 20; --dry-run 3)")
-    p.add_argument("--loss-rtol", type=float, default=0.02,
-                   help="train: largest relative difference of a step's bf16 loss, Triton vs PyTorch")
+    p.add_argument(
+        "--loss-rtol",
+        type=float,
+        default=0.02,
+        help="train: largest relative difference of a step's bf16 loss, Triton vs PyTorch",
+    )
     p.add_argument("--resume-steps", type=int, default=6, help="resume: steps of the uninterrupted run")
-    p.add_argument("--resume-rtol", type=float, default=1e-5,
-                   help="resume: largest relative loss difference (GPU atomics may reorder fp32 sums)")
+    p.add_argument(
+        "--resume-rtol",
+        type=float,
+        default=1e-5,
+        help="resume: largest relative loss difference (GPU atomics may reorder fp32 sums)",
+    )
     p.add_argument("--dry-run", action="store_true", help="no GPU: the train and resume parts, tiny, on the CPU")
     args = p.parse_args(argv)
     args.parts = [s for s in args.parts.split(",") if s]
@@ -375,8 +441,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
-        print("gpu_check: torch sees no CUDA device; run this on a GPU machine (or --dry-run to check the script "
-              "on the CPU)", file=sys.stderr)
+        print(
+            "gpu_check: torch sees no CUDA device; run this on a GPU machine (or --dry-run to check the script "
+            "on the CPU)",
+            file=sys.stderr,
+        )
         return 2
     if os.environ.get("TRITON_INTERPRET"):
         print("gpu_check: unset TRITON_INTERPRET: it would run the kernels in the CPU interpreter", file=sys.stderr)

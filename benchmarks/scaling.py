@@ -10,12 +10,11 @@ TensorBoard scalars in OUT/tb, and OUT/predictions.md (`predict`'s table). Stron
 batch fixed; weak scaling grows it with the world size. The job is configs/debug.json widened (DEFAULT_SET)
 with its experts spread over all ranks (parallel.ep = world), so the all-to-all crosses the nodes.
 
-Each point runs `benchmarks/scaling.py worker`, which is launch/train.py's job plus timers wrapped around every
-torch.distributed collective (the one seam every caller — our comm.py, DeepSpeed's comm — goes through);
-the loop itself is unchanged. Per step and rank it records seconds and bytes sent per collective kind, and
-per call the (hops, bytes, seconds) samples that moe_dist.perfmodel fits α and β on. Blocking gloo collectives
-are timed wall-clock, so their time includes waiting for the slowest rank: "compute" is step time minus time
-inside collectives.
+Each point runs benchmarks/scaling_worker.py: launch/train.py's job with every torch.distributed collective
+timed (common.CollectiveTracer), per step and rank seconds and bytes sent per collective kind, and per call the
+(hops, bytes, seconds) samples that moe_dist.perfmodel fits α and β on. Blocking gloo collectives are timed
+wall-clock, so their time includes waiting for the slowest rank: "compute" is step time minus time inside
+collectives.
 """
 
 from __future__ import annotations
@@ -23,7 +22,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import math
 import os
 import shutil
 import socket
@@ -33,140 +31,17 @@ import sys
 import time
 from pathlib import Path
 
-from common import Collective, CollectiveTracer, measure_matmul_gflops
+from common import measure_matmul_gflops
 
 REPO = Path(__file__).resolve().parents[1]
 KINDS = ("all_to_all", "all_reduce", "reduce_scatter", "all_gather", "other")
-MAX_SAMPLES = 4000  # per rank
+SCALARS = ("tokens_per_s", "speedup", "efficiency", "step_s", "compute_s")  # per point, in the CSV and TensorBoard
 # configs/debug.json widened so that FLOPs, not per-operator overhead, dominate a rank's compute (2 cores).
 DEFAULT_SET = ["model.d_model=128", "model.d_ff=512", "train.seq_len=64"]
 
 
-# ----------------------------------------------------------------------------------------------- the worker
-
-class CollectiveTimer:
-    """Attributes the collectives that common.CollectiveTracer sees to the current training step: seconds and
-    bytes sent per kind, and the (hops, bytes, seconds) samples of each call after the first step."""
-
-    def __init__(self, ranks_per_node: int):
-        self.ranks_per_node = ranks_per_node
-        self.steps: list[dict] = []
-        self.samples: list[tuple] = []
-        self.current: dict | None = None
-        self._groups: dict[int, tuple[int, int]] = {}
-
-    def _group(self, group) -> tuple[int, int]:
-        """(most ranks of the group on one node, this rank's index in it), cached per group."""
-        import torch.distributed as dist
-
-        key = id(group)
-        if key not in self._groups:
-            ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-            per_node: dict[int, int] = {}
-            for r in ranks:
-                per_node[r // self.ranks_per_node] = per_node.get(r // self.ranks_per_node, 0) + 1
-            self._groups[key] = (max(per_node.values()), ranks.index(dist.get_rank()))
-        return self._groups[key]
-
-    def record(self, call: Collective) -> None:
-        from moe_dist.perfmodel import bottleneck_features, collective_terms
-
-        if self.current is None:  # outside a training step (set-up, eval, checkpoints)
-            return
-        n, kind, payload = call.group_size, call.kind, call.payload_bytes
-        g, me = self._group(call.args.get("group"))
-        wire = None
-        if call.name == "all_to_all_single" and n > 1:  # uneven splits: count exactly what leaves this rank
-            splits, x = call.args.get("input_split_sizes"), call.args["input"]
-            row_bytes = math.prod(x.shape[1:]) * x.element_size()  # x may hold no rows at all
-            own = splits[me] * row_bytes if splits else payload / n
-            wire = payload - own
-        hops, sent = collective_terms(kind, n, payload)
-        sent = sent if wire is None else wire
-        entry = self.current["kinds"].setdefault(kind, [0.0, 0.0, 0])
-        entry[0] += call.seconds
-        entry[1] += sent
-        entry[2] += 1
-        if n > 1 and len(self.steps) >= 1 and len(self.samples) < MAX_SAMPLES:  # skip the first (warm-up) step
-            h, b = bottleneck_features(kind, n, g, payload, wire)
-            self.samples.append((kind, n, g, h, b, call.seconds, "train"))
-
-    def calibrate(self, sizes=(1 << 10, 1 << 14, 1 << 18, 1 << 21, 1 << 23), repeats=3) -> None:
-        """All-reduce and all-to-all of the world at sizes the training step does not reach, each after a
-        barrier (so no straggler wait is included): the samples that pin β, where the step's own collectives
-        (KBs, latency-bound) pin α."""
-        import torch
-        import torch.distributed as dist
-
-        from moe_dist.perfmodel import bottleneck_features
-
-        n, (g, _) = dist.get_world_size(), self._group(None)
-        if n == 1:
-            return
-        for size in sizes:
-            x = torch.ones(max(n, size // 4 // n * n), dtype=torch.float32)
-            out = torch.empty_like(x)
-            for kind in ("all_reduce", "all_to_all"):
-                for _ in range(repeats):
-                    dist.barrier()
-                    tic = time.perf_counter()
-                    if kind == "all_reduce":
-                        dist.all_reduce(x)
-                    else:
-                        dist.all_to_all_single(out, x)
-                    seconds = time.perf_counter() - tic
-                    h, b = bottleneck_features(kind, n, g, x.numel() * 4)
-                    self.samples.append((kind, n, g, h, b, seconds, "calibration"))
-
-    def start_step(self) -> None:
-        self.current = {"kinds": {}, "start": time.perf_counter()}
-
-    def end_step(self) -> None:
-        cur, self.current = self.current, None
-        self.steps.append({"wall_s": time.perf_counter() - cur["start"], "kinds": cur["kinds"]})
-
-
-def worker(argv: list[str]) -> int:
-    """launch/train.py's job with every collective timed; writes RUN_DIR/profile/rank{R}.json."""
-    p = argparse.ArgumentParser(prog="scaling.py worker")
-    p.add_argument("--config", required=True)
-    p.add_argument("--set", nargs="+", default=[])
-    p.add_argument("--run-dir", type=Path, required=True)
-    p.add_argument("--local_rank", "--local-rank", type=int, default=None)
-    args = p.parse_args(argv)
-    timer = CollectiveTimer(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    CollectiveTracer(timer.record).install()  # before DeepSpeed binds torch.distributed functions at its initialization
-
-    import torch.distributed as dist
-
-    from moe_dist.config import load_config
-    from moe_dist.train import metrics
-    from moe_dist.train.loop import train
-
-    # Step boundaries: the loop creates a StepAccumulator right after starting its step timer and reduces it
-    # last, so [__init__, reduce] is the timed step (eval and checkpoints fall outside).
-    init, reduce = metrics.StepAccumulator.__init__, metrics.StepAccumulator.reduce
-
-    def init_timed(self, *a, **k):
-        timer.start_step()
-        init(self, *a, **k)
-
-    def reduce_timed(self):
-        out = reduce(self)
-        timer.end_step()
-        return out
-
-    metrics.StepAccumulator.__init__, metrics.StepAccumulator.reduce = init_timed, reduce_timed
-    train(load_config(args.config, args.set), args.run_dir)
-    timer.calibrate()
-    out = args.run_dir / "profile"
-    out.mkdir(parents=True, exist_ok=True)
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    (out / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "steps": timer.steps, "samples": timer.samples}))
-    return 0
-
-
 # ------------------------------------------------------------------------------------------------ the sweep
+
 
 def points(worlds: list[int], nodes: list[int], num_experts: int, per_rank_batch: int, micro: int) -> list[dict]:
     """Strong scaling keeps the global batch at `per_rank_batch` sequences; weak scaling gives every rank
@@ -178,46 +53,86 @@ def points(worlds: list[int], nodes: list[int], num_experts: int, per_rank_batch
                 if w % n_nodes or (w == 1 and (n_nodes > 1 or mode == "weak")):
                     continue
                 ep = max(e for e in range(1, w + 1) if w % e == 0 and num_experts % e == 0)
-                out.append({"name": f"{'both' if w == 1 else mode}_{n_nodes}node_w{w}",
-                            "mode": "both" if w == 1 else mode, "nodes": n_nodes, "world": w, "ep": ep,
-                            "global_batch": per_rank_batch * (w if mode == "weak" else 1), "micro_batch": micro})
+                out.append(
+                    {
+                        "name": f"{'both' if w == 1 else mode}_{n_nodes}node_w{w}",
+                        "mode": "both" if w == 1 else mode,
+                        "nodes": n_nodes,
+                        "world": w,
+                        "ep": ep,
+                        "global_batch": per_rank_batch * (w if mode == "weak" else 1),
+                        "micro_batch": micro,
+                    }
+                )
     return out
 
 
 def point_overrides(p: dict, steps: int, extra: list[str]) -> list[str]:
     # One thread per rank: ranks then share the cores predictably (OpenMP threads of one rank spin badly when
     # other processes, or other users' jobs, hold the cores).
-    return [f"train.steps={steps}", "train.threads=1", "train.eval_every=0", "train.save_every=0",
-            f"train.eval_batches={p['world']}",
-            f"train.global_batch_size={p['global_batch']}", f"train.micro_batch_size={p['micro_batch']}",
-            f"parallel.ep={p['ep']}", *extra]
+    return [
+        f"train.steps={steps}",
+        "train.threads=1",
+        "train.eval_every=0",
+        "train.save_every=0",
+        f"train.eval_batches={p['world']}",
+        f"train.global_batch_size={p['global_batch']}",
+        f"train.micro_batch_size={p['micro_batch']}",
+        f"parallel.ep={p['ep']}",
+        *extra,
+    ]
 
 
 def run_point(p: dict, config: str, overrides: list[str], out: Path, timeout: float) -> bool:
     run_dir = out / p["name"]
     if run_dir.exists():
         shutil.rmtree(run_dir)
-    worker_args = ["worker", "--config", config, "--set", *overrides]
+    worker_args = ["--config", config, "--set", *overrides]
     if p["nodes"] == 1:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        cmd = [shutil.which("torchrun") or "torchrun", "--nproc_per_node", str(p["world"]), "--master_port",
-               str(port), str(REPO / "benchmarks" / "scaling.py"), *worker_args, "--run-dir", str(run_dir)]
+        cmd = [
+            shutil.which("torchrun") or "torchrun",
+            "--nproc_per_node",
+            str(p["world"]),
+            "--master_port",
+            str(port),
+            str(REPO / "benchmarks" / "scaling_worker.py"),
+            *worker_args,
+            "--run-dir",
+            str(run_dir),
+        ]
     else:
         # netns_cluster.sh writes the job into RUN_DIR/<launcher>; run_dir is that folder.
         run_dir = out / p["name"] / "torchrun"
-        cmd = ["bash", str(REPO / "tests" / "netns_cluster.sh"), "--nodes", str(p["nodes"]), "--nproc",
-               str(p["world"] // p["nodes"]), "--launchers", "torchrun", "--run-dir", str(out / p["name"]),
-               "--script", str(REPO / "benchmarks" / "scaling.py"), "--timeout", str(int(timeout)), "--", *worker_args]
+        cmd = [
+            "bash",
+            str(REPO / "tests" / "netns_cluster.sh"),
+            "--nodes",
+            str(p["nodes"]),
+            "--nproc",
+            str(p["world"] // p["nodes"]),
+            "--launchers",
+            "torchrun",
+            "--run-dir",
+            str(out / p["name"]),
+            "--script",
+            str(REPO / "benchmarks" / "scaling_worker.py"),
+            "--timeout",
+            str(int(timeout)),
+            "--",
+            *worker_args,
+        ]
     tic, load = time.perf_counter(), os.getloadavg()[0]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout + 60)
     p["run_dir"] = str(run_dir)
     p["wall_s"] = time.perf_counter() - tic
     p["load"] = (load + os.getloadavg()[0]) / 2  # the machine's run queue: other users' jobs slow every point
     if proc.returncode != 0:
-        print(f"  {p['name']}: FAILED ({proc.returncode})\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}",
-              file=sys.stderr)
+        print(
+            f"  {p['name']}: FAILED ({proc.returncode})\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}", file=sys.stderr
+        )
         return False
     print(f"  {p['name']}: done in {p['wall_s']:.0f} s (end to end)", flush=True)
     return True
@@ -249,6 +164,7 @@ def aggregate(p: dict) -> dict:
 
 # ------------------------------------------------------------------------------------------------ reporting
 
+
 def fit_and_predict(rows: list[dict], config: str, overrides: list[str], steps: int, cores: int):
     import numpy as np
 
@@ -260,19 +176,32 @@ def fit_and_predict(rows: list[dict], config: str, overrides: list[str], steps: 
         cfg = load_config(config, point_overrides(r, steps, overrides))
         # The "device" is one core (one thread per rank); all nodes' ranks share this machine's cores.
         share = max(1, -(-r["world"] // cores))
-        runs.append(pm.MeasuredRun(r["name"], cfg, pm.Layout(r["world"], r["ep"], 1), r["world"] // r["nodes"],
-                                   share, r["step_s"], r["compute_s"]))
+        runs.append(
+            pm.MeasuredRun(
+                r["name"],
+                cfg,
+                pm.Layout(r["world"], r["ep"], 1),
+                r["world"] // r["nodes"],
+                share,
+                r["step_s"],
+                r["compute_s"],
+            )
+        )
     samples = {"intra": [], "inter": []}
     for r in rows:
-        for kind, n, g, hops, wire, seconds, _source in r["samples"]:
+        for _kind, n, g, hops, wire, seconds, _source in r["samples"]:
             samples["intra" if g == n else "inter"].append((hops, wire, seconds))
     hw = pm.fit_hardware(runs, {k: np.array(v) for k, v in samples.items() if v}, name="this machine (fitted)")
     errors = pm.fit_errors(runs, hw)
-    for r, e, run in zip(rows, errors, runs):
-        pred = pm.predict_step(run.cfg, run.layout, hw, ranks_per_device=run.ranks_per_device,
-                               ranks_per_node=run.ranks_per_node)
-        r.update(predicted_step_s=e["predicted_s"], rel_error=e["rel_error"],
-                 predicted_bytes_per_rank=sum(pred.bytes_per_rank.values()))
+    for r, e, run in zip(rows, errors, runs, strict=True):
+        pred = pm.predict_step(
+            run.cfg, run.layout, hw, ranks_per_device=run.ranks_per_device, ranks_per_node=run.ranks_per_node
+        )
+        r.update(
+            predicted_step_s=e["predicted_s"],
+            rel_error=e["rel_error"],
+            predicted_bytes_per_rank=sum(pred.bytes_per_rank.values()),
+        )
     return hw, errors
 
 
@@ -281,39 +210,48 @@ def write_outputs(rows: list[dict], hw, out: Path, cores: int, matmul_peak: floa
     for r in rows:  # speed-up over one process; efficiency against the ideal this machine's cores allow
         r["speedup"] = r["tokens_per_s"] / ref["tokens_per_s"] if ref else float("nan")
         r["efficiency"] = r["speedup"] / min(r["world"], cores)
-    cols = ["name", "mode", "nodes", "world", "ep", "global_batch", "load", "tokens_per_s", "speedup", "efficiency",
-            "step_s",
-            "compute_s", *[f"{k}_s" for k in KINDS], *[f"{k}_bytes" for k in KINDS], "bytes_per_rank",
-            "predicted_bytes_per_rank", "predicted_step_s", "rel_error"]
+    point = "name mode nodes world ep global_batch load".split()
+    model = "bytes_per_rank predicted_bytes_per_rank predicted_step_s rel_error".split()
+    cols = [*point, *SCALARS, *[f"{k}_s" for k in KINDS], *[f"{k}_bytes" for k in KINDS], *model]
     with (out / "scaling.csv").open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
         w.writeheader()
         w.writerows(rows)
 
     ms = lambda s: f"{1e3 * s:.1f}"  # noqa: E731
-    lines = ["# Scaling sweep", "",
-             f"{cores} cores, one thread per rank; efficiency = speed-up over one process / min(world, cores); "
-             "load = the machine's 1-minute load average during the point (other users' jobs share the cores). "
-             "Times are per step, median over steps, mean over ranks; collectives are timed wall-clock (waiting "
-             "for the slowest rank included), compute = step - collectives.", "",
-             f"Fitted model: {describe(hw)}; F is {100 * hw.flops_per_s / matmul_peak:.0f}% of this machine's "
-             f"measured one-thread fp32 matmul rate ({matmul_peak / 1e9:.1f} GFLOP/s).", "",
-             "| run | nodes × ranks | ep | global batch | load | tokens/s | speed-up | efficiency | step ms | "
-             "compute ms | all-to-all ms | all-reduce ms | all-gather ms | other ms | KB sent / step / rank (model) | "
-             "model step ms | error |", "|" + "---|" * 17]
+    lines = [
+        "# Scaling sweep",
+        "",
+        f"{cores} cores, one thread per rank; efficiency = speed-up over one process / min(world, cores); "
+        "load = the machine's 1-minute load average during the point (other users' jobs share the cores). "
+        "Times are per step, median over steps, mean over ranks; collectives are timed wall-clock (waiting "
+        "for the slowest rank included), compute = step - collectives.",
+        "",
+        f"Fitted model: {describe(hw)}; F is {100 * hw.flops_per_s / matmul_peak:.0f}% of this machine's "
+        f"measured one-thread fp32 matmul rate ({matmul_peak / 1e9:.1f} GFLOP/s).",
+        "",
+        "| run | nodes × ranks | ep | global batch | load | tokens/s | speed-up | efficiency | step ms | "
+        "compute ms | all-to-all ms | all-reduce ms | all-gather ms | other ms | KB sent / step / rank (model) | "
+        "model step ms | error |",
+        "|" + "---|" * 17,
+    ]
     for r in rows:
         other = r["reduce_scatter_s"] + r["other_s"]
-        lines.append(f"| {r['name']} | {r['nodes']} × {r['world'] // r['nodes']} | {r['ep']} | {r['global_batch']} | "
-                     f"{r['load']:.1f} | "
-                     f"{r['tokens_per_s']:.0f} | {r['speedup']:.2f} | {r['efficiency']:.2f} | {ms(r['step_s'])} | "
-                     f"{ms(r['compute_s'])} | "
-                     f"{ms(r['all_to_all_s'])} | {ms(r['all_reduce_s'])} | {ms(r['all_gather_s'])} | {ms(other)} | "
-                     f"{r['bytes_per_rank'] / 1e3:.0f} ({r.get('predicted_bytes_per_rank', 0) / 1e3:.0f}) | "
-                     f"{ms(r.get('predicted_step_s', 0))} | {100 * r.get('rel_error', 0):+.0f}% |")
+        lines.append(
+            f"| {r['name']} | {r['nodes']} × {r['world'] // r['nodes']} | {r['ep']} | {r['global_batch']} | "
+            f"{r['load']:.1f} | "
+            f"{r['tokens_per_s']:.0f} | {r['speedup']:.2f} | {r['efficiency']:.2f} | {ms(r['step_s'])} | "
+            f"{ms(r['compute_s'])} | "
+            f"{ms(r['all_to_all_s'])} | {ms(r['all_reduce_s'])} | {ms(r['all_gather_s'])} | {ms(other)} | "
+            f"{r['bytes_per_rank'] / 1e3:.0f} ({r.get('predicted_bytes_per_rank', 0) / 1e3:.0f}) | "
+            f"{ms(r.get('predicted_step_s', 0))} | {100 * r.get('rel_error', 0):+.0f}% |"
+        )
     errs = [abs(r["rel_error"]) for r in rows if "rel_error" in r]
     if errs:
-        lines += ["", f"Model error on these runs: mean |error| {100 * sum(errs) / len(errs):.0f}%, "
-                      f"max {100 * max(errs):.0f}%."]
+        lines += [
+            "",
+            f"Model error on these runs: mean |error| {100 * sum(errs) / len(errs):.0f}%, max {100 * max(errs):.0f}%.",
+        ]
     (out / "scaling.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
@@ -324,8 +262,7 @@ def write_outputs(rows: list[dict], hw, out: Path, cores: int, matmul_peak: floa
         modes = ("strong", "weak") if r["mode"] == "both" else (r["mode"],)
         for mode in modes:
             tag = f"{mode}_{r['nodes']}node"
-            for key in ("tokens_per_s", "speedup", "efficiency", "step_s", "compute_s", "bytes_per_rank",
-                        *[f"{k}_s" for k in KINDS]):
+            for key in (*SCALARS, "bytes_per_rank", *[f"{k}_s" for k in KINDS]):
                 tb.add_scalar(f"{tag}/{key}", r[key], r["world"])
     tb.close()
     plot(rows, out / "scaling.png")
@@ -344,9 +281,11 @@ def measure_matmul_peak(n: int = 512) -> float:
 
 
 def describe(hw) -> str:
-    return (f"F = {hw.flops_per_s / 1e9:.2f} GFLOP/s per device (one core); "
-            f"intra-node α = {1e6 * hw.intra.alpha_s:.0f} µs, β = {hw.intra.beta_Bps / 1e6:.0f} MB/s; "
-            f"inter-node α = {1e6 * hw.inter.alpha_s:.0f} µs, β = {hw.inter.beta_Bps / 1e6:.0f} MB/s")
+    return (
+        f"F = {hw.flops_per_s / 1e9:.2f} GFLOP/s per device (one core); "
+        f"intra-node α = {1e6 * hw.intra.alpha_s:.0f} µs, β = {hw.intra.beta_Bps / 1e6:.0f} MB/s; "
+        f"inter-node α = {1e6 * hw.inter.alpha_s:.0f} µs, β = {hw.inter.beta_Bps / 1e6:.0f} MB/s"
+    )
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -361,19 +300,21 @@ def plot(rows: list[dict], path: Path) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     for mode in ("strong", "weak"):
         for nodes in sorted({r["nodes"] for r in rows}):
-            pts = sorted((r["world"], r["tokens_per_s"]) for r in rows
-                         if r["nodes"] == nodes and r["mode"] in (mode, "both"))
+            pts = sorted(
+                (r["world"], r["tokens_per_s"]) for r in rows if r["nodes"] == nodes and r["mode"] in (mode, "both")
+            )
             if pts:
-                ax1.plot(*zip(*pts), marker="o", label=f"{mode}, {nodes} node(s)")
-    ax1.set(xlabel="world size (ranks)", ylabel="tokens/s", title="throughput",
-            xticks=sorted({r["world"] for r in rows}))
+                ax1.plot(*zip(*pts, strict=True), marker="o", label=f"{mode}, {nodes} node(s)")
+    ax1.set(
+        xlabel="world size (ranks)", ylabel="tokens/s", title="throughput", xticks=sorted({r["world"] for r in rows})
+    )
     ax1.legend()
     bottom = [0.0] * len(rows)
     labels = [r["name"].replace("_", "\n") for r in rows]
     for key in ("compute_s", *[f"{k}_s" for k in KINDS]):
         vals = [1e3 * max(r[key], 0.0) for r in rows]
         ax2.bar(labels, vals, bottom=bottom, label=key[:-2])
-        bottom = [b + v for b, v in zip(bottom, vals)]
+        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
     ax2.set(ylabel="ms per step (mean over ranks)", title="where the step goes")
     ax2.tick_params(axis="x", labelsize=7)
     ax2.legend(fontsize=8)
@@ -388,36 +329,49 @@ def predict_table(config: str, mfu: float) -> str:
     cfg = load_config(config, [])
     hw = pm.h200_cluster(mfu)
     rows = pm.scaling_sweep(cfg, hw)
-    lines = [f"# {Path(config).name} on {hw.name}", "",
-             "| GPUs | layout | (dp, ep, tp) | tokens/s | per GPU | efficiency | MFU | step s | compute s | "
-             "a2a s | all-reduce s | all-gather + RS s | GB / GPU |", "|" + "---|" * 13]
+    lines = [
+        f"# {Path(config).name} on {hw.name}",
+        "",
+        "| GPUs | layout | (dp, ep, tp) | tokens/s | per GPU | efficiency | MFU | step s | compute s | "
+        "a2a s | all-reduce s | all-gather + RS s | GB / GPU |",
+        "|" + "---|" * 13,
+    ]
     for r in rows:
-        lines.append(f"| {r['gpus']} | {r['family']} | {r['layout']} | {r['tokens_per_s']:,.0f} | "
-                     f"{r['tokens_per_s_per_gpu']:,.0f} | {r['scaling_efficiency']:.2f} | {r['mfu']:.2f} | "
-                     f"{r['step_s']:.2f} | {r['compute_s']:.2f} | {r['all_to_all_s']:.2f} | {r['all_reduce_s']:.2f} |"
-                     f" {r['all_gather_s'] + r['reduce_scatter_s']:.2f} | "
-                     f"{r['memory_gb']:.0f}{'' if r['fits'] else ' (does not fit)'} |")
+        lines.append(
+            f"| {r['gpus']} | {r['family']} | {r['layout']} | {r['tokens_per_s']:,.0f} | "
+            f"{r['tokens_per_s_per_gpu']:,.0f} | {r['scaling_efficiency']:.2f} | {r['mfu']:.2f} | "
+            f"{r['step_s']:.2f} | {r['compute_s']:.2f} | {r['all_to_all_s']:.2f} | {r['all_reduce_s']:.2f} |"
+            f" {r['all_gather_s'] + r['reduce_scatter_s']:.2f} | "
+            f"{r['memory_gb']:.0f}{'' if r['fits'] else ' (does not fit)'} |"
+        )
     lines += ["", "Recommended (fastest layout that fits in 141 GB):", ""]
     for n, r in pm.recommend(rows).items():
-        lines.append(f"- {n} GPUs: {r['family']} ({r['layout']}), {r['tokens_per_s']:,.0f} tokens/s, "
-                     f"efficiency {r['scaling_efficiency']:.2f}")
+        lines.append(
+            f"- {n} GPUs: {r['family']} ({r['layout']}), {r['tokens_per_s']:,.0f} tokens/s, "
+            f"efficiency {r['scaling_efficiency']:.2f}"
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "worker":
-        return worker(argv[1:])
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("command", nargs="?", default="sweep", choices=["sweep", "report", "predict"])
     p.add_argument("--out", type=Path, default=Path("runs/scaling"))
     p.add_argument("--config", default=None, help="sweep: configs/debug.json; predict: configs/mixtral_8x7b.json")
-    p.add_argument("--set", nargs="+", default=DEFAULT_SET,
-                   help=f"overrides for every sweep point (default: {' '.join(DEFAULT_SET)})")
+    p.add_argument(
+        "--set",
+        nargs="+",
+        default=DEFAULT_SET,
+        help=f"overrides for every sweep point (default: {' '.join(DEFAULT_SET)})",
+    )
     p.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--steps", type=int, default=6, help="steps per point (the first is warm-up)")
-    p.add_argument("--per-rank-batch", type=int, default=8,
-                   help="sequences per step: per rank (weak scaling) and in total (strong scaling)")
+    p.add_argument(
+        "--per-rank-batch",
+        type=int,
+        default=8,
+        help="sequences per step: per rank (weak scaling) and in total (strong scaling)",
+    )
     p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument("--no-netns", action="store_true", help="skip the two-node points")
     p.add_argument("--timeout", type=float, default=600)
@@ -435,8 +389,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "sweep":
         nodes = [1]
         if not args.no_netns:
-            check = subprocess.run(["bash", str(REPO / "tests" / "netns_cluster.sh"), "--check"],
-                                   capture_output=True, text=True)
+            check = subprocess.run(
+                ["bash", str(REPO / "tests" / "netns_cluster.sh"), "--check"], capture_output=True, text=True
+            )
             if check.returncode == 0:
                 nodes.append(2)
             else:
@@ -450,9 +405,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"running {pt['name']} (ep={pt['ep']}, global batch {pt['global_batch']})", flush=True)
             if run_point(pt, config, point_overrides(pt, args.steps, args.set), args.out, args.timeout):
                 done.append(pt)
-        state.write_text(json.dumps({"config": config, "set": args.set, "steps": args.steps,
-                                     "cores": len(os.sched_getaffinity(0)), "matmul_peak": matmul_peak,
-                                     "points": done}))
+        state.write_text(
+            json.dumps(
+                {
+                    "config": config,
+                    "set": args.set,
+                    "steps": args.steps,
+                    "cores": len(os.sched_getaffinity(0)),
+                    "matmul_peak": matmul_peak,
+                    "points": done,
+                }
+            )
+        )
     saved = json.loads(state.read_text())
     rows = [aggregate(pt) for pt in saved["points"]]
     hw, _ = fit_and_predict(rows, saved["config"], saved["set"], saved["steps"], saved["cores"])

@@ -78,8 +78,15 @@ def render(scalars: dict, out: Path, title: str) -> None:
     ax = axes[2]
     if len(share):
         mean = 1.0 / max(experts)
-        im = ax.imshow(share, aspect="auto", interpolation="nearest", cmap="viridis", vmin=0,
-                       vmax=max(2 * mean, np.nanmax(share)), extent=(steps[0] - 0.5, steps[-1] + 0.5, len(share), 0))
+        im = ax.imshow(
+            share,
+            aspect="auto",
+            interpolation="nearest",
+            cmap="viridis",
+            vmin=0,
+            vmax=max(2 * mean, np.nanmax(share)),
+            extent=(steps[0] - 0.5, steps[-1] + 0.5, len(share), 0),
+        )
         bounds = np.cumsum([0] + experts)
         for b in bounds[1:-1]:
             ax.axhline(b, color="white", linewidth=1)

@@ -11,7 +11,7 @@
 #   --nproc P             processes per node, default 2
 #   --launchers L[,L]     deepspeed | torchrun | torchrun-c10d, default deepspeed,torchrun
 #   --run-dir DIR         output root; launcher L writes DIR/L (plus DIR/L/nodeK.log), default runs/netns
-#   --script PATH         training script, default launch/train.py (benchmarks/scaling.py uses its own worker)
+#   --script PATH         training script, default launch/train.py (benchmarks/scaling.py: its scaling_worker.py)
 #   --subnet A.B.C        private /24 used only inside the created namespaces, default 10.213.7
 #   --port PORT           master (rendezvous) port, default 29500
 #   --timeout S           wall-clock limit of each launcher on each node, default 600

@@ -19,6 +19,12 @@ BENCH = REPO / "benchmarks" / "bench.py"
 ON_CPU = {"permutation": "torch", "experts": "grouped_mm"}  # what a layer built for the CPU runs
 
 
+def moe(shape: str, *args: str) -> list[str]:
+    """`bench moe` at shape "T D F E K" (tokens, d_model, d_ff, experts, top_k), then `args`."""
+    T, D, F, E, K = shape.split()
+    return ["moe", "--tokens", T, "--d-model", D, "--d-ff", F, "--experts", E, "--top-k", K, *args]
+
+
 def run_bench(*args: str, expect_rc: int = 0) -> subprocess.CompletedProcess:
     proc = subprocess.run([sys.executable, str(BENCH), *args], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == expect_rc, proc.stderr[-2000:]
@@ -37,11 +43,18 @@ def one_error_line(proc: subprocess.CompletedProcess) -> str:
 
 @pytest.mark.parametrize("dtype, cf", [("bf16", "1.0"), ("fp32", "null")])
 def test_moe(dtype, cf):
-    proc = run_bench("moe", "--tokens", "64", "--d-model", "32", "--d-ff", "64", "--experts", "4", "--top-k", "2",
-                     "--capacity-factor", cf, "--dtype", dtype, "--repeats", "2")
+    proc = run_bench(*moe("64 32 64 4 2", "--capacity-factor", cf, "--dtype", dtype, "--repeats", "2"))
     out = last_json(proc)
-    for key in ("fwd_bwd_ms", "plain_ms", "vs_plain", "gemm_peak_gflops", "roofline_fraction", "expert_gemms_ms",
-                "gemm_ceiling_fraction", "peak_mem_mb"):
+    for key in (
+        "fwd_bwd_ms",
+        "plain_ms",
+        "vs_plain",
+        "gemm_peak_gflops",
+        "roofline_fraction",
+        "expert_gemms_ms",
+        "gemm_ceiling_fraction",
+        "peak_mem_mb",
+    ):
         assert out[key] > 0, key
     assert out["dtype"] == dtype and out["tokens"] == 64 and out["impl"] == "auto"
     assert out["implementations"] == ON_CPU
@@ -57,41 +70,38 @@ def test_moe(dtype, cf):
         assert out["kept_rows"] == 128  # dropless keeps every assignment
     # roofline_fraction is exactly the expert-GEMM FLOP rate over the measured torch.mm peak
     flops = 3 * 3 * 2 * out["kept_rows"] * 32 * 64
-    assert out["roofline_fraction"] == pytest.approx(flops / out["fwd_bwd_ms"] / 1e6 / out["gemm_peak_gflops"],
-                                                     rel=0.02)
+    assert out["roofline_fraction"] == pytest.approx(
+        flops / out["fwd_bwd_ms"] / 1e6 / out["gemm_peak_gflops"], rel=0.02
+    )
     # the ceiling: the same FLOPs over the time of the expert GEMMs alone
     assert out["gemm_ceiling_fraction"] == pytest.approx(
-        flops / out["expert_gemms_ms"] / 1e6 / out["gemm_peak_gflops"], rel=0.02)
+        flops / out["expert_gemms_ms"] / 1e6 / out["gemm_peak_gflops"], rel=0.02
+    )
     for gone in ("fused_gate_up", "dense_gflops", "malloc", "flush_denormal", "hugepages"):  # removed with the kernels
         assert gone not in out
 
 
 def test_moe_impl_torch():
-    out = last_json(run_bench("moe", "--tokens", "64", "--d-model", "32", "--d-ff", "64", "--experts", "4",
-                              "--top-k", "2", "--repeats", "1", "--impl", "torch"))
+    out = last_json(run_bench(*moe("64 32 64 4 2", "--repeats", "1", "--impl", "torch")))
     assert out["impl"] == "torch" and out["implementations"] == ON_CPU
     assert out["fwd_bwd_ms"] > 0 and out["expert_gemms_ms"] > 0 and out["plain_ms"] > 0
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the Triton permutation can run here")
 def test_moe_impl_that_cannot_run_is_a_one_line_error():
-    done = run_bench("moe", "--tokens", "8", "--d-model", "32", "--d-ff", "32", "--experts", "2", "--top-k", "1",
-                     "--impl", "triton", expect_rc=2)
+    done = run_bench(*moe("8 32 32 2 1", "--impl", "triton"), expect_rc=2)
     assert one_error_line(done).startswith("error: --impl triton: model.moe.impl='triton': ")
 
 
 def test_plain_layer_needs_aligned_sizes():
     """torch's grouped GEMM takes 16-byte aligned rows: the plain layer says so instead of failing inside it."""
-    done = run_bench("moe", "--tokens", "8", "--d-model", "30", "--d-ff", "32", "--experts", "2", "--top-k", "1",
-                     "--dtype", "fp32", expect_rc=2)
+    done = run_bench(*moe("8 30 32 2 1", "--dtype", "fp32"), expect_rc=2)
     assert "--d-model and --d-ff multiples of 4" in one_error_line(done)
 
 
-@pytest.mark.parametrize("args", [["--impl", "cpu"], ["--malloc", "default"], ["--no-flush-denormal"],
-                                  ["--hugepages"]])
+@pytest.mark.parametrize("args", [["--impl", "cpu"], ["--malloc", "default"], ["--no-flush-denormal"], ["--hugepages"]])
 def test_removed_host_and_cpu_kernel_options_are_rejected(args):
-    done = run_bench("moe", "--tokens", "8", "--d-model", "32", "--d-ff", "32", "--experts", "2", "--top-k", "1",
-                     *args, expect_rc=2)
+    done = run_bench(*moe("8 32 32 2 1", *args), expect_rc=2)
     assert args[0] in done.stderr
 
 
@@ -113,14 +123,15 @@ def test_plain_layer_computes_our_layer():
     y_plain = plain(x)
     got = torch.autograd.grad(y_plain, [x, plain.router, plain.w13, plain.w2], dy)
     torch.testing.assert_close(y_plain, y)
-    for g, o, name in zip(got, ours, ("x", "router", "w13", "w2")):
+    for g, o, name in zip(got, ours, ("x", "router", "w13", "w2"), strict=True):
         torch.testing.assert_close(g, o, msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("impl", ["auto", "torch"])
 def test_scan(impl):
-    out = last_json(run_bench("scan", "--batch", "1", "--seq", "40", "--dim", "8", "--state", "4", "--repeats", "2",
-                              "--impl", impl))
+    out = last_json(
+        run_bench("scan", "--batch", "1", "--seq", "40", "--dim", "8", "--state", "4", "--repeats", "2", "--impl", impl)
+    )
     assert out["impl"] == impl and out["implementation"] == "torch"  # the chunked PyTorch scan on CPU
     for key in ("fwd_bwd_ms", "chunked_ms", "reference_ms", "speedup", "speedup_vs_chunked"):
         assert out[key] > 0, key
@@ -130,33 +141,36 @@ def test_scan(impl):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the Triton scan can run here")
 def test_scan_impl_that_cannot_run_is_a_one_line_error():
-    done = run_bench("scan", "--batch", "1", "--seq", "4", "--dim", "2", "--state", "2", "--impl", "triton",
-                     expect_rc=2)
+    done = run_bench(
+        "scan", "--batch", "1", "--seq", "4", "--dim", "2", "--state", "2", "--impl", "triton", expect_rc=2
+    )
     assert one_error_line(done).startswith("error: --impl triton: model.mamba.impl='triton': ")
     assert not done.stdout.strip()
 
 
 def test_step():
-    out = last_json(run_bench("step", "--config", "configs/debug.json", "--steps", "1",
-                              "--set", "train.global_batch_size=4", "train.micro_batch_size=2", "train.seq_len=32"))
+    small = ["train.global_batch_size=4", "train.micro_batch_size=2", "train.seq_len=32"]
+    out = last_json(run_bench("step", "--config", "configs/debug.json", "--steps", "1", "--set", *small))
     assert out["tokens_per_step"] == 4 * 32
     assert out["tokens_per_s"] > 0 and out["flops_per_token"] > 0 and out["gemm_peak_gflops"] > 0
     assert 0 < out["mfu"] < 1
     assert out["implementations"] == {"attention": "sdpa", "scan": "torch", **ON_CPU}
     shares = out["time_share"]
-    assert set(shares) == {"attention", "mamba", "moe.router", "moe.dispatch", "moe.experts", "moe.combine",
-                           "optimizer", "other"}
+    assert set(shares) == {*"attention mamba moe.router moe.dispatch moe.experts moe.combine optimizer other".split()}
     assert all(v >= 0 for v in shares.values())
     for key in ("attention", "mamba", "moe.router", "moe.experts", "optimizer"):  # debug.json has all of them
         assert shares[key] > 0, key
     assert sum(shares.values()) == pytest.approx(1.0, abs=0.01)
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["moe", "--tokens", "0", "--d-model", "8", "--d-ff", "8", "--experts", "2", "--top-k", "1"], "--tokens"),
-    (["moe", "--tokens", "8", "--d-model", "8", "--d-ff", "8", "--experts", "2", "--top-k", "3"], "--top-k"),
-    (["step", "--config", "configs/debug.json", "--set", "model.moe.top_kk=2"], "model.moe.top_kk"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (moe("0 8 8 2 1"), "--tokens"),
+        (moe("8 8 8 2 3"), "--top-k"),
+        (["step", "--config", "configs/debug.json", "--set", "model.moe.top_kk=2"], "model.moe.top_kk"),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_2(args, needle):
     proc = run_bench(*args, expect_rc=2)
     lines = proc.stderr.strip().splitlines()

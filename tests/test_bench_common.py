@@ -1,8 +1,9 @@
 """benchmarks/common.py (the timer, the matmul peak, the collective tracer) and the two scripts built on its tracer:
-comm_report.py and scaling.py, whose counts must match moe_dist.perfmodel's schedule of the same job."""
+comm_report.py and scaling_worker.py, whose counts must match moe_dist.perfmodel's schedule of the same job."""
 
 from __future__ import annotations
 
+import csv
 import json
 import re
 import subprocess
@@ -58,14 +59,24 @@ def test_collective_tracer_sees_each_outermost_call_once_and_uninstalls():
         dist.destroy_process_group()
     assert (dist.all_reduce, c10d.all_reduce, dist.all_gather_into_tensor) == originals
     assert [(c.kind, c.group_size, c.payload_bytes) for c in seen] == [
-        ("all_reduce", 1, 16), ("all_gather", 1, 12), ("other", 1, 0)]
+        ("all_reduce", 1, 16),
+        ("all_gather", 1, 12),
+        ("other", 1, 0),
+    ]
     assert seen[1].contributed_bytes == 12 and all(c.seconds >= 0 for c in seen)
     assert seen[0].args["tensor"].shape == (4,)
 
 
 def _torchrun(nproc: int, script: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    cmd = [console_script("torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(free_port()),
-           str(BENCHMARKS / script), *args]
+    cmd = [
+        console_script("torchrun"),
+        "--nproc_per_node",
+        str(nproc),
+        "--master_port",
+        str(free_port()),
+        str(BENCHMARKS / script),
+        *args,
+    ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc
@@ -88,13 +99,18 @@ def test_comm_report_matches_the_performance_model():
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_scaling_worker_counts_the_scheduled_collectives(tmp_path):
-    """`scaling.py worker` times every collective of a 2-rank job with ep=2 and attributes it to its step: as
-    many all-to-alls per step as perfmodel schedules, and samples for the α-β fit."""
+    """scaling_worker.py (a sweep point) times every collective of a 2-rank job with ep=2 and attributes it to its
+    step: as many all-to-alls per step as perfmodel schedules, and samples for the α-β fit."""
     steps = 3
-    sets = [f"train.steps={steps}", "train.eval_every=0", "train.save_every=0", "train.image_every=0",
-            "parallel.ep=2", "train.threads=1"]
-    _torchrun(2, "scaling.py", "worker", "--config", "configs/debug.json", "--set", *sets,
-              "--run-dir", str(tmp_path))
+    sets = [
+        f"train.steps={steps}",
+        "train.eval_every=0",
+        "train.save_every=0",
+        "train.image_every=0",
+        "parallel.ep=2",
+        "train.threads=1",
+    ]
+    _torchrun(2, "scaling_worker.py", "--config", "configs/debug.json", "--set", *sets, "--run-dir", str(tmp_path))
     profiles = [json.loads((tmp_path / "profile" / f"rank{r}.json").read_text()) for r in (0, 1)]
     cfg = load_config(REPO / "configs" / "debug.json", sets)
     a2a = sum(c.count for c in pm.step_calls(cfg, pm.Layout(2, 2, 1), ranks_per_node=2) if c.kind == "all_to_all")
@@ -110,7 +126,29 @@ def test_scaling_worker_counts_the_scheduled_collectives(tmp_path):
 
 
 def test_scaling_predict_runs():
-    proc = subprocess.run([sys.executable, str(BENCHMARKS / "scaling.py"), "predict"], cwd=REPO, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "scaling.py"), "predict"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "| GPUs | layout |" in proc.stdout and "Recommended" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_scaling_sweep_on_one_node_writes_its_report(tmp_path):
+    """A two-point sweep (1 and 2 ranks) end to end: runs, aggregation, the fit and every output; the bytes each
+    rank sent agree with the fitted model's schedule (bytes, not times: they do not depend on the machine's load)."""
+    cmd = [sys.executable, str(BENCHMARKS / "scaling.py"), "--worlds", "1", "2", "--steps", "3", "--no-netns"]
+    proc = subprocess.run([*cmd, "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=800)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    for name in ("scaling.md", "scaling.csv", "predictions.md", "points.json"):
+        assert (tmp_path / name).stat().st_size > 0, name
+    rows = list(csv.DictReader((tmp_path / "scaling.csv").open()))
+    assert [r["name"] for r in rows] == ["both_1node_w1", "strong_1node_w2", "weak_1node_w2"]
+    for r in rows[1:]:
+        assert float(r["bytes_per_rank"]) == pytest.approx(float(r["predicted_bytes_per_rank"]), rel=0.15), r["name"]
+        assert float(r["all_to_all_s"]) > 0 and float(r["tokens_per_s"]) > 0

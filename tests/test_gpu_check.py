@@ -18,8 +18,9 @@ gpu_check = load_script(SCRIPT)
 
 
 def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_help_lists_every_part():
@@ -67,8 +68,11 @@ def test_comparisons_and_summary():
     records = [{"tokens_per_s": 100.0}, {"tokens_per_s": 1000.0}, {"tokens_per_s": 2000.0}, {"tokens_per_s": 4000.0}]
     assert gpu_check.step_ms(records, 1000) == pytest.approx(375.0)  # median of 500 and 250 ms, warm-up left out
     R = gpu_check.Result
-    results = [R("tests", "ok", 100, "3 files"), R("bench", "partial", 60, "budget spent"),
-               R("train", "STOPPED", 120, "budget of 120 s spent\nline 2")]
+    results = [
+        R("tests", "ok", 100, "3 files"),
+        R("bench", "partial", 60, "budget spent"),
+        R("train", "STOPPED", 120, "budget of 120 s spent\nline 2"),
+    ]
     table = gpu_check.summary_table(results, gpu_check.BUDGETS)
     assert table.splitlines()[0].split() == ["part", "status", "seconds", "budget", "result"]
     assert "train   STOPPED      120    120  budget of 120 s spent" in table and "line 2" in table
@@ -88,8 +92,11 @@ def test_dry_run_part_out_of_budget_fails(tmp_path):
 def test_dry_run_trains_compares_and_resumes(tmp_path):
     proc = run("--dry-run", "--out", str(tmp_path), timeout=800)
     assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-2000:]}"
-    rows = {line.split()[0]: line.split()[1] for line in proc.stdout.splitlines()
-            if line.split()[:1] and line.split()[0] in gpu_check.PARTS and len(line.split()) > 1}
+    rows = {
+        line.split()[0]: line.split()[1]
+        for line in proc.stdout.splitlines()
+        if line.split()[:1] and line.split()[0] in gpu_check.PARTS and len(line.split()) > 1
+    }
     assert rows == {"tests": "skipped", "bench": "skipped", "train": "ok", "resume": "ok"}
     assert "max relative loss difference 0.00e+00" in proc.stdout  # both sides on the PyTorch paths here
     assert "steps 4-6 resumed from step 3: bitwise equal" in proc.stdout

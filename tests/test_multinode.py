@@ -21,8 +21,17 @@ TRAIN = str(REPO / "launch" / "train.py")
 NETNS = str(REPO / "tests" / "netns_cluster.sh")
 STEPS = 4
 # ep = 4 on a 4-rank world: every MoE all-to-all spans both nodes.
-ARGS = ["--config", "configs/debug.json", "--set", f"train.steps={STEPS}", "train.eval_every=0",
-        "train.save_every=0", "train.eval_batches=4", "parallel.ep=4", "parallel.timeout_s=120"]
+ARGS = [
+    "--config",
+    "configs/debug.json",
+    "--set",
+    f"train.steps={STEPS}",
+    "train.eval_every=0",
+    "train.save_every=0",
+    "train.eval_batches=4",
+    "parallel.ep=4",
+    "parallel.timeout_s=120",
+]
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -43,10 +52,30 @@ def test_two_nodes_equal_one_node(tmp_path, netns, run_train, metrics):
     assert len(ref) == STEPS
 
     tic = time.perf_counter()
-    proc = subprocess.run(["bash", NETNS, "--nodes", "2", "--nproc", "2", "--launchers", "deepspeed,torchrun",
-                           "--run-dir", str(tmp_path / "two_nodes"), "--port", str(free_port()), "--timeout", "600",
-                           "--", *ARGS],
-                          cwd=REPO, capture_output=True, text=True, timeout=1500)
+    proc = subprocess.run(
+        [
+            "bash",
+            NETNS,
+            "--nodes",
+            "2",
+            "--nproc",
+            "2",
+            "--launchers",
+            "deepspeed,torchrun",
+            "--run-dir",
+            str(tmp_path / "two_nodes"),
+            "--port",
+            str(free_port()),
+            "--timeout",
+            "600",
+            "--",
+            *ARGS,
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
     two_nodes_s = time.perf_counter() - tic
     print(f"1 node x 4 processes (torchrun): {one_node_s:.1f} s end to end")
     print(f"2 nodes x 2 processes, deepspeed --no_ssh then torchrun (incl. namespace set-up): {two_nodes_s:.1f} s")
@@ -57,7 +86,7 @@ def test_two_nodes_equal_one_node(tmp_path, netns, run_train, metrics):
         got = train_records(metrics(tmp_path / "two_nodes" / launcher))
         assert [r["step"] for r in got] == [r["step"] for r in ref], launcher
         assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in ref], rel=1e-6), launcher
-        for g, r in zip(got, ref):
+        for g, r in zip(got, ref, strict=True):
             assert [m["tokens_per_expert"] for m in g["moe"]] == [m["tokens_per_expert"] for m in r["moe"]]
         # Gloo traffic crossed the veth links: every node sent and received (MBs of all-to-all and gradients).
         for node in (0, 1):
@@ -75,22 +104,32 @@ def _drills(tmp_path: Path, timeout_s: int) -> dict[str, tuple[list[str], str]]:
     """case -> (command, what the error must name); 2 nodes × 1 process on localhost, one node never started."""
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("node0 slots=1\nnode1 slots=1\n")
+
     def args(name):
-        return [TRAIN, "--config", "configs/debug.json", "--run-dir", str(tmp_path / name),
-                "--set", f"parallel.timeout_s={timeout_s}"]
+        return [
+            TRAIN,
+            *f"--config configs/debug.json --set parallel.timeout_s={timeout_s} --run-dir".split(),
+            str(tmp_path / name),
+        ]
 
     def ds(rank, port):
-        return [console_script("deepspeed"), "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(rank),
-                "--master_addr", "127.0.0.1", "--master_port", str(port)]
+        opts = f"--no_ssh --node_rank {rank} --master_addr 127.0.0.1 --master_port {port}"
+        return [console_script("deepspeed"), "--hostfile", str(hostfile), *opts.split()]
 
     def tr(rank, port):
-        return [console_script("torchrun"), "--nnodes", "2", "--nproc_per_node", "1", "--node_rank", str(rank),
-                "--master_addr", "127.0.0.1", "--master_port", str(port), "--rdzv_conf", f"timeout={timeout_s}"]
+        opts = (
+            f"--nnodes 2 --nproc_per_node 1 --node_rank {rank} --master_addr 127.0.0.1 --master_port {port} "
+            f"--rdzv_conf timeout={timeout_s}"
+        )
+        return [console_script("torchrun"), *opts.split()]
 
     def acc(rank, port):
-        return [console_script("accelerate"), "launch", "--multi_gpu", "--num_machines", "2", "--machine_rank", str(rank),
-                "--num_processes", "2", "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
-                "--rdzv_conf", f"timeout={timeout_s}", "--mixed_precision", "no", "--dynamo_backend", "no"]
+        opts = (
+            f"launch --multi_gpu --num_machines 2 --machine_rank {rank} --num_processes 2 --main_process_ip "
+            f"127.0.0.1 --main_process_port {port} --rdzv_conf timeout={timeout_s} --mixed_precision no "
+            "--dynamo_backend no"
+        )
+        return [console_script("accelerate"), *opts.split()]
 
     p = {name: free_port() for name in ("a", "b", "c", "d", "e")}
     return {
@@ -115,8 +154,9 @@ def test_unreachable_master_fails_within_the_timeout(tmp_path):
     for i, (case, (cmd, _)) in enumerate(drills.items()):  # concurrently: they mostly wait
         log = tmp_path / f"drill{i}.log"
         with log.open("w") as f:
-            proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
-                                    start_new_session=True)  # its own process group: a hang is killed whole
+            proc = subprocess.Popen(
+                cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+            )  # its own process group: a hang is killed whole
             running[case] = (proc, log, time.perf_counter())
     finished: dict[str, float] = {}
     deadline = time.perf_counter() + 300  # the hang detector: far beyond the 10 s timeout and its retries

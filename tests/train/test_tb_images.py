@@ -25,12 +25,28 @@ DPE = [[0, 0, 100, 0], [0, 0, 0, 0], [0, 0, 160, 0]]  # dropped per expert
 
 
 def _record(step: int) -> dict:
-    layers = [{"tokens_per_expert": t, "dropped_per_expert": d, "drop_fraction": sum(d) / 320,
-               "max_over_mean_load": max(t) / 80, "router_entropy": 1.0, "a2a_bytes_per_rank": 0.0,
-               "capacity": 100.0}  # a key added by someone else: must become a scalar too
-              for t, d in zip(TPE, DPE)]
-    return {"step": step, "loss": 5.0 - step * 0.1, "lm_loss": 4.9 - step * 0.1, "aux_loss": 1.0, "z_loss": 0.5,
-            "mfu": 0.25, "moe": layers, **({"eval_loss": 5.0 - step * 0.1} if step % 2 == 0 else {})}
+    layers = [
+        {
+            "tokens_per_expert": t,
+            "dropped_per_expert": d,
+            "drop_fraction": sum(d) / 320,
+            "max_over_mean_load": max(t) / 80,
+            "router_entropy": 1.0,
+            "a2a_bytes_per_rank": 0.0,
+            "capacity": 100.0,
+        }  # a key added by someone else: must become a scalar too
+        for t, d in zip(TPE, DPE, strict=True)
+    ]
+    return {
+        "step": step,
+        "loss": 5.0 - step * 0.1,
+        "lm_loss": 4.9 - step * 0.1,
+        "aux_loss": 1.0,
+        "z_loss": 0.5,
+        "mfu": 0.25,
+        "moe": layers,
+        **({"eval_loss": 5.0 - step * 0.1} if step % 2 == 0 else {}),
+    }
 
 
 def _log(run_dir: Path, steps, **kw) -> EventAccumulator:
@@ -65,7 +81,11 @@ def test_expert_load_images_in_the_event_file(tmp_path):
             assert (e.height, e.width) == (height, width) and img.shape == (height, width, 3)
             for layer in range(len(TPE)):
                 for expert in range(len(TPE[0])):
-                    assert np.array_equal(_cell(img, layer, expert), colormap(values[layer, expert] / vmax)), (tag, layer, expert)
+                    assert np.array_equal(_cell(img, layer, expert), colormap(values[layer, expert] / vmax)), (
+                        tag,
+                        layer,
+                        expert,
+                    )
     # the hottest cells are the two ends of the colour scale
     img = _decode(acc.Images("moe/drop_rate")[0])
     assert np.array_equal(_cell(img, 1, 0), colormap(0.0)) and not np.array_equal(_cell(img, 2, 2), colormap(0.0))
@@ -75,8 +95,14 @@ def test_every_numeric_key_is_a_scalar_and_the_layout_groups_moe_layers(tmp_path
     acc = _log(tmp_path, range(1, 4), image_every=0)
     assert acc.Tags()["images"] == []
     scalars = set(acc.Tags()["scalars"])
-    assert {"train/loss", "train/mfu", "eval/eval_loss", "moe/layer2/capacity", "moe/layer0/drop_fraction",
-            "moe/layer1/expert3_token_share"} <= scalars
+    assert {
+        "train/loss",
+        "train/mfu",
+        "eval/eval_loss",
+        "moe/layer2/capacity",
+        "moe/layer0/drop_fraction",
+        "moe/layer1/expert3_token_share",
+    } <= scalars
     assert [e.value for e in acc.Scalars("train/mfu")] == [0.25] * 3
     layout = layout_pb2.Layout.FromString(acc.Tensors("custom_scalars__config__")[0].tensor_proto.string_val[0])
     titles = [c.title for c in layout.category]
@@ -96,8 +122,9 @@ def test_image_period_comes_from_the_run_config(tmp_path):
 @pytest.mark.parametrize("policy", ["position", "probability"])
 @pytest.mark.parametrize("capacity_factor,min_capacity", [(0.5, 0), (1.0, 0), (0.75, 40), (None, 0)])
 def test_dropped_per_expert_recovers_the_routers_drops(policy, capacity_factor, min_capacity):
-    cfg = MoEConfig(num_experts=8, top_k=2, capacity_factor=capacity_factor, min_capacity=min_capacity,
-                    drop_policy=policy)
+    cfg = MoEConfig(
+        num_experts=8, top_k=2, capacity_factor=capacity_factor, min_capacity=min_capacity, drop_policy=policy
+    )
     router = Router(16, cfg, init_std=0.5)
     torch.manual_seed(0)
     router.init_weights()
