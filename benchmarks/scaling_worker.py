@@ -144,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     rank = dist.get_rank() if dist.is_initialized() else 0
     (out / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "steps": timer.steps, "samples": timer.samples}))
+    if dist.is_initialized():  # a clean teardown: left to interpreter exit, gloo's threads sometimes abort it
+        dist.barrier()
+        dist.destroy_process_group()
     return 0
 
 
