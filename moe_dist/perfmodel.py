@@ -9,11 +9,11 @@ all-gather, pairwise all-to-all), with no overlap of communication and compute (
 does; conservative on GPUs).
 
 The per-step list of collectives mirrors what a training step of this repository issues, checked against
-`launch/scaling.py`'s instrumented runs (DESIGN.md §2):
+`benchmarks/scaling.py`'s instrumented runs (DESIGN.md §2):
 - per micro-batch and MoE layer: 1 all-to-all of per-expert counts, 2 all-to-alls of routed rows forward
   (dispatch, combine) and 2 backward, in the expert-parallel (EP) group;
 - per micro-batch with tensor parallelism (tp > 1, as moe_dist/parallel/tensor_parallel.py issues it, checked
-  against launch/comm_report.py): an all-reduce of the activations (tokens · d_model) leaving each sub-block
+  against benchmarks/comm_report.py): an all-reduce of the activations (tokens · d_model) leaving each sub-block
   forward and entering it backward, one forward for the embedding and one backward for the LM head; per Mamba
   layer an all-reduce of x_proj's (Δ, B, C) forward and backward; per MoE layer one of the router weights
   backward; 3 of one float per token for the vocabulary-parallel loss. Every TP rank sends the whole
@@ -403,7 +403,7 @@ def _nonneg_lstsq(A: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class MeasuredRun:
-    """One measured configuration, as launch/scaling.py records it (medians over steps, means over ranks)."""
+    """One measured configuration, as benchmarks/scaling.py records it (medians over steps, means over ranks)."""
 
     name: str
     cfg: JobConfig
