@@ -24,12 +24,33 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _attn_fwd_kernel(
-    Q, K, V, O, LSE,
-    stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
-    stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os,
-    n_q_heads, group, seqlen, head_dim, qk_scale,
-    CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    Q,
+    K,
+    V,
+    O,
+    LSE,
+    stride_qb,
+    stride_qh,
+    stride_qs,
+    stride_kb,
+    stride_kh,
+    stride_ks,
+    stride_vb,
+    stride_vh,
+    stride_vs,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    n_q_heads,
+    group,
+    seqlen,
+    head_dim,
+    qk_scale,
+    CAUSAL: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -41,8 +62,11 @@ def _attn_fwd_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d[None, :] < head_dim
 
-    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
-                mask=(offs_m[:, None] < seqlen) & d_ok, other=0.0)  # (BM, BD)
+    q = tl.load(
+        Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
+        mask=(offs_m[:, None] < seqlen) & d_ok,
+        other=0.0,
+    )  # (BM, BD)
     k_base = K + b * stride_kb + hk * stride_kh
     v_base = V + b * stride_vb + hk * stride_vh
 
@@ -70,17 +94,30 @@ def _attn_fwd_kernel(
 
     acc = acc / l_i[:, None]
     row_ok = offs_m < seqlen
-    tl.store(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :],
-             acc.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok)
+    tl.store(
+        O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :],
+        acc.to(O.dtype.element_ty),
+        mask=row_ok[:, None] & d_ok,
+    )
     tl.store(LSE + pid_bh.to(tl.int64) * seqlen + offs_m, m_i + tl.log2(l_i), mask=row_ok)
 
 
 @triton.jit
 def _attn_bwd_preprocess_kernel(
-    O, DO, DELTA,
-    stride_ob, stride_oh, stride_os, stride_dob, stride_doh, stride_dos,
-    n_q_heads, seqlen, head_dim,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    O,
+    DO,
+    DELTA,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    stride_dob,
+    stride_doh,
+    stride_dos,
+    n_q_heads,
+    seqlen,
+    head_dim,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """delta_i = Σ_d O_id dO_id: the row term of the softmax backward, dS = P ∘ (dP - delta)."""
     pid_m = tl.program_id(0)
@@ -91,20 +128,53 @@ def _attn_bwd_preprocess_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_m[:, None] < seqlen) & (offs_d[None, :] < head_dim)
     o = tl.load(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :], mask=mask, other=0.0)
-    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_d[None, :],
-                 mask=mask, other=0.0)
+    do = tl.load(
+        DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_d[None, :], mask=mask, other=0.0
+    )
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(DELTA + pid_bh.to(tl.int64) * seqlen + offs_m, delta, mask=offs_m < seqlen)
 
 
 @triton.jit
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV,
-    stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-    stride_dob, stride_doh, stride_dos, stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs,
-    n_q_heads, n_kv_heads, group, seqlen, head_dim, qk_scale, sm_scale,
-    CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DK,
+    DV,
+    stride_qb,
+    stride_qh,
+    stride_qs,
+    stride_kb,
+    stride_kh,
+    stride_ks,
+    stride_vb,
+    stride_vh,
+    stride_vs,
+    stride_dob,
+    stride_doh,
+    stride_dos,
+    stride_dkb,
+    stride_dkh,
+    stride_dks,
+    stride_dvb,
+    stride_dvh,
+    stride_dvs,
+    n_q_heads,
+    n_kv_heads,
+    group,
+    seqlen,
+    head_dim,
+    qk_scale,
+    sm_scale,
+    CAUSAL: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """One key tile of one kv head: dV = Σ Pᵀ dO and dK = scale · Σ dSᵀ Q over every query head of its group."""
     pid_n = tl.program_id(0)
@@ -117,10 +187,12 @@ def _attn_bwd_dkdv_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d[None, :] < head_dim
     kv_mask = (offs_n[:, None] < seqlen) & d_ok
-    k = tl.load(K + b * stride_kb + hk * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :],
-                mask=kv_mask, other=0.0)  # (BN, BD)
-    v = tl.load(V + b * stride_vb + hk * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :],
-                mask=kv_mask, other=0.0)  # (BN, BD)
+    k = tl.load(
+        K + b * stride_kb + hk * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0
+    )  # (BN, BD)
+    v = tl.load(
+        V + b * stride_vb + hk * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0
+    )  # (BN, BD)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     # Under the causal mask, query tiles that end before this key tile see none of it.
@@ -134,8 +206,7 @@ def _attn_bwd_dkdv_kernel(
             offs_m = start_m + offs_m0
             m_ok = offs_m < seqlen
             q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :], mask=m_ok[:, None] & d_ok, other=0.0)
-            do = tl.load(do_base + offs_m[:, None] * stride_dos + offs_d[None, :], mask=m_ok[:, None] & d_ok,
-                         other=0.0)
+            do = tl.load(do_base + offs_m[:, None] * stride_dos + offs_d[None, :], mask=m_ok[:, None] & d_ok, other=0.0)
             lse = tl.load(LSE + row_base + offs_m, mask=m_ok, other=0.0)
             delta = tl.load(DELTA + row_base + offs_m, mask=m_ok, other=0.0)
             s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale  # (BN, BM) = Sᵀ in base 2
@@ -147,20 +218,53 @@ def _attn_bwd_dkdv_kernel(
             dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)  # (BN, BM)
             ds_t = p_t * (dp_t - delta[None, :])
             dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PRECISION)
-    tl.store(DK + b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dks + offs_d[None, :],
-             (dk * sm_scale).to(DK.dtype.element_ty), mask=kv_mask)
-    tl.store(DV + b * stride_dvb + hk * stride_dvh + offs_n[:, None] * stride_dvs + offs_d[None, :],
-             dv.to(DV.dtype.element_ty), mask=kv_mask)
+    tl.store(
+        DK + b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dks + offs_d[None, :],
+        (dk * sm_scale).to(DK.dtype.element_ty),
+        mask=kv_mask,
+    )
+    tl.store(
+        DV + b * stride_dvb + hk * stride_dvh + offs_n[:, None] * stride_dvs + offs_d[None, :],
+        dv.to(DV.dtype.element_ty),
+        mask=kv_mask,
+    )
 
 
 @triton.jit
 def _attn_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ,
-    stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-    stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs,
-    n_q_heads, group, seqlen, head_dim, qk_scale, sm_scale,
-    CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DQ,
+    stride_qb,
+    stride_qh,
+    stride_qs,
+    stride_kb,
+    stride_kh,
+    stride_ks,
+    stride_vb,
+    stride_vh,
+    stride_vs,
+    stride_dob,
+    stride_doh,
+    stride_dos,
+    stride_dqb,
+    stride_dqh,
+    stride_dqs,
+    n_q_heads,
+    group,
+    seqlen,
+    head_dim,
+    qk_scale,
+    sm_scale,
+    CAUSAL: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """One query tile of one head: dQ = scale · Σ dS K over the key tiles it sees."""
     pid_m = tl.program_id(0)
@@ -173,10 +277,16 @@ def _attn_bwd_dq_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d[None, :] < head_dim
     m_ok = offs_m < seqlen
-    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
-                mask=m_ok[:, None] & d_ok, other=0.0)
-    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_d[None, :],
-                 mask=m_ok[:, None] & d_ok, other=0.0)
+    q = tl.load(
+        Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
+        mask=m_ok[:, None] & d_ok,
+        other=0.0,
+    )
+    do = tl.load(
+        DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_d[None, :],
+        mask=m_ok[:, None] & d_ok,
+        other=0.0,
+    )
     lse = tl.load(LSE + pid_bh.to(tl.int64) * seqlen + offs_m, mask=m_ok, other=0.0)
     delta = tl.load(DELTA + pid_bh.to(tl.int64) * seqlen + offs_m, mask=m_ok, other=0.0)
     k_base = K + b * stride_kb + hk * stride_kh
@@ -196,8 +306,11 @@ def _attn_bwd_dq_kernel(
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)  # (BM, BN)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
-    tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqs + offs_d[None, :],
-             (dq * sm_scale).to(DQ.dtype.element_ty), mask=m_ok[:, None] & d_ok)
+    tl.store(
+        DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqs + offs_d[None, :],
+        (dq * sm_scale).to(DQ.dtype.element_ty),
+        mask=m_ok[:, None] & d_ok,
+    )
 
 
 # ------------------------------------------------------------------------------------------------ launchers
@@ -208,16 +321,23 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """The kernel's preconditions, each a one-line ValueError naming what it got."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"flash_attention: expected 4-d (batch, heads, seq, head_dim) q, k, v, got {tuple(q.shape)}, {tuple(k.shape)}, "
-             f"{tuple(v.shape)}")
+        raise ValueError(
+            "flash_attention: expected 4-d (batch, heads, seq, head_dim) q, k, v, "
+            f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
     if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
-        raise ValueError(f"flash_attention: q {tuple(q.shape)} and k/v {tuple(k.shape)}/{tuple(v.shape)} differ in batch, seq or head_dim")
+        raise ValueError(
+            f"flash_attention: q {tuple(q.shape)} and k/v {tuple(k.shape)}/{tuple(v.shape)} differ in batch, seq "
+            "or head_dim"
+        )
     if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
         raise ValueError(f"flash_attention: q_heads ({q.shape[1]}) must be a multiple of kv_heads ({k.shape[1]})")
     if not 16 <= q.shape[3] <= 128:
         raise ValueError(f"flash_attention: head_dim must be in 16..128, got {q.shape[3]}")
     if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"flash_attention: q, k, v must share one dtype of fp16/bf16/fp32, got {q.dtype}, {k.dtype}, {v.dtype}")
+        raise ValueError(
+            f"flash_attention: q, k, v must share one dtype of fp16/bf16/fp32, got {q.dtype}, {k.dtype}, {v.dtype}"
+        )
     if not (q.device == k.device == v.device):
         raise ValueError(f"flash_attention: q, k, v are on different devices ({q.device}, {k.device}, {v.device})")
 
@@ -240,10 +360,12 @@ def _fwd_config(head_dim: int, dtype: torch.dtype) -> dict:
 def _bwd_config(dtype: torch.dtype) -> tuple[dict, dict]:
     """(dK/dV kernel, dQ kernel): short query tiles against long key tiles for dK/dV, the reverse for dQ."""
     if dtype == torch.float32:
-        return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2), dict(BLOCK_M=32, BLOCK_N=32, num_warps=4,
-                                                                           num_stages=2)
-    return dict(BLOCK_M=32, BLOCK_N=128, num_warps=8, num_stages=2), dict(BLOCK_M=128, BLOCK_N=32, num_warps=8,
-                                                                        num_stages=2)
+        return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2), dict(
+            BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2
+        )
+    return dict(BLOCK_M=32, BLOCK_N=128, num_warps=8, num_stages=2), dict(
+        BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=2
+    )
 
 
 def _flash_fwd(q, k, v, causal: bool, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -255,11 +377,32 @@ def _flash_fwd(q, k, v, causal: bool, sm_scale: float) -> tuple[torch.Tensor, to
     cfg = _fwd_config(head_dim, q.dtype)
     grid = (triton.cdiv(seqlen, cfg["BLOCK_M"]), batch * n_q_heads)
     _attn_fwd_kernel[grid](
-        q, k, v, out, lse,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        n_q_heads, n_q_heads // k.shape[1], seqlen, head_dim, sm_scale * LOG2E,
-        CAUSAL=causal, PRECISION=_precision(q.dtype), BLOCK_D=max(16, triton.next_power_of_2(head_dim)), **cfg,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        n_q_heads,
+        n_q_heads // k.shape[1],
+        seqlen,
+        head_dim,
+        sm_scale * LOG2E,
+        CAUSAL=causal,
+        PRECISION=_precision(q.dtype),
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        **cfg,
     )
     return out, lse
 
@@ -275,26 +418,96 @@ def _flash_bwd(do, q, k, v, out, lse, causal: bool, sm_scale: float):
     delta = torch.empty_like(lse)
     pre_block = 64
     _attn_bwd_preprocess_kernel[(triton.cdiv(seqlen, pre_block), batch * n_q_heads)](
-        out, do, delta, out.stride(0), out.stride(1), out.stride(2), do.stride(0), do.stride(1), do.stride(2),
-        n_q_heads, seqlen, head_dim, BLOCK_M=pre_block, BLOCK_D=block_d,
+        out,
+        do,
+        delta,
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        do.stride(0),
+        do.stride(1),
+        do.stride(2),
+        n_q_heads,
+        seqlen,
+        head_dim,
+        BLOCK_M=pre_block,
+        BLOCK_D=block_d,
     )
 
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     kv_cfg, q_cfg = _bwd_config(q.dtype)
     _attn_bwd_dkdv_kernel[(triton.cdiv(seqlen, kv_cfg["BLOCK_N"]), batch * n_kv_heads)](
-        q, k, v, do, lse, delta, dk, dv,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
-        v.stride(2), do.stride(0), do.stride(1), do.stride(2), dk.stride(0), dk.stride(1), dk.stride(2),
-        dv.stride(0), dv.stride(1), dv.stride(2),
-        n_q_heads, n_kv_heads, group, seqlen, head_dim, sm_scale * LOG2E, sm_scale,
-        CAUSAL=causal, PRECISION=precision, BLOCK_D=block_d, **kv_cfg,
+        q,
+        k,
+        v,
+        do,
+        lse,
+        delta,
+        dk,
+        dv,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+        do.stride(0),
+        do.stride(1),
+        do.stride(2),
+        dk.stride(0),
+        dk.stride(1),
+        dk.stride(2),
+        dv.stride(0),
+        dv.stride(1),
+        dv.stride(2),
+        n_q_heads,
+        n_kv_heads,
+        group,
+        seqlen,
+        head_dim,
+        sm_scale * LOG2E,
+        sm_scale,
+        CAUSAL=causal,
+        PRECISION=precision,
+        BLOCK_D=block_d,
+        **kv_cfg,
     )
     _attn_bwd_dq_kernel[(triton.cdiv(seqlen, q_cfg["BLOCK_M"]), batch * n_q_heads)](
-        q, k, v, do, lse, delta, dq,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
-        v.stride(2), do.stride(0), do.stride(1), do.stride(2), dq.stride(0), dq.stride(1), dq.stride(2),
-        n_q_heads, group, seqlen, head_dim, sm_scale * LOG2E, sm_scale,
-        CAUSAL=causal, PRECISION=precision, BLOCK_D=block_d, **q_cfg,
+        q,
+        k,
+        v,
+        do,
+        lse,
+        delta,
+        dq,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+        do.stride(0),
+        do.stride(1),
+        do.stride(2),
+        dq.stride(0),
+        dq.stride(1),
+        dq.stride(2),
+        n_q_heads,
+        group,
+        seqlen,
+        head_dim,
+        sm_scale * LOG2E,
+        sm_scale,
+        CAUSAL=causal,
+        PRECISION=precision,
+        BLOCK_D=block_d,
+        **q_cfg,
     )
     return dq, dk, dv
 

@@ -21,8 +21,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _gather_rows_kernel(X, ROWS, OUT, num_tokens, num_rows, dmodel,
-                        BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+def _gather_rows_kernel(X, ROWS, OUT, num_tokens, num_rows, dmodel, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     """OUT[r] = X[ROWS[r] % T]: (R, D) ← (T, D)."""
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -34,8 +33,18 @@ def _gather_rows_kernel(X, ROWS, OUT, num_tokens, num_rows, dmodel,
 
 
 @triton.jit
-def _sum_slots_kernel(Y, ROW_A, WEIGHT_A, OUT, num_tokens, dmodel, top_k,
-                      WEIGHTED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+def _sum_slots_kernel(
+    Y,
+    ROW_A,
+    WEIGHT_A,
+    OUT,
+    num_tokens,
+    dmodel,
+    top_k,
+    WEIGHTED: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     """OUT[t] = Σ_k w[k·T + t] · Y[ROW_A[k·T + t]] over kept slots (row ≥ 0), fp32 sum: (T, D) ← (R, D)."""
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -52,13 +61,17 @@ def _sum_slots_kernel(Y, ROW_A, WEIGHT_A, OUT, num_tokens, dmodel, top_k,
             acc += y.to(tl.float32) * w[:, None]
         else:
             acc += y.to(tl.float32)
-    tl.store(OUT + offs_t.to(tl.int64)[:, None] * dmodel + offs_d[None, :], acc.to(OUT.dtype.element_ty),
-             mask=t_ok[:, None] & d_ok)
+    tl.store(
+        OUT + offs_t.to(tl.int64)[:, None] * dmodel + offs_d[None, :],
+        acc.to(OUT.dtype.element_ty),
+        mask=t_ok[:, None] & d_ok,
+    )
 
 
 @triton.jit
-def _unpermute_bwd_kernel(DOUT, Y, ROWS, WEIGHT_A, DY, DWEIGHT_A, num_tokens, num_rows, dmodel,
-                          BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+def _unpermute_bwd_kernel(
+    DOUT, Y, ROWS, WEIGHT_A, DY, DWEIGHT_A, num_tokens, num_rows, dmodel, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr
+):
     """For each row r of assignment a = ROWS[r], token t = a % T: DY[r] = w[a] · dOUT[t], dW[a] = <dOUT[t], Y[r]>."""
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = offs_r < num_rows
@@ -87,18 +100,26 @@ def _check_rows(fn: str, x: torch.Tensor, rows_R: torch.Tensor) -> None:
     if x.dim() != 2 or x.dtype not in _DTYPES:
         raise ValueError(f"{fn}: expected a 2-d fp16/bf16/fp32 tensor, got {tuple(x.shape)} {x.dtype}")
     if rows_R.dim() != 1 or rows_R.dtype != torch.int64 or rows_R.device != x.device:
-        raise ValueError(f"{fn}: rows_R must be a 1-d int64 tensor on {x.device}, "
-                         f"got {tuple(rows_R.shape)} {rows_R.dtype} on {rows_R.device}")
+        raise ValueError(
+            f"{fn}: rows_R must be a 1-d int64 tensor on {x.device}, "
+            f"got {tuple(rows_R.shape)} {rows_R.dtype} on {rows_R.device}"
+        )
 
 
 def _check_unpermute(y_RD: torch.Tensor, rows_R: torch.Tensor, weight_A: torch.Tensor, num_tokens: int) -> None:
     _check_rows("unpermute_tokens", y_RD, rows_R)
     if y_RD.shape[0] != rows_R.shape[0]:
         raise ValueError(f"unpermute_tokens: y_RD has {y_RD.shape[0]} rows but rows_R has {rows_R.shape[0]}")
-    if (weight_A.dim() != 1 or weight_A.numel() % max(num_tokens, 1) != 0 or not weight_A.is_floating_point()
-            or weight_A.device != y_RD.device):
-        raise ValueError(f"unpermute_tokens: weight_A must be a 1-d float tensor of K·T entries (T={num_tokens}) "
-                         f"on {y_RD.device}, got {tuple(weight_A.shape)} {weight_A.dtype} on {weight_A.device}")
+    if (
+        weight_A.dim() != 1
+        or weight_A.numel() % max(num_tokens, 1) != 0
+        or not weight_A.is_floating_point()
+        or weight_A.device != y_RD.device
+    ):
+        raise ValueError(
+            f"unpermute_tokens: weight_A must be a 1-d float tensor of K·T entries (T={num_tokens}) "
+            f"on {y_RD.device}, got {tuple(weight_A.shape)} {weight_A.dtype} on {weight_A.device}"
+        )
 
 
 def _row_of_assignment(rows_R: torch.Tensor, num_assignments: int) -> torch.Tensor:
@@ -113,20 +134,32 @@ def _gather_rows(x_TD: torch.Tensor, rows_R: torch.Tensor) -> torch.Tensor:
     out_RD = x_TD.new_empty(rows_R.shape[0], dmodel)
     if out_RD.numel():
         grid = (triton.cdiv(rows_R.shape[0], _BLOCK_ROWS), triton.cdiv(dmodel, _BLOCK_D))
-        _gather_rows_kernel[grid](x_TD, rows_R, out_RD, num_tokens, rows_R.shape[0], dmodel,
-                                  BLOCK_R=_BLOCK_ROWS, BLOCK_D=_BLOCK_D)
+        _gather_rows_kernel[grid](
+            x_TD, rows_R, out_RD, num_tokens, rows_R.shape[0], dmodel, BLOCK_R=_BLOCK_ROWS, BLOCK_D=_BLOCK_D
+        )
     return out_RD
 
 
-def _sum_slots(y_RD: torch.Tensor, row_A: torch.Tensor, weight_A: Optional[torch.Tensor], num_tokens: int,
-               out_dtype: torch.dtype) -> torch.Tensor:
+def _sum_slots(
+    y_RD: torch.Tensor, row_A: torch.Tensor, weight_A: Optional[torch.Tensor], num_tokens: int, out_dtype: torch.dtype
+) -> torch.Tensor:
     dmodel = y_RD.shape[1]
     top_k = row_A.shape[0] // max(num_tokens, 1)
     out_TD = y_RD.new_empty(num_tokens, dmodel, dtype=out_dtype)
     if out_TD.numel():
         grid = (triton.cdiv(num_tokens, _BLOCK_ROWS), triton.cdiv(dmodel, _BLOCK_D))
-        _sum_slots_kernel[grid](y_RD, row_A, row_A if weight_A is None else weight_A, out_TD, num_tokens, dmodel,
-                                top_k, WEIGHTED=weight_A is not None, BLOCK_T=_BLOCK_ROWS, BLOCK_D=_BLOCK_D)
+        _sum_slots_kernel[grid](
+            y_RD,
+            row_A,
+            row_A if weight_A is None else weight_A,
+            out_TD,
+            num_tokens,
+            dmodel,
+            top_k,
+            WEIGHTED=weight_A is not None,
+            BLOCK_T=_BLOCK_ROWS,
+            BLOCK_D=_BLOCK_D,
+        )
     return out_TD
 
 
@@ -136,8 +169,17 @@ def _unpermute_bwd(dout_TD, y_RD, rows_R, weight_A):
     dweight_A = torch.zeros(weight_A.shape, dtype=torch.float32, device=weight_A.device)  # dropped slots: 0
     if num_rows:
         _unpermute_bwd_kernel[(triton.cdiv(num_rows, _BLOCK_ROWS),)](
-            dout_TD, y_RD, rows_R, weight_A, dy_RD, dweight_A, dout_TD.shape[0], num_rows, dmodel,
-            BLOCK_R=_BLOCK_ROWS, BLOCK_D=_BLOCK_D,
+            dout_TD,
+            y_RD,
+            rows_R,
+            weight_A,
+            dy_RD,
+            dweight_A,
+            dout_TD.shape[0],
+            num_rows,
+            dmodel,
+            BLOCK_R=_BLOCK_ROWS,
+            BLOCK_D=_BLOCK_D,
         )
     return dy_RD, dweight_A.to(weight_A.dtype)
 
@@ -189,9 +231,7 @@ def permute_tokens(x_TD: torch.Tensor, rows_R: torch.Tensor, top_k: int) -> torc
     return _PermuteTokens.apply(x_TD.contiguous(), rows_R.contiguous(), int(top_k))
 
 
-def unpermute_tokens(
-    y_RD: torch.Tensor, rows_R: torch.Tensor, weight_A: torch.Tensor, num_tokens: int
-) -> torch.Tensor:
+def unpermute_tokens(y_RD: torch.Tensor, rows_R: torch.Tensor, weight_A: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """Weighted sum of expert rows back per token; differentiable in y and in the weights.
 
     Shapes: y_RD (R, D) fp16/bf16/fp32, rows in the order of rows_R (R,) int64 (as for `permute_tokens`);

@@ -7,9 +7,8 @@ import triton. Computation happens in at least fp32; results come back in the in
 
 from __future__ import annotations
 
-from typing import Optional
-
 import math
+from typing import Optional
 
 import torch
 import torch.nn.functional as F

@@ -60,10 +60,28 @@ def _load_delta(DELTA, offs, mask, bias, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.co
 
 @triton.jit
 def _scan_fwd_kernel(
-    U, DELTA, A, Bm, Cm, Dskip, Z, BIAS, OUT, STATES,
-    dim, seqlen, dstate, n_chunks,
-    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
-    SAVE_STATES: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
+    U,
+    DELTA,
+    A,
+    Bm,
+    Cm,
+    Dskip,
+    Z,
+    BIAS,
+    OUT,
+    STATES,
+    dim,
+    seqlen,
+    dstate,
+    n_chunks,
+    HAS_D: tl.constexpr,
+    HAS_Z: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SOFTPLUS: tl.constexpr,
+    SAVE_STATES: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_L: tl.constexpr,
 ):
     pid_d = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -115,11 +133,35 @@ def _scan_fwd_kernel(
 
 @triton.jit
 def _scan_bwd_kernel(
-    U, DELTA, A, Bm, Cm, Dskip, Z, BIAS, STATES, DOUT,
-    DU, DDELTA, DZ, DB, DC, DA_PART, DD_PART, DBIAS_PART,
-    dim, seqlen, dstate, n_chunks,
-    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
+    U,
+    DELTA,
+    A,
+    Bm,
+    Cm,
+    Dskip,
+    Z,
+    BIAS,
+    STATES,
+    DOUT,
+    DU,
+    DDELTA,
+    DZ,
+    DB,
+    DC,
+    DA_PART,
+    DD_PART,
+    DBIAS_PART,
+    dim,
+    seqlen,
+    dstate,
+    n_chunks,
+    HAS_D: tl.constexpr,
+    HAS_Z: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SOFTPLUS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_L: tl.constexpr,
 ):
     pid_d = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -224,22 +266,28 @@ _MAX_STATE = 256
 def _check_inputs(u, delta, A, B, C, D, z, delta_bias) -> None:
     """The kernel's preconditions, each a one-line ValueError naming what it got."""
     if u.dim() != 3 or delta.shape != u.shape or (z is not None and z.shape != u.shape):
-        raise ValueError(f"selective_scan: u, delta, z must be (batch, dim, seqlen) alike, got {tuple(u.shape)}, "
-                         f"{tuple(delta.shape)}")
+        raise ValueError(
+            f"selective_scan: u, delta, z must be (batch, dim, seqlen) alike, got {tuple(u.shape)}, "
+            f"{tuple(delta.shape)}"
+        )
     batch, dim, seqlen = u.shape
     if A.dim() != 2 or A.shape[0] != dim:
         raise ValueError(f"selective_scan: A must be (dim={dim}, state), got {tuple(A.shape)}")
     dstate = A.shape[1]
     if B.shape != (batch, dstate, seqlen) or C.shape != (batch, dstate, seqlen):
-        raise ValueError(f"selective_scan: B and C must be (batch, state, seqlen) = {(batch, dstate, seqlen)}, "
-                         f"got {tuple(B.shape)}, {tuple(C.shape)}")
+        raise ValueError(
+            f"selective_scan: B and C must be (batch, state, seqlen) = {(batch, dstate, seqlen)}, "
+            f"got {tuple(B.shape)}, {tuple(C.shape)}"
+        )
     if any(t is not None and t.shape != (dim,) for t in (D, delta_bias)):
         raise ValueError(f"selective_scan: D and delta_bias must be (dim={dim},)")
     if not 1 <= dstate <= _MAX_STATE:
         raise ValueError(f"selective_scan: state size must be in 1..{_MAX_STATE}, got {dstate}")
     tensors = [t for t in (u, delta, A, B, C, D, z, delta_bias) if t is not None]
     if any(t.dtype not in _DTYPES for t in tensors):
-        raise ValueError(f"selective_scan: inputs must be fp16, bf16 or fp32, got {sorted({str(t.dtype) for t in tensors})}")
+        raise ValueError(
+            f"selective_scan: inputs must be fp16, bf16 or fp32, got {sorted({str(t.dtype) for t in tensors})}"
+        )
     if len({t.device for t in tensors}) != 1:
         raise ValueError(f"selective_scan: inputs are on different devices {sorted({str(t.device) for t in tensors})}")
 
@@ -254,8 +302,9 @@ def _blocks(dim: int, dstate: int, budget: int) -> dict:
 
 
 def _flags(D, z, delta_bias, delta_softplus) -> dict:
-    return dict(HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
-                SOFTPLUS=bool(delta_softplus))
+    return dict(
+        HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None, SOFTPLUS=bool(delta_softplus)
+    )
 
 
 def _scan_fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus, save_states: bool):
@@ -265,13 +314,29 @@ def _scan_fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus, save_states: 
     blocks = _blocks(dim, dstate, budget=4096)
     n_chunks = triton.cdiv(seqlen, blocks["BLOCK_L"])
     out = torch.empty_like(u)
-    states = (torch.empty(batch, dim, n_chunks, dstate, device=u.device, dtype=torch.float32) if save_states
-              else out)  # a placeholder pointer when not saving
+    states = (
+        torch.empty(batch, dim, n_chunks, dstate, device=u.device, dtype=torch.float32) if save_states else out
+    )  # a placeholder pointer when not saving
     grid = (triton.cdiv(dim, blocks["BLOCK_D"]), batch)
     _scan_fwd_kernel[grid](
-        u, delta, A, B, C, u if D is None else D, u if z is None else z, u if delta_bias is None else delta_bias,
-        out, states, dim, seqlen, dstate, n_chunks,
-        SAVE_STATES=save_states, **_flags(D, z, delta_bias, delta_softplus), **blocks, num_warps=4,
+        u,
+        delta,
+        A,
+        B,
+        C,
+        u if D is None else D,
+        u if z is None else z,
+        u if delta_bias is None else delta_bias,
+        out,
+        states,
+        dim,
+        seqlen,
+        dstate,
+        n_chunks,
+        SAVE_STATES=save_states,
+        **_flags(D, z, delta_bias, delta_softplus),
+        **blocks,
+        num_warps=4,
     )
     return out, (states if save_states else None)
 
@@ -292,15 +357,40 @@ def _scan_bwd(dout, u, delta, A, B, C, D, z, delta_bias, delta_softplus, states)
     dbias_part = torch.empty(batch, dim, **f32) if delta_bias is not None else None
     grid = (triton.cdiv(dim, blocks["BLOCK_D"]), batch)
     _scan_bwd_kernel[grid](
-        u, delta, A, B, C, u if D is None else D, u if z is None else z, u if delta_bias is None else delta_bias,
-        states, dout, du, ddelta, du if dz is None else dz, dB, dC, dA_part,
-        dA_part if dD_part is None else dD_part, dA_part if dbias_part is None else dbias_part,
-        dim, seqlen, dstate, n_chunks,
-        **_flags(D, z, delta_bias, delta_softplus), **blocks, num_warps=4,
+        u,
+        delta,
+        A,
+        B,
+        C,
+        u if D is None else D,
+        u if z is None else z,
+        u if delta_bias is None else delta_bias,
+        states,
+        dout,
+        du,
+        ddelta,
+        du if dz is None else dz,
+        dB,
+        dC,
+        dA_part,
+        dA_part if dD_part is None else dD_part,
+        dA_part if dbias_part is None else dbias_part,
+        dim,
+        seqlen,
+        dstate,
+        n_chunks,
+        **_flags(D, z, delta_bias, delta_softplus),
+        **blocks,
+        num_warps=4,
     )
     return (
-        du, ddelta, dA_part.sum(0).to(A.dtype), dB.to(B.dtype), dC.to(C.dtype),
-        None if D is None else dD_part.sum(0).to(D.dtype), dz,
+        du,
+        ddelta,
+        dA_part.sum(0).to(A.dtype),
+        dB.to(B.dtype),
+        dC.to(C.dtype),
+        None if D is None else dD_part.sum(0).to(D.dtype),
+        dz,
         None if delta_bias is None else dbias_part.sum(0).to(delta_bias.dtype),
     )
 

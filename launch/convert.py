@@ -44,8 +44,10 @@ def main(argv=None) -> int:
         if args.direction == "import":
             base = load_config(args.config, args.set)
             out = import_hf_to_run(args.hf_dir, args.run_dir, base)
-            print(f"wrote {out}; continue with: python launch/train.py --config {args.run_dir / 'config.json'} "
-                  f"--run-dir {args.run_dir} --resume")
+            print(
+                f"wrote {out}; continue with: python launch/train.py --config {args.run_dir / 'config.json'} "
+                f"--run-dir {args.run_dir} --resume"
+            )
         else:
             out = export_run_to_hf(args.checkpoint, args.hf_dir, DTYPES.get(args.dtype))
             print(f"wrote {out}")

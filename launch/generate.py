@@ -39,8 +39,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-samples", type=int, default=1, help="sequences sampled in one batch")
     p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence every step")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch CPU threads (default 1: one-token steps are too small to split; 0 = torch's default)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads (default 1: one-token steps are too small to split; 0 = torch's default)",
+    )
     return p.parse_args(argv)
 
 
@@ -82,8 +86,11 @@ def main(argv=None) -> int:
     tokens = Tokens(model.cfg.vocab_size, args.checkpoint)
     if args.prompt is not None:
         if not tokens.text:
-            print(f"error: --prompt: no tokenizer for vocabulary {model.cfg.vocab_size} (no tokenizer files next to "
-                  "the checkpoint, or transformers missing); pass --prompt-ids", file=sys.stderr)
+            print(
+                f"error: --prompt: no tokenizer for vocabulary {model.cfg.vocab_size} (no tokenizer files next to "
+                "the checkpoint, or transformers missing); pass --prompt-ids",
+                file=sys.stderr,
+            )
             return 2
         ids = tokens.encode(args.prompt)
     else:
@@ -94,14 +101,18 @@ def main(argv=None) -> int:
     prompt = torch.tensor([ids] * args.num_samples, dtype=torch.long)
     gen = torch.Generator().manual_seed(args.seed)
     tic = time.perf_counter()
-    out = generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p, gen,
-                   use_cache=not args.no_cache)
+    out = generate(
+        model, prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p, gen, use_cache=not args.no_cache
+    )
     elapsed = time.perf_counter() - tic
     for row in out.tolist():
         print(tokens.decode(row) if tokens.text and args.prompt is not None else ",".join(map(str, row)))
     new = args.max_new_tokens * args.num_samples
-    print(f"{new} tokens in {elapsed:.2f} s: {new / elapsed:.1f} tokens/s "
-          f"({'no cache' if args.no_cache else 'KV/SSM cache'}, prompt {len(ids)} tokens)", file=sys.stderr)
+    print(
+        f"{new} tokens in {elapsed:.2f} s: {new / elapsed:.1f} tokens/s "
+        f"({'no cache' if args.no_cache else 'KV/SSM cache'}, prompt {len(ids)} tokens)",
+        file=sys.stderr,
+    )
     return 0
 
 

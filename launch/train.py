@@ -21,12 +21,20 @@ from moe_dist.config import ConfigError, load_config
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True, help="JSON job config (see configs/)")
-    p.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
-                   help="dotted-path overrides, values parsed as JSON where they parse, e.g. train.steps=50")
+    p.add_argument(
+        "--set",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="dotted-path overrides, values parsed as JSON where they parse, e.g. train.steps=50",
+    )
     p.add_argument("--run-dir", type=Path, default=None, help="output directory (default: runs/<config name>)")
-    p.add_argument("--resume", action="store_true",
-                   help="continue from the newest checkpoint in --run-dir that verifies (else the one before); start "
-                        "fresh when there is none, so a restart can repeat the first command line")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest checkpoint in --run-dir that verifies (else the one before); start "
+        "fresh when there is none, so a restart can repeat the first command line",
+    )
     p.add_argument("--dry-run", action="store_true", help="build on the meta device and print parameter counts")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # set by `deepspeed`
     return p.parse_args(argv)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
-import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -29,7 +28,9 @@ class AttentionConfig:
     rope: bool = True  # rotary position embeddings (Jamba's attention has none: its Mamba layers carry position)
     rope_theta: float = 10000.0  # RoPE base frequency
     sliding_window: Optional[int] = None  # attend only to the last N positions (Mistral/Mixtral); null = all
-    impl: Literal["auto", "torch", "triton"] = "auto"  # attention: auto/torch = SDPA (flash/cuDNN on CUDA), triton = ours
+    impl: Literal["auto", "torch", "triton"] = (
+        "auto"  # attention: auto/torch = SDPA (flash/cuDNN on CUDA), triton = ours
+    )
 
 
 @dataclass
@@ -86,7 +87,9 @@ class ParallelConfig:
 
 @dataclass
 class DataConfig:
-    source: Literal["stdlib", "text", "memmap"] = "stdlib"  # embedded stdlib sources, text files, or prepare_data output
+    source: Literal["stdlib", "text", "memmap"] = (
+        "stdlib"  # embedded stdlib sources, text files, or prepare_data output
+    )
     paths: list[str] = field(default_factory=list)  # files or globs for "text"; the .bin file for "memmap"
     val_fraction: float = 0.05  # held-out fraction of the token stream for validation
     max_bytes: Optional[int] = 8_000_000  # cap on bytes read for "stdlib"/"text" (null = all)
@@ -273,47 +276,74 @@ def validate(cfg: JobConfig) -> None:
     m, a, mb, moe, t = cfg.model, cfg.model.attention, cfg.model.mamba, cfg.model.moe, cfg.train
     for name in ("vocab_size", "d_model", "n_layers", "d_ff"):
         _check(getattr(m, name) > 0, f"model.{name}: must be positive, got {getattr(m, name)}")
-    _check(bool(m.mixer_pattern) and set(m.mixer_pattern) <= {"A", "M"},
-           f"model.mixer_pattern: letters A (attention) and M (Mamba) only, got {m.mixer_pattern!r}")
-    _check(bool(m.ffn_pattern) and set(m.ffn_pattern) <= {"D", "E"},
-           f"model.ffn_pattern: letters D (dense) and E (MoE) only, got {m.ffn_pattern!r}")
+    _check(
+        bool(m.mixer_pattern) and set(m.mixer_pattern) <= {"A", "M"},
+        f"model.mixer_pattern: letters A (attention) and M (Mamba) only, got {m.mixer_pattern!r}",
+    )
+    _check(
+        bool(m.ffn_pattern) and set(m.ffn_pattern) <= {"D", "E"},
+        f"model.ffn_pattern: letters D (dense) and E (MoE) only, got {m.ffn_pattern!r}",
+    )
     for name in ("mixer_pattern", "ffn_pattern"):
         n = len(getattr(m, name))
         _check(m.n_layers % n == 0, f"model.{name}: length {n} must divide model.n_layers={m.n_layers}")
-    _check(a.n_heads > 0 and a.n_kv_heads > 0 and a.n_heads % a.n_kv_heads == 0,
-           f"model.attention.n_kv_heads: must divide n_heads={a.n_heads}, got {a.n_kv_heads}")
+    _check(
+        a.n_heads > 0 and a.n_kv_heads > 0 and a.n_heads % a.n_kv_heads == 0,
+        f"model.attention.n_kv_heads: must divide n_heads={a.n_heads}, got {a.n_kv_heads}",
+    )
     if a.head_dim is None:
-        _check(m.d_model % a.n_heads == 0,
-               f"model.attention.n_heads: must divide d_model={m.d_model} when head_dim is null, got {a.n_heads}")
-    _check(mb.d_state > 0 and mb.d_conv > 0 and mb.expand > 0 and mb.chunk_size > 0,
-           "model.mamba: d_state, d_conv, expand and chunk_size must be positive")
+        _check(
+            m.d_model % a.n_heads == 0,
+            f"model.attention.n_heads: must divide d_model={m.d_model} when head_dim is null, got {a.n_heads}",
+        )
+    _check(
+        mb.d_state > 0 and mb.d_conv > 0 and mb.expand > 0 and mb.chunk_size > 0,
+        "model.mamba: d_state, d_conv, expand and chunk_size must be positive",
+    )
     _check(moe.num_experts > 0, f"model.moe.num_experts: must be positive, got {moe.num_experts}")
-    _check(0 < moe.top_k <= moe.num_experts,
-           f"model.moe.top_k: must be in [1, num_experts={moe.num_experts}], got {moe.top_k}")
-    _check(moe.capacity_factor is None or moe.capacity_factor > 0,
-           f"model.moe.capacity_factor: must be positive or null (dropless), got {moe.capacity_factor}")
+    _check(
+        0 < moe.top_k <= moe.num_experts,
+        f"model.moe.top_k: must be in [1, num_experts={moe.num_experts}], got {moe.top_k}",
+    )
+    _check(
+        moe.capacity_factor is None or moe.capacity_factor > 0,
+        f"model.moe.capacity_factor: must be positive or null (dropless), got {moe.capacity_factor}",
+    )
     _check(cfg.parallel.tp >= 1 and cfg.parallel.ep >= 1, "parallel.tp and parallel.ep must be >= 1")
     if cfg.parallel.tp > 1:
         _check_tensor_parallel(cfg)
-        _check(not t.compile, "train.compile: not supported with parallel.tp > 1 (the tensor-parallel region hooks "
-                              "issue collectives inside the compiled modules)")
-    _check(cfg.parallel.ep == 1 or cfg.deepspeed.zero_stage >= 1,
-           "deepspeed.zero_stage: expert parallelism (parallel.ep > 1) needs ZeRO stage 1 or 2 (stage 0's gradient "
-           "clipping in DeepSpeed averages per-rank norms instead of computing the global norm)")
-    _check(t.dtype == "fp32" or cfg.deepspeed.zero_stage >= 1,
-           "deepspeed.zero_stage: bf16 training needs ZeRO stage 1 or 2 here (checkpoints read its fp32 master weights)")
-    _check(moe.num_experts % cfg.parallel.ep == 0,
-           f"parallel.ep: must divide model.moe.num_experts={moe.num_experts}, got {cfg.parallel.ep}")
+        _check(
+            not t.compile,
+            "train.compile: not supported with parallel.tp > 1 (the tensor-parallel region hooks "
+            "issue collectives inside the compiled modules)",
+        )
+    _check(
+        cfg.parallel.ep == 1 or cfg.deepspeed.zero_stage >= 1,
+        "deepspeed.zero_stage: expert parallelism (parallel.ep > 1) needs ZeRO stage 1 or 2 (stage 0's gradient "
+        "clipping in DeepSpeed averages per-rank norms instead of computing the global norm)",
+    )
+    _check(
+        t.dtype == "fp32" or cfg.deepspeed.zero_stage >= 1,
+        "deepspeed.zero_stage: bf16 training needs ZeRO stage 1 or 2 here (checkpoints read its fp32 master weights)",
+    )
+    _check(
+        moe.num_experts % cfg.parallel.ep == 0,
+        f"parallel.ep: must divide model.moe.num_experts={moe.num_experts}, got {cfg.parallel.ep}",
+    )
     _check(t.steps > 0, f"train.steps: must be positive, got {t.steps}")
     _check(t.seq_len > 0, f"train.seq_len: must be positive, got {t.seq_len}")
     _check(t.micro_batch_size > 0, f"train.micro_batch_size: must be positive, got {t.micro_batch_size}")
-    _check(t.global_batch_size % t.micro_batch_size == 0,
-           f"train.global_batch_size: must be a multiple of train.micro_batch_size={t.micro_batch_size}, "
-           f"got {t.global_batch_size}")
+    _check(
+        t.global_batch_size % t.micro_batch_size == 0,
+        f"train.global_batch_size: must be a multiple of train.micro_batch_size={t.micro_batch_size}, "
+        f"got {t.global_batch_size}",
+    )
     _check(len(t.betas) == 2, f"train.betas: expected two numbers, got {t.betas}")
     _check(0.0 < cfg.data.val_fraction < 1.0, f"data.val_fraction: must be in (0, 1), got {cfg.data.val_fraction}")
-    _check(cfg.data.source == "stdlib" or bool(cfg.data.paths),
-           f"data.paths: required when data.source is {cfg.data.source!r}")
+    _check(
+        cfg.data.source == "stdlib" or bool(cfg.data.paths),
+        f"data.paths: required when data.source is {cfg.data.source!r}",
+    )
 
 
 def _check_tensor_parallel(cfg: JobConfig) -> None:
@@ -330,8 +360,10 @@ def _check_tensor_parallel(cfg: JobConfig) -> None:
         divides(a.n_kv_heads, "model.attention.n_kv_heads", "key/value heads")
     if "M" in m.mixer_pattern:
         divides(mb.expand * m.d_model, "model.mamba.expand", "d_inner = expand * d_model =")
-        _check(not mb.proj_bias, "model.mamba.proj_bias: biases of Mamba's in/out projections are not supported "
-                                 "with parallel.tp > 1")
+        _check(
+            not mb.proj_bias,
+            "model.mamba.proj_bias: biases of Mamba's in/out projections are not supported with parallel.tp > 1",
+        )
     if "D" in m.ffn_pattern:
         divides(m.d_ff, "model.d_ff", "the dense FFN hidden size")
     if "E" in m.ffn_pattern:
@@ -347,14 +379,17 @@ def check_layout(cfg: JobConfig, world_size: int) -> int:
     dp = world_size // tp
     _check(dp % ep == 0, f"parallel.ep: {ep} must divide the data-parallel degree {dp} (world {world_size} / tp {tp})")
     micro = cfg.train.global_batch_size // cfg.train.micro_batch_size
-    _check(micro % dp == 0,
-           f"train.global_batch_size: {cfg.train.global_batch_size} sequences = {micro} micro-batches of "
-           f"{cfg.train.micro_batch_size}, not divisible among {dp} data-parallel ranks")
-    _check(cfg.train.eval_batches % dp == 0,
-           f"train.eval_batches: {cfg.train.eval_batches} is not divisible among {dp} data-parallel ranks")
+    _check(
+        micro % dp == 0,
+        f"train.global_batch_size: {cfg.train.global_batch_size} sequences = {micro} micro-batches of "
+        f"{cfg.train.micro_batch_size}, not divisible among {dp} data-parallel ranks",
+    )
+    _check(
+        cfg.train.eval_batches % dp == 0,
+        f"train.eval_batches: {cfg.train.eval_batches} is not divisible among {dp} data-parallel ranks",
+    )
     return dp
 
 
 def grad_accum_steps(cfg: JobConfig, dp: int) -> int:
     return cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)
-

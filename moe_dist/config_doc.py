@@ -40,8 +40,11 @@ def field_comments(cls: type) -> dict[str, str]:
     for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):
         # dedent: a class defined inside a function (as in the tests) has indented source; line numbers keep.
         src = textwrap.dedent(inspect.getsource(klass))
-        by_line = {tok.start[0]: tok.string.lstrip("#").strip()
-                   for tok in tokenize.generate_tokens(io.StringIO(src).readline) if tok.type == tokenize.COMMENT}
+        by_line = {
+            tok.start[0]: tok.string.lstrip("#").strip()
+            for tok in tokenize.generate_tokens(io.StringIO(src).readline)
+            if tok.type == tokenize.COMMENT
+        }
         for node in ast.parse(src).body[0].body:
             if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
                 # A field written over several lines carries its comment on any of them.
@@ -80,17 +83,30 @@ def _sections(cls: type, path: str, note: str) -> list[str]:
     for f in dataclasses.fields(cls):
         key = f"{path}.{f.name}" if path else f.name
         if f.name not in comments:
-            raise ConfigDocError(f"{key}: config field has no trailing '# comment' "
-                                 f"(in {cls.__module__}.{cls.__qualname__}); every key must say what it means")
+            raise ConfigDocError(
+                f"{key}: config field has no trailing '# comment' "
+                f"(in {cls.__module__}.{cls.__qualname__}); every key must say what it means"
+            )
         if dataclasses.is_dataclass(hints[f.name]):
             subsections += _sections(hints[f.name], key, comments[f.name])
         else:
-            rows.append(f"| `{key}` | `{_cell(type_name(hints[f.name]))}` | `{_cell(json.dumps(_default(f)))}` "
-                        f"| {_cell(comments[f.name])} |")
+            rows.append(
+                f"| `{key}` | `{_cell(type_name(hints[f.name]))}` | `{_cell(json.dumps(_default(f)))}` "
+                f"| {_cell(comments[f.name])} |"
+            )
     if not rows:  # a section holding only sections (the root) gets no empty table
         return subsections
-    return [f"## `{path}`", "", f"{note[0].upper()}{note[1:]}.", "",
-            "| key | type | default | meaning |", "|---|---|---|---|", *rows, "", *subsections]
+    return [
+        f"## `{path}`",
+        "",
+        f"{note[0].upper()}{note[1:]}.",
+        "",
+        "| key | type | default | meaning |",
+        "|---|---|---|---|",
+        *rows,
+        "",
+        *subsections,
+    ]
 
 
 def render(root: type = JobConfig) -> str:
@@ -100,7 +116,7 @@ def render(root: type = JobConfig) -> str:
         "",
         f"Generated from the field comments in `moe_dist/config.py` by `{COMMAND}`; do not edit by hand",
         "(tests/test_config_doc.py fails when this page is stale).",
-        "Keys go in the JSON config under their section (`{\"model\": {\"moe\": {\"top_k\": 1}}}`) or on the command",
+        'Keys go in the JSON config under their section (`{"model": {"moe": {"top_k": 1}}}`) or on the command',
         "line as dotted overrides (`--set model.moe.top_k=1`); unknown keys and wrong types are errors.",
         "",
     ]

@@ -33,18 +33,45 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from moe_dist.config import (AttentionConfig, ConfigError, JobConfig, MambaConfig, ModelConfig, MoEConfig,
-                             config_from_dict, config_to_dict)
+from moe_dist.config import (
+    AttentionConfig,
+    ConfigError,
+    JobConfig,
+    MambaConfig,
+    ModelConfig,
+    MoEConfig,
+    config_from_dict,
+    config_to_dict,
+)
 from moe_dist.models.decoder import Decoder, build_model, layer_kinds
 from moe_dist.train.checkpoint import MOMENTS, latest_checkpoint, verify_checkpoint, write_whole_checkpoint
 from moe_dist.train.optim import lr_lambda
 
 ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "jamba": "JambaForCausalLM"}
 # Files of a Hugging Face directory that are not weights or config but travel with a converted model.
-COMPANION_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
-                   "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt")
-_MAMBA_PARAMS = ("in_proj.weight", "in_proj.bias", "conv1d.weight", "conv1d.bias", "x_proj.weight",
-                 "dt_proj.weight", "dt_proj.bias", "A_log", "D", "out_proj.weight", "out_proj.bias")
+COMPANION_FILES = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+)
+_MAMBA_PARAMS = (
+    "in_proj.weight",
+    "in_proj.bias",
+    "conv1d.weight",
+    "conv1d.bias",
+    "x_proj.weight",
+    "dt_proj.weight",
+    "dt_proj.bias",
+    "A_log",
+    "D",
+    "out_proj.weight",
+    "out_proj.bias",
+)
 _SHARD_BYTES = 5 * 2**30  # safetensors shard size of exported checkpoints (Hugging Face's default)
 
 
@@ -85,38 +112,74 @@ def config_from_hf(hf: dict) -> ModelConfig:
     if kind not in ARCHITECTURES:
         raise HFConfigError(f"model_type: {kind!r} is not supported (expected one of {sorted(ARCHITECTURES)})")
     if _get(hf, "hidden_act", "silu") != "silu":
-        raise HFConfigError(f"hidden_act: only 'silu' (SwiGLU experts, Mamba's SiLU) is supported, got {hf['hidden_act']!r}")
+        raise HFConfigError(
+            f"hidden_act: only 'silu' (SwiGLU experts, Mamba's SiLU) is supported, got {hf['hidden_act']!r}"
+        )
     n_layers, d_model = hf["num_hidden_layers"], hf["hidden_size"]
     n_heads = _get(hf, "num_attention_heads", 32)
-    common = dict(vocab_size=_get(hf, "vocab_size", 32000 if kind == "mixtral" else 65536), d_model=d_model,
-                  n_layers=n_layers, d_ff=_get(hf, "intermediate_size", 14336),
-                  tie_embeddings=bool(_get(hf, "tie_word_embeddings", False)),
-                  init_std=float(_get(hf, "initializer_range", 0.02)))
+    common = dict(
+        vocab_size=_get(hf, "vocab_size", 32000 if kind == "mixtral" else 65536),
+        d_model=d_model,
+        n_layers=n_layers,
+        d_ff=_get(hf, "intermediate_size", 14336),
+        tie_embeddings=bool(_get(hf, "tie_word_embeddings", False)),
+        init_std=float(_get(hf, "initializer_range", 0.02)),
+    )
     num_experts = _get(hf, "num_local_experts" if kind == "mixtral" else "num_experts", 8 if kind == "mixtral" else 16)
     # Jamba with num_experts 1 has no MoE layer; top_k is clipped so that the (unused) MoE section validates.
-    moe = MoEConfig(num_experts=num_experts, top_k=min(_get(hf, "num_experts_per_tok", 2), num_experts),
-                    capacity_factor=None, renormalize=kind == "mixtral")
+    moe = MoEConfig(
+        num_experts=num_experts,
+        top_k=min(_get(hf, "num_experts_per_tok", 2), num_experts),
+        capacity_factor=None,
+        renormalize=kind == "mixtral",
+    )
     if kind == "mixtral":
-        attention = AttentionConfig(n_heads=n_heads, n_kv_heads=_get(hf, "num_key_value_heads", n_heads),
-                                    head_dim=hf.get("head_dim"), rope=True, rope_theta=_rope_theta(hf),
-                                    sliding_window=hf.get("sliding_window"))
-        return _validated(ModelConfig(**common, mixer_pattern="A", ffn_pattern="E",
-                                      norm_eps=float(_get(hf, "rms_norm_eps", 1e-5)), attention=attention, moe=moe))
+        attention = AttentionConfig(
+            n_heads=n_heads,
+            n_kv_heads=_get(hf, "num_key_value_heads", n_heads),
+            head_dim=hf.get("head_dim"),
+            rope=True,
+            rope_theta=_rope_theta(hf),
+            sliding_window=hf.get("sliding_window"),
+        )
+        return _validated(
+            ModelConfig(
+                **common,
+                mixer_pattern="A",
+                ffn_pattern="E",
+                norm_eps=float(_get(hf, "rms_norm_eps", 1e-5)),
+                attention=attention,
+                moe=moe,
+            )
+        )
     attn_period, attn_offset = _get(hf, "attn_layer_period", 8), _get(hf, "attn_layer_offset", 4)
     exp_period, exp_offset = _get(hf, "expert_layer_period", 2), _get(hf, "expert_layer_offset", 1)
     dt_rank = _get(hf, "mamba_dt_rank", "auto")
-    mamba = MambaConfig(d_state=_get(hf, "mamba_d_state", 16), d_conv=_get(hf, "mamba_d_conv", 4),
-                        expand=_get(hf, "mamba_expand", 2),
-                        dt_rank=math.ceil(d_model / 16) if dt_rank == "auto" else int(dt_rank),
-                        conv_bias=bool(_get(hf, "mamba_conv_bias", True)), proj_bias=bool(_get(hf, "mamba_proj_bias", False)),
-                        inner_norms=True)
+    mamba = MambaConfig(
+        d_state=_get(hf, "mamba_d_state", 16),
+        d_conv=_get(hf, "mamba_d_conv", 4),
+        expand=_get(hf, "mamba_expand", 2),
+        dt_rank=math.ceil(d_model / 16) if dt_rank == "auto" else int(dt_rank),
+        conv_bias=bool(_get(hf, "mamba_conv_bias", True)),
+        proj_bias=bool(_get(hf, "mamba_proj_bias", False)),
+        inner_norms=True,
+    )
     mixers = ["A" if i % attn_period == attn_offset else "M" for i in range(n_layers)]
     ffns = ["E" if i % exp_period == exp_offset and moe.num_experts > 1 else "D" for i in range(n_layers)]
-    attention = AttentionConfig(n_heads=n_heads, n_kv_heads=_get(hf, "num_key_value_heads", 8),
-                                head_dim=hf.get("head_dim"), rope=False)
-    return _validated(ModelConfig(**common, mixer_pattern=_tile(mixers), ffn_pattern=_tile(ffns),
-                                  norm_eps=float(_get(hf, "rms_norm_eps", 1e-6)), attention=attention, mamba=mamba,
-                                  moe=moe))
+    attention = AttentionConfig(
+        n_heads=n_heads, n_kv_heads=_get(hf, "num_key_value_heads", 8), head_dim=hf.get("head_dim"), rope=False
+    )
+    return _validated(
+        ModelConfig(
+            **common,
+            mixer_pattern=_tile(mixers),
+            ffn_pattern=_tile(ffns),
+            norm_eps=float(_get(hf, "rms_norm_eps", 1e-6)),
+            attention=attention,
+            mamba=mamba,
+            moe=moe,
+        )
+    )
 
 
 def _validated(cfg: ModelConfig) -> ModelConfig:
@@ -143,23 +206,37 @@ def _architecture(cfg: ModelConfig) -> str:
     kinds = layer_kinds(cfg)
     mixers, ffns = [m for m, _ in kinds], [f for _, f in kinds]
     a, moe = cfg.attention, cfg.moe
-    mixtral = [why for bad, why in [
-        (set(mixers) != {"A"}, "every mixer must be attention"), (set(ffns) != {"E"}, "every FFN must be MoE"),
-        (not a.rope, "attention.rope must be true"), (not moe.renormalize, "moe.renormalize must be true")] if bad]
+    mixtral = [
+        why
+        for bad, why in [
+            (set(mixers) != {"A"}, "every mixer must be attention"),
+            (set(ffns) != {"E"}, "every FFN must be MoE"),
+            (not a.rope, "attention.rope must be true"),
+            (not moe.renormalize, "moe.renormalize must be true"),
+        ]
+        if bad
+    ]
     if not mixtral:
         return "mixtral"
-    jamba = [why for bad, why in [
-        (a.rope, "attention.rope must be false"), (a.sliding_window is not None, "attention.sliding_window must be null"),
-        ("E" in ffns and moe.renormalize, "moe.renormalize must be false"),
-        (a.head_dim not in (None, cfg.d_model // a.n_heads), "attention.head_dim must be d_model // n_heads"),
-        ("M" in mixers and not cfg.mamba.inner_norms, "mamba.inner_norms must be true"),
-        ("E" in ffns and "D" in ffns and (moe.d_ff or cfg.d_ff) != cfg.d_ff, "moe.d_ff must equal d_ff"),
-        (_period_offset(mixers, "A") is None, "attention layers must sit at one period/offset"),
-        (_period_offset(ffns, "E") is None, "MoE layers must sit at one period/offset")] if bad]
+    jamba = [
+        why
+        for bad, why in [
+            (a.rope, "attention.rope must be false"),
+            (a.sliding_window is not None, "attention.sliding_window must be null"),
+            ("E" in ffns and moe.renormalize, "moe.renormalize must be false"),
+            (a.head_dim not in (None, cfg.d_model // a.n_heads), "attention.head_dim must be d_model // n_heads"),
+            ("M" in mixers and not cfg.mamba.inner_norms, "mamba.inner_norms must be true"),
+            ("E" in ffns and "D" in ffns and (moe.d_ff or cfg.d_ff) != cfg.d_ff, "moe.d_ff must equal d_ff"),
+            (_period_offset(mixers, "A") is None, "attention layers must sit at one period/offset"),
+            (_period_offset(ffns, "E") is None, "MoE layers must sit at one period/offset"),
+        ]
+        if bad
+    ]
     if not jamba:
         return "jamba"
-    raise HFConfigError(f"model: not expressible as Hugging Face Mixtral ({'; '.join(mixtral)}) "
-                        f"nor Jamba ({'; '.join(jamba)})")
+    raise HFConfigError(
+        f"model: not expressible as Hugging Face Mixtral ({'; '.join(mixtral)}) nor Jamba ({'; '.join(jamba)})"
+    )
 
 
 def config_to_hf(cfg: ModelConfig, template: Optional[dict] = None) -> dict:
@@ -171,25 +248,48 @@ def config_to_hf(cfg: ModelConfig, template: Optional[dict] = None) -> dict:
     out = dict(template or {})
     for stale in ("rope_parameters", "rope_scaling", "torch_dtype", "dtype", "transformers_version"):
         out.pop(stale, None)
-    out.update(architectures=[ARCHITECTURES[kind]], model_type=kind, vocab_size=cfg.vocab_size,
-               hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layers, num_attention_heads=a.n_heads,
-               num_key_value_heads=a.n_kv_heads, hidden_act="silu", rms_norm_eps=cfg.norm_eps,
-               tie_word_embeddings=cfg.tie_embeddings, num_experts_per_tok=moe.top_k,
-               initializer_range=cfg.init_std)
+    out.update(
+        architectures=[ARCHITECTURES[kind]],
+        model_type=kind,
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.d_model,
+        num_hidden_layers=cfg.n_layers,
+        num_attention_heads=a.n_heads,
+        num_key_value_heads=a.n_kv_heads,
+        hidden_act="silu",
+        rms_norm_eps=cfg.norm_eps,
+        tie_word_embeddings=cfg.tie_embeddings,
+        num_experts_per_tok=moe.top_k,
+        initializer_range=cfg.init_std,
+    )
     if kind == "mixtral":
-        out.update(intermediate_size=moe.d_ff or cfg.d_ff, num_local_experts=moe.num_experts, head_dim=a.head_dim,
-                   rope_theta=a.rope_theta, sliding_window=a.sliding_window)
+        out.update(
+            intermediate_size=moe.d_ff or cfg.d_ff,
+            num_local_experts=moe.num_experts,
+            head_dim=a.head_dim,
+            rope_theta=a.rope_theta,
+            sliding_window=a.sliding_window,
+        )
         out.setdefault("max_position_embeddings", 131072)
         return out
     m, has_moe = cfg.mamba, any(f == "E" for _, f in kinds)
     attn_period, attn_offset = _period_offset([k for k, _ in kinds], "A")
     exp_period, exp_offset = _period_offset([f for _, f in kinds], "E")
-    out.update(intermediate_size=(moe.d_ff or cfg.d_ff) if has_moe else cfg.d_ff,
-               num_experts=moe.num_experts if has_moe else 1, attn_layer_period=attn_period,
-               attn_layer_offset=attn_offset, expert_layer_period=exp_period, expert_layer_offset=exp_offset,
-               mamba_d_state=m.d_state, mamba_d_conv=m.d_conv, mamba_expand=m.expand,
-               mamba_dt_rank=m.dt_rank or math.ceil(cfg.d_model / 16), mamba_conv_bias=m.conv_bias,
-               mamba_proj_bias=m.proj_bias, use_mamba_kernels=False)
+    out.update(
+        intermediate_size=(moe.d_ff or cfg.d_ff) if has_moe else cfg.d_ff,
+        num_experts=moe.num_experts if has_moe else 1,
+        attn_layer_period=attn_period,
+        attn_layer_offset=attn_offset,
+        expert_layer_period=exp_period,
+        expert_layer_offset=exp_offset,
+        mamba_d_state=m.d_state,
+        mamba_d_conv=m.d_conv,
+        mamba_expand=m.expand,
+        mamba_dt_rank=m.dt_rank or math.ceil(cfg.d_model / 16),
+        mamba_conv_bias=m.conv_bias,
+        mamba_proj_bias=m.proj_bias,
+        use_mamba_kernels=False,
+    )
     out.setdefault("max_position_embeddings", 262144)
     return out
 
@@ -200,8 +300,11 @@ def config_to_hf(cfg: ModelConfig, template: Optional[dict] = None) -> dict:
 def _hf_names(kind: str, name: str, num_experts: int) -> list[str]:
     """Hugging Face tensor names of our parameter `name`: one name, or one per expert for stacked experts (for the
     fused w13, all gate names, then all up names: the halves of its last dim)."""
-    top = {"embed.weight": "model.embed_tokens.weight", "head.weight": "lm_head.weight",
-           "norm.weight": "model.norm.weight" if kind == "mixtral" else "model.final_layernorm.weight"}
+    top = {
+        "embed.weight": "model.embed_tokens.weight",
+        "head.weight": "lm_head.weight",
+        "norm.weight": "model.norm.weight" if kind == "mixtral" else "model.final_layernorm.weight",
+    }
     if name in top:
         return [top[name]]
     _, layer, rest = name.split(".", 2)  # blocks.<i>.<rest>
@@ -216,15 +319,21 @@ def _hf_names(kind: str, name: str, num_experts: int) -> list[str]:
         dense = {f"ffn.{ours}.weight": f"feed_forward.{hf}.weight" for ours, hf in hf_ffn.items()}
         moe_prefix = "feed_forward.experts"
     experts = {"w13": [hf_ffn["w1"], hf_ffn["w3"]], "w2": [hf_ffn["w2"]]}
-    simple = {"mixer_norm.weight": "input_layernorm.weight", "ffn_norm.weight": ffn_norm, "ffn.router.weight": moe,
-              **{f"mixer.w{x}.weight": f"self_attn.{x}_proj.weight" for x in "qkvo"},
-              **{f"mixer.{p}": f"mamba.{p}" for p in _MAMBA_PARAMS},
-              **{f"mixer.{x}_norm.weight": f"mamba.{x}_layernorm.weight" for x in ("dt", "b", "c")}, **dense}
+    simple = {
+        "mixer_norm.weight": "input_layernorm.weight",
+        "ffn_norm.weight": ffn_norm,
+        "ffn.router.weight": moe,
+        **{f"mixer.w{x}.weight": f"self_attn.{x}_proj.weight" for x in "qkvo"},
+        **{f"mixer.{p}": f"mamba.{p}" for p in _MAMBA_PARAMS},
+        **{f"mixer.{x}_norm.weight": f"mamba.{x}_layernorm.weight" for x in ("dt", "b", "c")},
+        **dense,
+    }
     if rest in simple:
         return [prefix + simple[rest]]
     if rest.startswith("ffn.experts."):
-        return [f"{prefix}{moe_prefix}.{e}.{w}.weight" for w in experts[rest.rsplit(".", 1)[1]]
-                for e in range(num_experts)]
+        return [
+            f"{prefix}{moe_prefix}.{e}.{w}.weight" for w in experts[rest.rsplit(".", 1)[1]] for e in range(num_experts)
+        ]
     raise HFConfigError(f"{name}: no Hugging Face {kind} counterpart")
 
 
@@ -288,19 +397,25 @@ def load_hf_model(path: str | Path, dtype: Optional[torch.dtype] = torch.float32
         if not _is_experts(name):
             return get(names[0])
         E = cfg.moe.num_experts
-        parts = [torch.stack([get(n).t() for n in names[i:i + E]]) for i in range(0, len(names), E)]
+        parts = [torch.stack([get(n).t() for n in names[i : i + E]]) for i in range(0, len(names), E)]
         return torch.cat(parts, dim=2)  # w13: [gate | up]
 
     model = _assign(build_model(cfg), read, str(path), dtype)
     unused = sorted(set(index) - used - ({"lm_head.weight"} if cfg.tie_embeddings else set()))
     if unused:
-        raise HFConfigError(f"{path}: {len(unused)} tensors not used by the model built from config.json, "
-                            f"e.g. {unused[:3]}")
+        raise HFConfigError(
+            f"{path}: {len(unused)} tensors not used by the model built from config.json, e.g. {unused[:3]}"
+        )
     return model
 
 
-def save_hf_model(model: Decoder, path: str | Path, dtype: Optional[torch.dtype] = None,
-                  template: Optional[dict] = None, shard_bytes: int = _SHARD_BYTES) -> Path:
+def save_hf_model(
+    model: Decoder,
+    path: str | Path,
+    dtype: Optional[torch.dtype] = None,
+    template: Optional[dict] = None,
+    shard_bytes: int = _SHARD_BYTES,
+) -> Path:
     """Write `model` as a Hugging Face checkpoint directory (config.json + safetensors, sharded past
     `shard_bytes`) that `transformers.AutoModelForCausalLM.from_pretrained(path)` loads offline."""
     cfg = model.cfg
@@ -314,8 +429,10 @@ def save_hf_model(model: Decoder, path: str | Path, dtype: Optional[torch.dtype]
         names = _hf_names(kind, name, cfg.moe.num_experts)
         if _is_experts(name):
             if t.shape[0] != cfg.moe.num_experts:
-                raise HFConfigError(f"{name}: holds {t.shape[0]} of {cfg.moe.num_experts} experts (expert-parallel "
-                                    "slice); export a checkpoint, which holds them all")
+                raise HFConfigError(
+                    f"{name}: holds {t.shape[0]} of {cfg.moe.num_experts} experts (expert-parallel "
+                    "slice); export a checkpoint, which holds them all"
+                )
             halves = t.chunk(len(names) // t.shape[0], dim=2)  # w13: [gate | up]; w2: itself
             tensors.update({n: w.t().contiguous() for n, w in zip(names, (w for h in halves for w in h.unbind(0)))})
         else:
@@ -361,8 +478,9 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return found
 
 
-def load_checkpoint_model(path: str | Path, dtype: Optional[torch.dtype] = None,
-                          dropless: bool = False) -> tuple[Decoder, JobConfig]:
+def load_checkpoint_model(
+    path: str | Path, dtype: Optional[torch.dtype] = None, dropless: bool = False
+) -> tuple[Decoder, JobConfig]:
     """The model (parameters only, no optimizer state) and job config of one of our training checkpoints;
     `dropless` builds it with `moe.capacity_factor` null (inference). Files are checked against meta.json."""
     ckpt = resolve_checkpoint(path)

@@ -41,6 +41,7 @@ SCALAR_ALL_REDUCES_PER_STEP = 5  # gradient-norm pieces and the metrics vector (
 
 # --------------------------------------------------------------------------------------------- collectives
 
+
 def collective_terms(kind: str, n: int, payload_bytes: float) -> tuple[int, float]:
     """(latency hops, bytes each rank sends) of one collective on n ranks.
 
@@ -123,8 +124,9 @@ def call_time(call: Call, hw: Hardware) -> float:
     return hops * hw.inter.alpha_s + wire / min(hw.intra.beta_Bps, hw.inter.beta_Bps)
 
 
-def bottleneck_features(kind: str, n: int, g: int, payload_bytes: float, wire_bytes: float | None = None
-                        ) -> tuple[float, float]:
+def bottleneck_features(
+    kind: str, n: int, g: int, payload_bytes: float, wire_bytes: float | None = None
+) -> tuple[float, float]:
     """(hops, bytes) whose α–β cost `call_time` charges to the slower link: the regression features of a fit.
 
     wire_bytes overrides the bytes a rank sends (an uneven all-to-all measured exactly).
@@ -138,6 +140,7 @@ def bottleneck_features(kind: str, n: int, g: int, payload_bytes: float, wire_by
 
 
 # ------------------------------------------------------------------------------------------- the workload
+
 
 @dataclass(frozen=True)
 class ModelCost:
@@ -178,8 +181,7 @@ def model_cost(cfg: JobConfig) -> ModelCost:
     fwd = 2.0 * matmul + n_attn * attn + n_mamba * scan
     n_moe = sum(1 for i in range(m.n_layers) if m.ffn_pattern[i % len(m.ffn_pattern)] == "E")
     dt_rank = m.mamba.dt_rank or math.ceil(m.d_model / 16)
-    return ModelCost(fwd, int(dense), int(expert), n_moe, m.n_layers, m.d_model, n_mamba,
-                     dt_rank + 2 * m.mamba.d_state)
+    return ModelCost(fwd, int(dense), int(expert), n_moe, m.n_layers, m.d_model, n_mamba, dt_rank + 2 * m.mamba.d_state)
 
 
 def _group_placement(ranks: list[int], ranks_per_node: int) -> tuple[int, int]:
@@ -270,6 +272,7 @@ def memory_per_device(cfg: JobConfig, layout: Layout, cost: ModelCost | None = N
 
 # ------------------------------------------------------------------------------------------- predictions
 
+
 @dataclass
 class StepPrediction:
     layout: Layout
@@ -283,8 +286,14 @@ class StepPrediction:
     calls: list[Call] = field(default_factory=list)
 
 
-def predict_step(cfg: JobConfig, layout: Layout, hw: Hardware, ranks_per_device: int = 1,
-                 ranks_per_node: int | None = None, cost: ModelCost | None = None) -> StepPrediction:
+def predict_step(
+    cfg: JobConfig,
+    layout: Layout,
+    hw: Hardware,
+    ranks_per_device: int = 1,
+    ranks_per_node: int | None = None,
+    cost: ModelCost | None = None,
+) -> StepPrediction:
     """Step time of `cfg` at `layout` on `hw`. ranks_per_device > 1 when ranks share one device (CPU cores)."""
     cost = cost or model_cost(cfg)
     rpn = ranks_per_node or hw.ranks_per_node
@@ -299,8 +308,9 @@ def predict_step(cfg: JobConfig, layout: Layout, hw: Hardware, ranks_per_device:
     step = compute + sum(comm.values())
     tokens = cfg.train.global_batch_size * cfg.train.seq_len
     mfu = flops / step / hw.peak_flops_per_s if hw.peak_flops_per_s else None
-    return StepPrediction(layout, compute, comm, sent, step, tokens / step, memory_per_device(cfg, layout, cost),
-                          mfu, calls)
+    return StepPrediction(
+        layout, compute, comm, sent, step, tokens / step, memory_per_device(cfg, layout, cost), mfu, calls
+    )
 
 
 # --------------------------------------------------------------------------------------------------- H200
@@ -339,8 +349,13 @@ def candidate_layouts(gpus: int, num_experts: int, global_batch: int, micro_batc
     out = {}
     for name, make in families.items():
         lay = make(gpus)
-        if (lay.dp >= 1 and lay.world == gpus and lay.dp % lay.ep == 0 and num_experts % lay.ep == 0
-                and global_batch % (micro_batch * lay.dp) == 0):
+        if (
+            lay.dp >= 1
+            and lay.world == gpus
+            and lay.dp % lay.ep == 0
+            and num_experts % lay.ep == 0
+            and global_batch % (micro_batch * lay.dp) == 0
+        ):
             out[name] = lay
     return out
 
@@ -351,15 +366,26 @@ def scaling_sweep(cfg: JobConfig, hw: Hardware, gpu_counts=(8, 16, 32, 64, 128, 
     cost = model_cost(cfg)
     rows = []
     for n in gpu_counts:
-        for family, lay in candidate_layouts(n, cfg.model.moe.num_experts, cfg.train.global_batch_size,
-                                             cfg.train.micro_batch_size).items():
+        for family, lay in candidate_layouts(
+            n, cfg.model.moe.num_experts, cfg.train.global_batch_size, cfg.train.micro_batch_size
+        ).items():
             p = predict_step(cfg, lay, hw, cost=cost)
-            rows.append({"gpus": n, "family": family, "layout": str(lay), "step_s": p.step_s,
-                         "tokens_per_s": p.tokens_per_s, "tokens_per_s_per_gpu": p.tokens_per_s / n,
-                         "scaling_efficiency": p.compute_s / p.step_s, "mfu": p.mfu,
-                         "compute_s": p.compute_s, **{f"{k}_s": v for k, v in p.comm_s.items()},
-                         "memory_gb": p.memory_bytes / 1e9,
-                         "fits": hw.memory_bytes is None or p.memory_bytes <= hw.memory_bytes})
+            rows.append(
+                {
+                    "gpus": n,
+                    "family": family,
+                    "layout": str(lay),
+                    "step_s": p.step_s,
+                    "tokens_per_s": p.tokens_per_s,
+                    "tokens_per_s_per_gpu": p.tokens_per_s / n,
+                    "scaling_efficiency": p.compute_s / p.step_s,
+                    "mfu": p.mfu,
+                    "compute_s": p.compute_s,
+                    **{f"{k}_s": v for k, v in p.comm_s.items()},
+                    "memory_gb": p.memory_bytes / 1e9,
+                    "fits": hw.memory_bytes is None or p.memory_bytes <= hw.memory_bytes,
+                }
+            )
     return rows
 
 
@@ -373,6 +399,7 @@ def recommend(rows: list[dict]) -> dict[int, dict]:
 
 
 # -------------------------------------------------------------------------------------------------- fitting
+
 
 def fit_link(hops: np.ndarray, wire_bytes: np.ndarray, seconds: np.ndarray) -> Link:
     """α and 1/β of seconds ≈ α·hops + bytes/β by least squares on absolute seconds (so the fitted calls add
@@ -427,8 +454,9 @@ def fit_hardware(runs: list[MeasuredRun], samples: dict[str, np.ndarray], name: 
         raise ValueError("no collective samples to fit α and β")
     intra = links.get("intra") or links["inter"]
     inter = links.get("inter") or intra
-    return Hardware(name=name, flops_per_s=F, ranks_per_node=max(r.ranks_per_node for r in runs), intra=intra,
-                    inter=inter)
+    return Hardware(
+        name=name, flops_per_s=F, ranks_per_node=max(r.ranks_per_node for r in runs), intra=intra, inter=inter
+    )
 
 
 def fit_errors(runs: list[MeasuredRun], hw: Hardware) -> list[dict]:
@@ -436,7 +464,14 @@ def fit_errors(runs: list[MeasuredRun], hw: Hardware) -> list[dict]:
     out = []
     for r in runs:
         p = predict_step(r.cfg, r.layout, hw, ranks_per_device=r.ranks_per_device, ranks_per_node=r.ranks_per_node)
-        out.append({"run": r.name, "measured_s": r.step_s, "predicted_s": p.step_s,
-                    "rel_error": p.step_s / r.step_s - 1.0, "predicted_compute_s": p.compute_s,
-                    "predicted_comm_s": sum(p.comm_s.values())})
+        out.append(
+            {
+                "run": r.name,
+                "measured_s": r.step_s,
+                "predicted_s": p.step_s,
+                "rel_error": p.step_s / r.step_s - 1.0,
+                "predicted_compute_s": p.compute_s,
+                "predicted_comm_s": sum(p.comm_s.values()),
+            }
+        )
     return out

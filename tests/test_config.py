@@ -8,8 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from moe_dist.config import (ConfigError, JobConfig, TrainConfig, check_layout, config_from_dict, config_to_dict,
-                             load_config)
+from moe_dist.config import (
+    ConfigError,
+    JobConfig,
+    TrainConfig,
+    check_layout,
+    config_from_dict,
+    config_to_dict,
+    load_config,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((REPO / "configs").glob("*.json"))
@@ -28,24 +35,45 @@ def _write(tmp_path, raw):
     return p
 
 
-@pytest.mark.parametrize("raw, message", [
-    ({"model": {"moe": {"num_expert": 4}}}, "model.moe.num_expert: unknown config key (did you mean 'model.moe.num_experts'?)"),
-    ({"trian": {}}, "trian: unknown config key (did you mean 'train'?)"),
-    ({"train": {"steps": "10"}}, "train.steps: expected int, got str '10'"),
-    ({"train": {"steps": 1.5}}, "train.steps: expected int, got float 1.5"),
-    ({"train": {"lr": True}}, "train.lr: expected float, got bool True"),
-    ({"model": {"moe": {"drop_policy": "random"}}}, "model.moe.drop_policy: expected one of ['position', 'probability'], got 'random'"),
-    ({"model": {"attention": 3}}, "model.attention: expected an object, got int 3"),
-    ({"model": {"moe": {"top_k": 9}}}, "model.moe.top_k: must be in [1, num_experts=8], got 9"),
-    ({"model": {"mixer_pattern": "AX"}}, "model.mixer_pattern: letters A (attention) and M (Mamba) only, got 'AX'"),
-    ({"model": {"n_layers": 3, "ffn_pattern": "DE"}}, "model.ffn_pattern: length 2 must divide model.n_layers=3"),
-    ({"train": {"global_batch_size": 6, "micro_batch_size": 4}}, "train.global_batch_size: must be a multiple of train.micro_batch_size=4, got 6"),
-    # keys and values of the retired compiled CPU kernels and host tuning
-    *[({"train": {key: value}}, f"train.{key}: unknown config key (valid keys: "
-       + ", ".join(f.name for f in dataclasses.fields(TrainConfig)) + ")")
-      for key, value in (("cpu_hugepages", True), ("flush_denormal", True), ("cpu_malloc", "keep"))],
-    ({"model": {"mamba": {"impl": "cpu"}}}, "model.mamba.impl: expected one of ['auto', 'torch', 'triton'], got 'cpu'"),
-])
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        (
+            {"model": {"moe": {"num_expert": 4}}},
+            "model.moe.num_expert: unknown config key (did you mean 'model.moe.num_experts'?)",
+        ),
+        ({"trian": {}}, "trian: unknown config key (did you mean 'train'?)"),
+        ({"train": {"steps": "10"}}, "train.steps: expected int, got str '10'"),
+        ({"train": {"steps": 1.5}}, "train.steps: expected int, got float 1.5"),
+        ({"train": {"lr": True}}, "train.lr: expected float, got bool True"),
+        (
+            {"model": {"moe": {"drop_policy": "random"}}},
+            "model.moe.drop_policy: expected one of ['position', 'probability'], got 'random'",
+        ),
+        ({"model": {"attention": 3}}, "model.attention: expected an object, got int 3"),
+        ({"model": {"moe": {"top_k": 9}}}, "model.moe.top_k: must be in [1, num_experts=8], got 9"),
+        ({"model": {"mixer_pattern": "AX"}}, "model.mixer_pattern: letters A (attention) and M (Mamba) only, got 'AX'"),
+        ({"model": {"n_layers": 3, "ffn_pattern": "DE"}}, "model.ffn_pattern: length 2 must divide model.n_layers=3"),
+        (
+            {"train": {"global_batch_size": 6, "micro_batch_size": 4}},
+            "train.global_batch_size: must be a multiple of train.micro_batch_size=4, got 6",
+        ),
+        # keys and values of the retired compiled CPU kernels and host tuning
+        *[
+            (
+                {"train": {key: value}},
+                f"train.{key}: unknown config key (valid keys: "
+                + ", ".join(f.name for f in dataclasses.fields(TrainConfig))
+                + ")",
+            )
+            for key, value in (("cpu_hugepages", True), ("flush_denormal", True), ("cpu_malloc", "keep"))
+        ],
+        (
+            {"model": {"mamba": {"impl": "cpu"}}},
+            "model.mamba.impl: expected one of ['auto', 'torch', 'triton'], got 'cpu'",
+        ),
+    ],
+)
 def test_errors_are_one_line_and_name_the_key(tmp_path, raw, message):
     with pytest.raises(ConfigError) as e:
         load_config(_write(tmp_path, raw))
@@ -62,8 +90,15 @@ def test_file_errors_name_the_file(tmp_path):
 
 
 def test_overrides_use_dotted_paths_and_json_values(tmp_path):
-    cfg = load_config(REPO / "configs/debug.json", ["train.steps=50", "model.moe.capacity_factor=null",
-                                                    "model.moe.drop_policy=probability", "train.betas=[0.8,0.9]"])
+    cfg = load_config(
+        REPO / "configs/debug.json",
+        [
+            "train.steps=50",
+            "model.moe.capacity_factor=null",
+            "model.moe.drop_policy=probability",
+            "train.betas=[0.8,0.9]",
+        ],
+    )
     assert cfg.train.steps == 50 and cfg.model.moe.capacity_factor is None
     assert cfg.model.moe.drop_policy == "probability" and cfg.train.betas == [0.8, 0.9]
     assert cfg.model.d_model == 64  # untouched keys keep the file's values
@@ -82,21 +117,38 @@ def test_layout_checks_against_world_size():
         check_layout(cfg, 8)
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["model.attention.n_heads=3", "model.attention.n_kv_heads=3", "model.attention.head_dim=16"],
-     "model.attention.n_heads: query heads 3 is not divisible by parallel.tp=2"),
-    (["model.attention.n_kv_heads=1"], "model.attention.n_kv_heads: key/value heads 1 is not divisible by parallel.tp=2"),
-    (["model.d_model=65", "model.mamba.expand=1", "model.attention.head_dim=16", "model.mixer_pattern=M"],
-     "model.mamba.expand: d_inner = expand * d_model = 65 is not divisible by parallel.tp=2"),
-    (["model.d_ff=130"], "model.d_ff: the dense FFN hidden size 130 is not divisible by parallel.tp=4"),
-    (["model.moe.d_ff=31"], "model.moe.d_ff: the expert hidden size 31 is not divisible by parallel.tp=2"),
-    (["model.vocab_size=257"],
-     "model.vocab_size: the vocabulary (split across tensor-parallel ranks) 257 is not divisible by parallel.tp=2"),
-    (["parallel.sequence_parallel=true", "train.seq_len=33"],
-     "train.seq_len: with parallel.sequence_parallel, the sequence length 33 is not divisible by parallel.tp=2"),
-    (["model.mamba.proj_bias=true"],
-     "model.mamba.proj_bias: biases of Mamba's in/out projections are not supported with parallel.tp > 1"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["model.attention.n_heads=3", "model.attention.n_kv_heads=3", "model.attention.head_dim=16"],
+            "model.attention.n_heads: query heads 3 is not divisible by parallel.tp=2",
+        ),
+        (
+            ["model.attention.n_kv_heads=1"],
+            "model.attention.n_kv_heads: key/value heads 1 is not divisible by parallel.tp=2",
+        ),
+        (
+            ["model.d_model=65", "model.mamba.expand=1", "model.attention.head_dim=16", "model.mixer_pattern=M"],
+            "model.mamba.expand: d_inner = expand * d_model = 65 is not divisible by parallel.tp=2",
+        ),
+        (["model.d_ff=130"], "model.d_ff: the dense FFN hidden size 130 is not divisible by parallel.tp=4"),
+        (["model.moe.d_ff=31"], "model.moe.d_ff: the expert hidden size 31 is not divisible by parallel.tp=2"),
+        (
+            ["model.vocab_size=257"],
+            "model.vocab_size: the vocabulary (split across tensor-parallel ranks) 257 is not divisible by "
+            "parallel.tp=2",
+        ),
+        (
+            ["parallel.sequence_parallel=true", "train.seq_len=33"],
+            "train.seq_len: with parallel.sequence_parallel, the sequence length 33 is not divisible by parallel.tp=2",
+        ),
+        (
+            ["model.mamba.proj_bias=true"],
+            "model.mamba.proj_bias: biases of Mamba's in/out projections are not supported with parallel.tp > 1",
+        ),
+    ],
+)
 def test_tensor_parallel_divisibility_errors_name_the_key(overrides, message):
     tp = message.split("parallel.tp=")[1] if "parallel.tp=" in message else "2"
     with pytest.raises(ConfigError) as e:
@@ -109,27 +161,49 @@ def test_tensor_parallel_layout_against_world_size():
     assert check_layout(cfg, 4) == 2  # dp = world / tp
     with pytest.raises(ConfigError, match=r"^parallel.tp: 2 does not divide the world size 3$"):
         check_layout(cfg, 3)
-    with pytest.raises(ConfigError, match=r"^parallel.ep: 2 must divide the data-parallel degree 1 \(world 2 / tp 2\)$"):
+    with pytest.raises(
+        ConfigError, match=r"^parallel.ep: 2 must divide the data-parallel degree 1 \(world 2 / tp 2\)$"
+    ):
         check_layout(cfg, 2)
 
 
 def test_cli_reports_bad_config_in_one_line_with_exit_2(tmp_path):
-    proc = subprocess.run([sys.executable, str(REPO / "launch/train.py"), "--config", str(REPO / "configs/debug.json"),
-                           "--set", "model.moe.num_expertz=3", "--run-dir", str(tmp_path / "run")],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "launch/train.py"),
+            "--config",
+            str(REPO / "configs/debug.json"),
+            "--set",
+            "model.moe.num_expertz=3",
+            "--run-dir",
+            str(tmp_path / "run"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == (
-        "error: model.moe.num_expertz: unknown config key (did you mean 'model.moe.num_experts'?)")
+        "error: model.moe.num_expertz: unknown config key (did you mean 'model.moe.num_experts'?)"
+    )
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("name, total, active", [
-    ("mixtral_8x7b", 46.7e9, 12.9e9),  # published Mixtral-8x7B figures
-    ("jamba_v0.1", 52e9, 12e9),  # published Jamba-v0.1 figures (rounded to 1B)
-])
+@pytest.mark.parametrize(
+    "name, total, active",
+    [
+        ("mixtral_8x7b", 46.7e9, 12.9e9),  # published Mixtral-8x7B figures
+        ("jamba_v0.1", 52e9, 12e9),  # published Jamba-v0.1 figures (rounded to 1B)
+    ],
+)
 def test_dry_run_reports_published_parameter_counts(name, total, active):
-    proc = subprocess.run([sys.executable, str(REPO / "launch/train.py"), "--config", str(REPO / f"configs/{name}.json"),
-                           "--dry-run"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "launch/train.py"), "--config", str(REPO / f"configs/{name}.json"), "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     counts = json.loads(proc.stdout.strip().splitlines()[-1])
     tol = 0.05e9 if name.startswith("mixtral") else 0.5e9

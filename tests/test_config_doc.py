@@ -34,7 +34,9 @@ def test_every_key_is_listed_with_its_default():
     for key, default in keys:
         row = [ln for ln in lines if ln.startswith(f"| `{key}` |")]
         assert len(row) == 1, f"{key}: expected one table row, found {len(row)}"
-        assert f"| `{json.dumps(default)}` |" in row[0].replace("\\|", "|"), f"{key}: default {default!r} not in {row[0]}"
+        assert f"| `{json.dumps(default)}` |" in row[0].replace("\\|", "|"), (
+            f"{key}: default {default!r} not in {row[0]}"
+        )
     assert render().count("\n| `") == len(keys)  # and no row for a key that does not exist
 
 
@@ -55,8 +57,7 @@ def test_field_without_comment_is_an_error_naming_the_key():
 def test_multiline_field_comment_and_rendering():
     @dataclass
     class Section:
-        choice: typing.Literal["a", "b"] = (
-            "a")  # picks | between a and b
+        choice: typing.Literal["a", "b"] = "a"  # picks | between a and b
         maybe: typing.Optional[int] = None  # optional count
 
     @dataclass

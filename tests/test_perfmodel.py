@@ -13,8 +13,9 @@ from moe_dist.config import load_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
-TRUE = pm.Hardware(name="synthetic", flops_per_s=3e10, ranks_per_node=2, intra=pm.Link(2e-4, 2e9),
-                   inter=pm.Link(9e-4, 3e8))
+TRUE = pm.Hardware(
+    name="synthetic", flops_per_s=3e10, ranks_per_node=2, intra=pm.Link(2e-4, 2e9), inter=pm.Link(9e-4, 3e8)
+)
 
 
 def _samples(link: pm.Link, rng, n_samples=400, noise=0.02, span_nodes=False):
@@ -30,8 +31,11 @@ def _samples(link: pm.Link, rng, n_samples=400, noise=0.02, span_nodes=False):
     return np.array(rows)
 
 
-@pytest.mark.parametrize("link", [pm.Link(5e-6, 4.5e10), pm.Link(2e-4, 2e9), pm.Link(1e-3, 1e8)],
-                         ids=["nvlink-like", "loopback-like", "slow"])
+@pytest.mark.parametrize(
+    "link",
+    [pm.Link(5e-6, 4.5e10), pm.Link(2e-4, 2e9), pm.Link(1e-3, 1e8)],
+    ids=["nvlink-like", "loopback-like", "slow"],
+)
 def test_fit_link_recovers_alpha_and_beta(link):
     s = _samples(link, np.random.default_rng(0))
     got = pm.fit_link(s[:, 0], s[:, 1], s[:, 2])
@@ -57,16 +61,27 @@ def test_fit_link_never_returns_negative_constants():
 def _measured_runs(hw: pm.Hardware):
     """Runs of the debug config at several layouts, 'measured' on `hw` (the model's own prediction)."""
     runs = []
-    for world, nodes, gbs in [(1, 1, 8), (2, 1, 8), (4, 1, 8), (2, 1, 16), (4, 1, 32), (2, 2, 8), (4, 2, 8),
-                              (4, 2, 32)]:
-        cfg = load_config(CONFIGS / "debug.json", [f"train.global_batch_size={gbs}", f"parallel.ep={world}",
-                                                 f"train.eval_batches={world}"])
+    for world, nodes, gbs in [
+        (1, 1, 8),
+        (2, 1, 8),
+        (4, 1, 8),
+        (2, 1, 16),
+        (4, 1, 32),
+        (2, 2, 8),
+        (4, 2, 8),
+        (4, 2, 32),
+    ]:
+        cfg = load_config(
+            CONFIGS / "debug.json",
+            [f"train.global_batch_size={gbs}", f"parallel.ep={world}", f"train.eval_batches={world}"],
+        )
         layout = pm.Layout(world, world, 1)
         share = max(1, world // 2)
         p = pm.predict_step(cfg, layout, hw, ranks_per_device=share, ranks_per_node=world // nodes)
         comm = sum(p.comm_s.values())
-        runs.append(pm.MeasuredRun(f"w{world}n{nodes}b{gbs}", cfg, layout, world // nodes, share,
-                                   p.step_s, p.step_s - comm))
+        runs.append(
+            pm.MeasuredRun(f"w{world}n{nodes}b{gbs}", cfg, layout, world // nodes, share, p.step_s, p.step_s - comm)
+        )
     return runs
 
 

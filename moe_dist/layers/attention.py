@@ -2,8 +2,9 @@
 
 The attention kernel is chosen once, when the layer is built for its device (`attention_kernel`, resolved by
 `moe_dist.layers.impl`): PyTorch SDPA (which never materializes repeated k/v for grouped-query heads; "auto"
-everywhere) or the Triton flash-attention kernel (`moe_dist.kernels.flash_attention`, impl "triton"). Sliding-window attention (imported
-Mistral-style checkpoints) and the inference path with a `KVCache` take SDPA with an explicit mask.
+everywhere) or the Triton flash-attention kernel (`moe_dist.kernels.flash_attention`, impl "triton").
+Sliding-window attention (imported Mistral-style checkpoints) and the inference path with a `KVCache` take SDPA
+with an explicit mask.
 """
 
 import math
@@ -23,8 +24,9 @@ def _sdpa(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True, softmax_scale: Optional[float] = None
 ) -> torch.Tensor:
     """q (B, Hq, S, Dh), k/v (B, Hkv, S, Dh) -> (B, Hq, S, Dh)."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=softmax_scale,
-                                          enable_gqa=q.shape[1] != k.shape[1])
+    return F.scaled_dot_product_attention(
+        q, k, v, is_causal=causal, scale=softmax_scale, enable_gqa=q.shape[1] != k.shape[1]
+    )
 
 
 def _window_mask(q_len: int, k_len: int, offset: int, window: Optional[int], device: torch.device) -> torch.Tensor:
@@ -39,8 +41,9 @@ def _window_mask(q_len: int, k_len: int, offset: int, window: Optional[int], dev
 def attention_kernel(impl: str, device: torch.device | str = "cpu") -> Kernel:
     """`model.attention.impl` for a layer built for `device`, with `flash_attention`'s signature: SDPA ("torch",
     which "auto" takes everywhere: its flash / cuDNN backends on CUDA) or our Triton kernel ("triton")."""
-    return resolve(impl, "model.attention.impl", device, _sdpa, "flash_attention.flash_attention",
-                   "flash-attention kernel")
+    return resolve(
+        impl, "model.attention.impl", device, _sdpa, "flash_attention.flash_attention", "flash-attention kernel"
+    )
 
 
 @dataclass
@@ -56,15 +59,16 @@ class KVCache:
         end = self.length + k.shape[2]
         if end > self.k.shape[2]:
             raise ValueError(f"KVCache: {end} positions exceed the cache's max_len {self.k.shape[2]}")
-        self.k[:, :, self.length:end] = k
-        self.v[:, :, self.length:end] = v
+        self.k[:, :, self.length : end] = k
+        self.v[:, :, self.length : end] = v
         self.length = end
         return self.k[:, :, :end], self.v[:, :, :end]
 
 
 class Attention(nn.Module):
-    def __init__(self, d_model: int, cfg: AttentionConfig, init_std: float, n_layers: int,
-                 device: torch.device | str = "cpu"):
+    def __init__(
+        self, d_model: int, cfg: AttentionConfig, init_std: float, n_layers: int, device: torch.device | str = "cpu"
+    ):
         super().__init__()
         self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.n_kv_heads
         self.head_dim = cfg.head_dim or d_model // cfg.n_heads

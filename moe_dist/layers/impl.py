@@ -59,12 +59,15 @@ def _why_no_triton(device: torch.device) -> Optional[str]:
     if device.type == "cuda" or (device.type == "cpu" and triton_interpreting()):
         return None
     if device.type == "cpu":
-        return "the model is built for the CPU (TRITON_INTERPRET=1 runs the kernels in Triton's CPU interpreter, slowly)"
+        return (
+            "the model is built for the CPU (TRITON_INTERPRET=1 runs the kernels in Triton's CPU interpreter, slowly)"
+        )
     return f"the model is built for {device}; the Triton kernels run on CUDA"
 
 
-def resolve(impl: str, key: str, device: torch.device | str, torch_fn: Callable, kernel: Optional[str],
-            what: str) -> Kernel:
+def resolve(
+    impl: str, key: str, device: torch.device | str, torch_fn: Callable, kernel: Optional[str], what: str
+) -> Kernel:
     """The implementation of config value `impl` (of config key `key`) for a layer built for `device`.
 
     `torch_fn` is the PyTorch path; `kernel` is "module.function" in moe_dist.kernels with the same signature, or

@@ -28,8 +28,14 @@ def scan_kernel(impl: str, device: torch.device | str = "cpu", chunk_size: int =
     """`model.mamba.impl` for a layer built for `device`, with `selective_scan_ref`'s signature: the chunked
     PyTorch scan (`moe_dist.layers.scan`) or the Triton kernel (`moe_dist.kernels.selective_scan`, which "auto"
     takes on CUDA)."""
-    return resolve(impl, "model.mamba.impl", device, functools.partial(selective_scan, chunk_size=chunk_size),
-                   "selective_scan.selective_scan", "selective scan")
+    return resolve(
+        impl,
+        "model.mamba.impl",
+        device,
+        functools.partial(selective_scan, chunk_size=chunk_size),
+        "selective_scan.selective_scan",
+        "selective scan",
+    )
 
 
 @dataclass
@@ -47,8 +53,9 @@ class Mamba(nn.Module):
     `__init__` only declares parameters so the layer can be built on the meta device; `init_weights` fills them.
     """
 
-    def __init__(self, d_model: int, cfg: MambaConfig, norm_eps: float, init_std: float,
-                 device: torch.device | str = "cpu"):
+    def __init__(
+        self, d_model: int, cfg: MambaConfig, norm_eps: float, init_std: float, device: torch.device | str = "cpu"
+    ):
         super().__init__()
         self.d_inner = cfg.expand * d_model
         self.d_state = cfg.d_state
@@ -115,9 +122,12 @@ class Mamba(nn.Module):
 
     def new_state(self, batch: int, device: torch.device, dtype: torch.dtype) -> MambaState:
         d_conv = self.conv1d.kernel_size[0]
-        return MambaState(torch.zeros(batch, self.d_inner, d_conv - 1, device=device, dtype=dtype),
-                          torch.zeros(batch, self.d_inner, self.d_state, device=device,
-                                      dtype=torch.promote_types(dtype, torch.float32)))
+        return MambaState(
+            torch.zeros(batch, self.d_inner, d_conv - 1, device=device, dtype=dtype),
+            torch.zeros(
+                batch, self.d_inner, self.d_state, device=device, dtype=torch.promote_types(dtype, torch.float32)
+            ),
+        )
 
     def forward(self, x: torch.Tensor, cache: Optional[MambaState] = None) -> torch.Tensor:
         """x (B, L, d_model) → (B, L, d_model). With a state (inference), x continues the sequence it holds."""
@@ -147,7 +157,7 @@ class Mamba(nn.Module):
         position (the training scan starts from h = 0 and does not return its final state); updates `state`."""
         x, z = self.in_proj(x).chunk(2, dim=-1)  # (B, L, Di) each
         xc = torch.cat([state.conv, x.transpose(1, 2)], dim=-1)  # (B, Di, K - 1 + L)
-        state.conv = xc[..., xc.shape[-1] - state.conv.shape[-1]:]
+        state.conv = xc[..., xc.shape[-1] - state.conv.shape[-1] :]
         x = F.silu(F.conv1d(xc, self.conv1d.weight, self.conv1d.bias, groups=self.d_inner))  # (B, Di, L)
 
         dt, B, C, A = self._ssm_inputs(x.transpose(1, 2))

@@ -40,8 +40,9 @@ def check_megablocks() -> None:
         raise ConfigError(f"model.moe.backend='megablocks': not usable here: {why}; use 'native'")
 
 
-def megablocks_swiglu(x_RD: torch.Tensor, w13_ED2F: torch.Tensor, w2_EFD: torch.Tensor,
-                      rows_per_expert_E: torch.Tensor) -> torch.Tensor:
+def megablocks_swiglu(
+    x_RD: torch.Tensor, w13_ED2F: torch.Tensor, w2_EFD: torch.Tensor, rows_per_expert_E: torch.Tensor
+) -> torch.Tensor:
     """SwiGLU experts over expert-sorted rows with MegaBlocks' grouped GEMM (`grouped_gemm.ops.gmm`, autograd
     included): (R, D) → (R, D), bf16 on CUDA. gmm(a, b, sizes) multiplies row group e of a by b[e]."""
     gmm = importlib.import_module("megablocks.grouped_gemm_util").ops.gmm

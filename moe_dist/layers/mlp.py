@@ -2,10 +2,10 @@
 fused [gate | up] projection that the experts use."""
 
 import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
-
 
 
 class _GatedSiLU(torch.autograd.Function):

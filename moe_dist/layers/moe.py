@@ -26,7 +26,8 @@ from moe_dist.layers.permutation import Permutation
 
 
 def expert_capacity(cfg: MoEConfig, tokens: int) -> Optional[int]:
-    """Per-expert capacity for one micro-batch on one rank: ceil(cf · T · K / E), at least min_capacity; None = dropless."""
+    """Per-expert capacity for one micro-batch on one rank: ceil(cf · T · K / E), at least min_capacity;
+    None = dropless."""
     if cfg.capacity_factor is None:
         return None
     return max(math.ceil(cfg.capacity_factor * tokens * cfg.top_k / cfg.num_experts), cfg.min_capacity)
@@ -165,8 +166,15 @@ def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
     # CPU); other cases (odd test sizes, fp64) take the loop below.
     dtypes = (torch.bfloat16,) if x.is_cuda else (torch.float32, torch.bfloat16, torch.float16)
     es = x.element_size()
-    return (hasattr(F, "grouped_mm") and x.dtype in dtypes and x.dtype == w.dtype and x.is_contiguous()
-            and w.is_contiguous() and (x.shape[1] * es) % 16 == 0 and (w.shape[2] * es) % 16 == 0)
+    return (
+        hasattr(F, "grouped_mm")
+        and x.dtype in dtypes
+        and x.dtype == w.dtype
+        and x.is_contiguous()
+        and w.is_contiguous()
+        and (x.shape[1] * es) % 16 == 0
+        and (w.shape[2] * es) % 16 == 0
+    )
 
 
 def grouped_mm(x_RI: torch.Tensor, w_EIO: torch.Tensor, rows_per_expert_E: torch.Tensor) -> torch.Tensor:
@@ -183,8 +191,9 @@ def grouped_mm(x_RI: torch.Tensor, w_EIO: torch.Tensor, rows_per_expert_E: torch
     return torch.cat([c @ w_EIO[e] for e, c in enumerate(chunks)]) if len(chunks) else x_RI.new_zeros(0, w_EIO.shape[2])
 
 
-def native_swiglu(x_RD: torch.Tensor, w13_ED2F: torch.Tensor, w2_EFD: torch.Tensor,
-                  rows_per_expert_E: torch.Tensor) -> torch.Tensor:
+def native_swiglu(
+    x_RD: torch.Tensor, w13_ED2F: torch.Tensor, w2_EFD: torch.Tensor, rows_per_expert_E: torch.Tensor
+) -> torch.Tensor:
     """SwiGLU experts over expert-sorted rows with grouped GEMMs. (R, D) → (R, D). The gate and up projections are
     one GEMM over [w1 | w3], with the gated SiLU over its (R, 2F) output."""
     h_RF = gated_silu(grouped_mm(x_RD, w13_ED2F, rows_per_expert_E))
@@ -209,8 +218,9 @@ class Experts(nn.Module):
     (w3) projections are stored side by side as w13 = [w1 | w3] (E, D, 2F), as Megatron's grouped MLP does, so
     that one GEMM computes both; `gate_up` names the halves where they are taken apart (checkpoints stay whole)."""
 
-    def __init__(self, num_experts: int, d_model: int, d_ff: int, init_std: float, n_layers: int,
-                 backend: str = "native"):
+    def __init__(
+        self, num_experts: int, d_model: int, d_ff: int, init_std: float, n_layers: int, backend: str = "native"
+    ):
         super().__init__()
         self.backend = backend
         self.swiglu = expert_swiglu(backend)
@@ -242,8 +252,15 @@ class Experts(nn.Module):
 class MoE(nn.Module):
     """Router → dispatcher.dispatch → experts → dispatcher.combine; its kernels chosen for `device`."""
 
-    def __init__(self, d_model: int, d_ff: int, cfg: MoEConfig, init_std: float, n_layers: int,
-                 device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        d_model: int,
+        d_ff: int,
+        cfg: MoEConfig,
+        init_std: float,
+        n_layers: int,
+        device: torch.device | str = "cpu",
+    ):
         super().__init__()
         self.router = Router(d_model, cfg, init_std)
         self.experts = Experts(cfg.num_experts, d_model, cfg.d_ff or d_ff, init_std, n_layers, cfg.backend)

@@ -22,7 +22,9 @@ def _slots(rows_R: torch.Tensor, num_tokens: int, top_k: int) -> tuple[torch.Ten
     """Where every assignment's row is: row_KT[k, t] indexes rows_R's order (0 where the assignment was dropped),
     kept_KT is 1.0 for a kept assignment and 0.0 for a dropped one. (K, T) int64 and (K, T) fp32."""
     R, dev = rows_R.shape[0], rows_R.device
-    row_A = torch.zeros(top_k * num_tokens, dtype=torch.long, device=dev).index_put_((rows_R,), torch.arange(R, device=dev))
+    row_A = torch.zeros(top_k * num_tokens, dtype=torch.long, device=dev).index_put_(
+        (rows_R,), torch.arange(R, device=dev)
+    )
     kept_A = torch.zeros(top_k * num_tokens, dtype=torch.float32, device=dev).index_fill_(0, rows_R, 1.0)
     return row_A.view(top_k, num_tokens), kept_A.view(top_k, num_tokens)
 
@@ -109,5 +111,7 @@ class Permutation:
     def for_device(cls, impl: str, device: torch.device | str) -> "Permutation":
         """`model.moe.impl` resolved for a layer built for `device`: the Triton kernels or the functions above."""
         key, what = "model.moe.impl", "token permutation"
-        return cls(resolve(impl, key, device, permute_rows, "permute.permute_tokens", what),
-                   resolve(impl, key, device, unpermute_rows, "permute.unpermute_tokens", what))
+        return cls(
+            resolve(impl, key, device, permute_rows, "permute.permute_tokens", what),
+            resolve(impl, key, device, unpermute_rows, "permute.unpermute_tokens", what),
+        )

@@ -33,7 +33,6 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 
-
 def _scan_steps(coef: torch.Tensor, x: torch.Tensor, reverse: bool, coef_work: Optional[torch.Tensor] = None):
     """The in-place ops that scan x along dim 1: x_t ← x_t + coef_t · x_{t-1}, or x_t ← x_t + coef_t · x_{t+1}
     if `reverse`; as zero-argument calls on fixed views, so that a chunk loop slices its buffers once and

@@ -35,18 +35,25 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, mixer: str, ffn: str, device: torch.device | str):
         super().__init__()
         self.mixer_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mixer = (Attention(cfg.d_model, cfg.attention, cfg.init_std, cfg.n_layers, device) if mixer == "A"
-                      else Mamba(cfg.d_model, cfg.mamba, cfg.norm_eps, cfg.init_std, device))
+        self.mixer = (
+            Attention(cfg.d_model, cfg.attention, cfg.init_std, cfg.n_layers, device)
+            if mixer == "A"
+            else Mamba(cfg.d_model, cfg.mamba, cfg.norm_eps, cfg.init_std, device)
+        )
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.ffn = (MoE(cfg.d_model, cfg.d_ff, cfg.moe, cfg.init_std, cfg.n_layers, device) if ffn == "E"
-                    else SwiGLU(cfg.d_model, cfg.d_ff, cfg.init_std, cfg.n_layers))
+        self.ffn = (
+            MoE(cfg.d_model, cfg.d_ff, cfg.moe, cfg.init_std, cfg.n_layers, device)
+            if ffn == "E"
+            else SwiGLU(cfg.d_model, cfg.d_ff, cfg.init_std, cfg.n_layers)
+        )
 
     def init_weights(self) -> None:
         for module in (self.mixer_norm, self.mixer, self.ffn_norm, self.ffn):
             module.init_weights()
 
-    def forward(self, x: torch.Tensor, cache: Union[KVCache, MambaState, None] = None
-                ) -> tuple[torch.Tensor, RoutingStats | None]:
+    def forward(
+        self, x: torch.Tensor, cache: Union[KVCache, MambaState, None] = None
+    ) -> tuple[torch.Tensor, RoutingStats | None]:
         x = x + self.mixer(self.mixer_norm(x), cache)
         h = self.ffn(self.ffn_norm(x))
         if isinstance(h, tuple):
@@ -103,8 +110,14 @@ class Decoder(nn.Module):
     def new_cache(self, batch: int, max_len: int) -> InferenceCache:
         """An empty cache for `batch` sequences of up to `max_len` positions, on the model's device and dtype."""
         w = self.embed.weight
-        return InferenceCache([b.mixer.new_cache(batch, max_len, w.device, w.dtype) if isinstance(b.mixer, Attention)
-                               else b.mixer.new_state(batch, w.device, w.dtype) for b in self.blocks])
+        return InferenceCache(
+            [
+                b.mixer.new_cache(batch, max_len, w.device, w.dtype)
+                if isinstance(b.mixer, Attention)
+                else b.mixer.new_state(batch, w.device, w.dtype)
+                for b in self.blocks
+            ]
+        )
 
     def forward(self, tokens: torch.Tensor, cache: Optional[InferenceCache] = None) -> DecoderOutput:
         """tokens (B, S) → logits (B, S, V). With a cache, tokens continue the sequences it holds (inference)."""
@@ -165,8 +178,13 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
-def sample_next(logits_BV: torch.Tensor, temperature: float = 1.0, top_k: Optional[int] = None,
-                top_p: Optional[float] = None, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+def sample_next(
+    logits_BV: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    generator: Optional[torch.Generator] = None,
+) -> torch.Tensor:
     """Next token per row (B,) from last-position logits (B, V): greedy when temperature is 0, else sampled
     from softmax(logits / temperature) restricted to the top_k tokens and to the smallest set whose
     probability reaches top_p (nucleus sampling; the most likely token always stays)."""
@@ -185,9 +203,16 @@ def sample_next(logits_BV: torch.Tensor, temperature: float = 1.0, top_k: Option
 
 
 @torch.no_grad()
-def generate(model: Decoder, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-             top_k: Optional[int] = None, top_p: Optional[float] = None, generator: Optional[torch.Generator] = None,
-             use_cache: bool = True) -> torch.Tensor:
+def generate(
+    model: Decoder,
+    prompt: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    generator: Optional[torch.Generator] = None,
+    use_cache: bool = True,
+) -> torch.Tensor:
     """Extend prompt (B, S) int64 by `max_new_tokens` tokens → (B, S + max_new_tokens).
 
     With `use_cache` the prompt is run once to fill the cache and each new token is one position's forward;

@@ -63,8 +63,14 @@ class AllToAllDispatcher:
         x_QD = all_to_all_rows(x_RD, recv_splits, send_splits, self.group)
         to_expert_order_Q = segment_permutation(recv_counts_PL).to(x_TD.device)
         sent_rows = sum(send_splits) - send_splits[self.ep_rank]
-        state = _A2AState(routing, send_splits, recv_splits, recv_counts_PL, to_expert_order_Q,
-                          sent_rows * x_TD.shape[1] * x_TD.element_size())
+        state = _A2AState(
+            routing,
+            send_splits,
+            recv_splits,
+            recv_counts_PL,
+            to_expert_order_Q,
+            sent_rows * x_TD.shape[1] * x_TD.element_size(),
+        )
         return x_QD[to_expert_order_Q], recv_counts_PL.sum(0).to(x_TD.device), state
 
     def combine(self, y_QD: torch.Tensor, state: _A2AState) -> torch.Tensor:

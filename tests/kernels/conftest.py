@@ -61,11 +61,14 @@ elif MODE == "cuda" and not torch.cuda.is_available():
 
 def pytest_collection_modifyitems(config, items):
     if MODE == "plain":
-        wrong = sorted({item.path.name for item in items
-                        if item.path.parent == HERE and item.path.name in KERNEL_TEST_FILES})
+        wrong = sorted(
+            {item.path.name for item in items if item.path.parent == HERE and item.path.name in KERNEL_TEST_FILES}
+        )
         if wrong:
-            raise pytest.UsageError(f"{', '.join(wrong)}: run with TRITON_INTERPRET=1 (CPU) or "
-                                    f"MOE_DIST_KERNEL_DEVICE=cuda; a plain run executes them through {RUNNER}")
+            raise pytest.UsageError(
+                f"{', '.join(wrong)}: run with TRITON_INTERPRET=1 (CPU) or "
+                f"MOE_DIST_KERNEL_DEVICE=cuda; a plain run executes them through {RUNNER}"
+            )
 
 
 def pytest_generate_tests(metafunc):

@@ -10,10 +10,10 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-
-from moe_dist.config import AttentionConfig
 from moe_dist.kernels.flash_attention import flash_attention
 from moe_dist.kernels.reference import flash_attention_ref
+
+from moe_dist.config import AttentionConfig
 from moe_dist.layers.attention import Attention
 
 ON_CUDA = os.environ.get("MOE_DIST_KERNEL_DEVICE") == "cuda"
@@ -27,8 +27,9 @@ if ON_CUDA:  # realistic sizes: many tiles in both directions, 4:1 grouping
 
 
 def sdpa(q, k, v, causal=True, softmax_scale=None):
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=softmax_scale,
-                                          enable_gqa=q.shape[1] != k.shape[1])
+    return F.scaled_dot_product_attention(
+        q, k, v, is_causal=causal, scale=softmax_scale, enable_gqa=q.shape[1] != k.shape[1]
+    )
 
 
 def inputs(shape, dtype, device, seed=0):
@@ -96,11 +97,14 @@ def test_causal_rows_ignore_the_future(device):
     assert (a[:, :, 12:] - b[:, :, 12:]).abs().amax(dim=-1).min() > 1e-3
 
 
-@pytest.mark.parametrize("bad, match", [
-    (dict(head_dim=8), "head_dim must be in 16..128"),
-    (dict(kv_heads=3), "multiple of kv_heads"),
-    (dict(dtype=F64), "fp16/bf16/fp32"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(head_dim=8), "head_dim must be in 16..128"),
+        (dict(kv_heads=3), "multiple of kv_heads"),
+        (dict(dtype=F64), "fp16/bf16/fp32"),
+    ],
+)
 def test_unsupported_inputs_raise(bad, match, device):
     dh, hkv, dtype = bad.get("head_dim", 16), bad.get("kv_heads", 2), bad.get("dtype", F32)
     q = torch.zeros(1, 4, 5, dh, device=device, dtype=dtype)
@@ -113,8 +117,10 @@ def test_attention_layer_on_the_kernel(device):
     """The layer with impl="triton" equals the layer with impl="torch" (same weights), output and gradients."""
     torch.manual_seed(0)
     cfg = dict(n_heads=4, n_kv_heads=2, head_dim=16)
-    layers = [Attention(32, AttentionConfig(**cfg, impl=impl), init_std=0.5, n_layers=2).to(device)
-              for impl in ("torch", "triton")]
+    layers = [
+        Attention(32, AttentionConfig(**cfg, impl=impl), init_std=0.5, n_layers=2).to(device)
+        for impl in ("torch", "triton")
+    ]
     layers[1].load_state_dict(layers[0].state_dict())
     x = torch.randn(2, 37, 32, device=device)
     outs = []

@@ -8,10 +8,10 @@ without one (no driver queries at import, DESIGN.md §4.4), so what "auto" resol
 import pytest
 import torch
 import torch.nn.functional as F
+from moe_dist.kernels.reference import flash_attention_ref, permute_tokens_ref, unpermute_tokens_ref
 
 import moe_dist.layers.impl as impl
 from moe_dist.config import load_config
-from moe_dist.kernels.reference import flash_attention_ref, permute_tokens_ref, unpermute_tokens_ref
 from moe_dist.layers.attention import attention_kernel
 from moe_dist.layers.mamba import scan_kernel
 from moe_dist.layers.permutation import Permutation, permute_rows, unpermute_rows
@@ -32,9 +32,17 @@ def test_what_auto_resolves_to_on_each_device(no_interpreter):
     """The decoder of configs/debug.json (attention, Mamba and MoE layers), built for CPU and for CUDA."""
     cfg = load_config("configs/debug.json").model
     assert build_model(cfg, "cpu").implementations() == {
-        "attention": "sdpa", "scan": "torch", "permutation": "torch", "experts": "grouped_mm"}
+        "attention": "sdpa",
+        "scan": "torch",
+        "permutation": "torch",
+        "experts": "grouped_mm",
+    }
     assert build_model(cfg, "cuda").implementations() == {
-        "attention": "sdpa", "scan": "triton", "permutation": "triton", "experts": "grouped_mm"}
+        "attention": "sdpa",
+        "scan": "triton",
+        "permutation": "triton",
+        "experts": "grouped_mm",
+    }
     cfg.attention.impl = "triton"
     assert build_model(cfg, "cuda").implementations()["attention"] == "triton"
     cfg.attention.impl = cfg.mamba.impl = cfg.moe.impl = "torch"
@@ -50,10 +58,12 @@ def test_the_chosen_functions_are_the_torch_paths_and_the_kernels(no_interpreter
     assert scan_kernel("auto", "cuda").fn is triton_scan
     cpu_scan = scan_kernel("auto", "cpu", chunk_size=8)
     assert cpu_scan.fn.func is selective_scan and cpu_scan.fn.keywords == {"chunk_size": 8}
-    assert Permutation.for_device("auto", "cuda") == Permutation(impl.Kernel("triton", permute_tokens),
-                                                                  impl.Kernel("triton", unpermute_tokens))
-    assert Permutation.for_device("auto", "cpu") == Permutation(impl.Kernel("torch", permute_rows),
-                                                                 impl.Kernel("torch", unpermute_rows))
+    assert Permutation.for_device("auto", "cuda") == Permutation(
+        impl.Kernel("triton", permute_tokens), impl.Kernel("triton", unpermute_tokens)
+    )
+    assert Permutation.for_device("auto", "cpu") == Permutation(
+        impl.Kernel("torch", permute_rows), impl.Kernel("torch", unpermute_rows)
+    )
 
 
 def test_a_kernel_is_called_as_its_function():
@@ -61,11 +71,14 @@ def test_a_kernel_is_called_as_its_function():
     assert k(1) == 2 and k(1, y=5) == 6
 
 
-@pytest.mark.parametrize("key, build", [
-    ("model.attention.impl", lambda d: attention_kernel("triton", d)),
-    ("model.mamba.impl", lambda d: scan_kernel("triton", d)),
-    ("model.moe.impl", lambda d: Permutation.for_device("triton", d)),
-])
+@pytest.mark.parametrize(
+    "key, build",
+    [
+        ("model.attention.impl", lambda d: attention_kernel("triton", d)),
+        ("model.mamba.impl", lambda d: scan_kernel("triton", d)),
+        ("model.moe.impl", lambda d: Permutation.for_device("triton", d)),
+    ],
+)
 def test_triton_for_a_device_it_cannot_use_is_a_one_line_error_naming_the_key(key, build, no_interpreter):
     for device, why in (("cpu", "built for the CPU (TRITON_INTERPRET=1"), ("meta", "built for meta")):
         with pytest.raises(ValueError) as err:
@@ -82,11 +95,14 @@ def test_triton_under_the_interpreter_takes_the_cpu(monkeypatch):
 
 def test_without_the_triton_package(monkeypatch):
     real_find_spec = impl.importlib.util.find_spec
-    monkeypatch.setattr(impl.importlib.util, "find_spec",
-                        lambda name, *a: None if name == "triton" else real_find_spec(name, *a))
+    monkeypatch.setattr(
+        impl.importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real_find_spec(name, *a)
+    )
     with pytest.raises(ValueError, match=r"^model\.mamba\.impl='triton': .*triton package is not installed$"):
         impl.resolve("triton", "model.mamba.impl", "cuda", torch_path, "selective_scan.selective_scan", "scan")
-    assert impl.resolve("auto", "model.mamba.impl", "cuda", torch_path, "m.f", "scan") == impl.Kernel("torch", torch_path)
+    assert impl.resolve("auto", "model.mamba.impl", "cuda", torch_path, "m.f", "scan") == impl.Kernel(
+        "torch", torch_path
+    )
 
 
 def test_auto_on_cpu_imports_no_kernel(monkeypatch):

@@ -11,10 +11,10 @@ import os
 
 import pytest
 import torch
-
-from moe_dist.config import MoEConfig
 from moe_dist.kernels.permute import permute_tokens, unpermute_tokens
 from moe_dist.kernels.reference import permute_tokens_ref, unpermute_tokens_ref
+
+from moe_dist.config import MoEConfig
 from moe_dist.layers.moe import LocalDispatcher, Router
 from moe_dist.layers.permutation import Permutation
 
@@ -68,8 +68,9 @@ def test_matches_reference(case, dtype, device, within_torch_error):
 
     got = run(permute_tokens, unpermute_tokens, x_TD, y_RD, weight_A, grad_RD, grad_TD)
     base = run(permute_tokens_ref, unpermute_tokens_ref, x_TD, y_RD, weight_A, grad_RD, grad_TD)
-    ref = run(permute_tokens_ref, unpermute_tokens_ref,
-              *(t.double().cpu() for t in (x_TD, y_RD, weight_A, grad_RD, grad_TD)))
+    ref = run(
+        permute_tokens_ref, unpermute_tokens_ref, *(t.double().cpu() for t in (x_TD, y_RD, weight_A, grad_RD, grad_TD))
+    )
     assert torch.equal(got[0], base[0])  # a gather is exact
     for name, a, b, r in zip(("x_RD", "out_TD", "dx", "dy", "dweight"), got, base, ref):
         assert a.device == x_TD.device and a.dtype == b.dtype, name
@@ -127,5 +128,9 @@ def test_same_as_the_moe_dispatcher(capacity_factor, device):
     x_RD, rows_per_expert_E, state = dispatcher.dispatch(x_TD, routing)
     assert torch.equal(permute_tokens(x_TD, routing.rows_R, cfg.top_k), x_RD)
     y_RD = torch.randn_like(x_RD)
-    torch.testing.assert_close(unpermute_tokens(y_RD, routing.rows_R, routing.weight_A, routing.num_tokens),
-                               dispatcher.combine(y_RD, state), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(
+        unpermute_tokens(y_RD, routing.rows_R, routing.weight_A, routing.num_tokens),
+        dispatcher.combine(y_RD, state),
+        rtol=1e-6,
+        atol=1e-6,
+    )

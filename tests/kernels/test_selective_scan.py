@@ -11,10 +11,10 @@ import os
 
 import pytest
 import torch
-
-from moe_dist.config import MambaConfig
 from moe_dist.kernels.reference import selective_scan_ref
 from moe_dist.kernels.selective_scan import selective_scan
+
+from moe_dist.config import MambaConfig
 from moe_dist.layers.mamba import Mamba
 
 ON_CUDA = os.environ.get("MOE_DIST_KERNEL_DEVICE") == "cuda"
@@ -33,8 +33,9 @@ def inputs(shape, dtype, device, full=True, param_dtype=F32, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = dict(
         u=torch.randn(batch, dim, seqlen, generator=g),
-        delta=(torch.randn(batch, dim, seqlen, generator=g) * 0.5 if full
-               else torch.rand(batch, dim, seqlen, generator=g)),
+        delta=(
+            torch.randn(batch, dim, seqlen, generator=g) * 0.5 if full else torch.rand(batch, dim, seqlen, generator=g)
+        ),
         A=-(torch.rand(dim, state, generator=g) * 2 + 0.1),
         B=torch.randn(batch, state, seqlen, generator=g),
         C=torch.randn(batch, state, seqlen, generator=g),
@@ -42,9 +43,11 @@ def inputs(shape, dtype, device, full=True, param_dtype=F32, seed=0):
     x = {k: v.to(dtype) for k, v in x.items()}
     x["A"] = x["A"].float()
     if full:
-        x.update(D=torch.randn(dim, generator=g).to(param_dtype),
-                 z=torch.randn(batch, dim, seqlen, generator=g).to(dtype),
-                 delta_bias=(torch.randn(dim, generator=g) * 0.5 - 1.0).to(param_dtype))
+        x.update(
+            D=torch.randn(dim, generator=g).to(param_dtype),
+            z=torch.randn(batch, dim, seqlen, generator=g).to(dtype),
+            delta_bias=(torch.randn(dim, generator=g) * 0.5 - 1.0).to(param_dtype),
+        )
     grad = torch.randn(batch, dim, seqlen, generator=g).to(dtype)
     return {k: v.to(device) for k, v in x.items()}, grad.to(device)
 
@@ -61,8 +64,9 @@ def check(shape, dtype, device, within_torch_error, full=True, softplus=True, pa
     x, grad = inputs(shape, dtype, device, full, param_dtype)
     out, grads = run(selective_scan, x, grad, delta_softplus=softplus)
     base_out, base_grads = run(selective_scan_ref, x, grad, delta_softplus=softplus)
-    ref_out, ref_grads = run(selective_scan_ref, {k: v.double().cpu() for k, v in x.items()}, grad.double().cpu(),
-                             delta_softplus=softplus)
+    ref_out, ref_grads = run(
+        selective_scan_ref, {k: v.double().cpu() for k, v in x.items()}, grad.double().cpu(), delta_softplus=softplus
+    )
     assert out.dtype == dtype and out.shape == x["u"].shape and out.device == x["u"].device
     within_torch_error(f"out {shape} {dtype}", out, base_out, ref_out)
     assert set(grads) == set(x)
@@ -103,15 +107,23 @@ def test_strided_inputs_and_no_grad(device):
     torch.testing.assert_close(out, selective_scan_ref(**x, delta_softplus=True), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("bad, match", [
-    (dict(u=torch.zeros(1, 2, 3, dtype=F64)), "fp16, bf16 or fp32"),
-    (dict(A=torch.zeros(3, 4)), r"A must be \(dim=2, state\)"),
-    (dict(B=torch.zeros(1, 5, 3)), "B and C must be"),
-    (dict(A=torch.zeros(2, 257), B=torch.zeros(1, 257, 3), C=torch.zeros(1, 257, 3)), "state size"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(u=torch.zeros(1, 2, 3, dtype=F64)), "fp16, bf16 or fp32"),
+        (dict(A=torch.zeros(3, 4)), r"A must be \(dim=2, state\)"),
+        (dict(B=torch.zeros(1, 5, 3)), "B and C must be"),
+        (dict(A=torch.zeros(2, 257), B=torch.zeros(1, 257, 3), C=torch.zeros(1, 257, 3)), "state size"),
+    ],
+)
 def test_unsupported_inputs_raise(bad, match, device):
-    x = dict(u=torch.zeros(1, 2, 3), delta=torch.zeros(1, 2, 3), A=torch.zeros(2, 4), B=torch.zeros(1, 4, 3),
-             C=torch.zeros(1, 4, 3))
+    x = dict(
+        u=torch.zeros(1, 2, 3),
+        delta=torch.zeros(1, 2, 3),
+        A=torch.zeros(2, 4),
+        B=torch.zeros(1, 4, 3),
+        C=torch.zeros(1, 4, 3),
+    )
     x.update(bad)
     with pytest.raises(ValueError, match=match):
         selective_scan(**{k: v.to(device) for k, v in x.items()})

@@ -103,7 +103,8 @@ def naive_moe(x_TD, router_w_ED, w1_EDF, w3_EDF, w2_EFD, cfg):
     for t in range(T):
         terms = [
             weights[t][k] * swiglu_ref(x_TD[t], w1_EDF[choice[t][k]], w3_EDF[choice[t][k]], w2_EFD[choice[t][k]])
-            for k in range(K) if (t, k) in kept
+            for k in range(K)
+            if (t, k) in kept
         ]
         rows.append(sum(terms) if terms else x_TD.new_zeros(x_TD.shape[1]))
     out_TD = torch.stack(rows)
@@ -237,8 +238,17 @@ def test_router_loss_gradients_match_hand_formula():
 
 
 def hand_moe(policy, renormalize, capacity_factor, logits):
-    moe = build_moe(3, 4, F64, seed=3, num_experts=3, top_k=2, capacity_factor=capacity_factor,
-                    drop_policy=policy, renormalize=renormalize)
+    moe = build_moe(
+        3,
+        4,
+        F64,
+        seed=3,
+        num_experts=3,
+        top_k=2,
+        capacity_factor=capacity_factor,
+        drop_policy=policy,
+        renormalize=renormalize,
+    )
     with torch.no_grad():
         moe.router.weight.copy_(torch.eye(3, dtype=F64))
     return moe, torch.tensor(logits, dtype=F64)
@@ -294,8 +304,9 @@ def test_fully_dropped_token_gets_zero_output(policy, kept, zero_tokens, renorma
     assert stats.dropped.item() == 6.0
     assert stats.tokens_per_expert_E.tolist() == [4.0, 4.0, 0.0]
     choice = [(0, 1)] * 4
-    torch.testing.assert_close(out.detach(), expected_output(moe, x.detach(), kept, renormalize, choice),
-                               rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(
+        out.detach(), expected_output(moe, x.detach(), kept, renormalize, choice), rtol=1e-6, atol=1e-7
+    )
     assert torch.equal(out[zero_tokens].detach(), torch.zeros(len(zero_tokens), 3, dtype=F64))
     out.sum().backward()  # no aux/z here: a fully dropped token's input gets no gradient through the MoE output
     assert torch.equal(x.grad[zero_tokens], torch.zeros(len(zero_tokens), 3, dtype=F64))
@@ -368,7 +379,8 @@ def check_against_naive(moe, x_shape, seed, tol, force_expert=None, expect_drops
     ref = {n: p.detach().to(F64).clone().requires_grad_(True) for n, p in moe.named_parameters()}
     xr = x64.clone().requires_grad_(True)
     out_r, aux_r, z_r, counts_r, kept_r, cap = naive_moe(
-        xr.reshape(-1, x_shape[-1]), ref["router.weight"], *ref["experts.w13"].chunk(2, dim=2), ref["experts.w2"], cfg)
+        xr.reshape(-1, x_shape[-1]), ref["router.weight"], *ref["experts.w13"].chunk(2, dim=2), ref["experts.w2"], cfg
+    )
     ((out_r.view(x_shape) * up).sum() + AUX_C * aux_r + Z_C * z_r).backward()
 
     xm = x64.to(dtype).requires_grad_(True)
@@ -466,7 +478,9 @@ def test_grouped_mm_function_with_empty_groups(path_spy, d_in, d_out, dtype, use
     x = torch.randn(7, d_in, dtype=dtype, requires_grad=True)
     w = torch.randn(4, d_in, d_out, dtype=dtype, requires_grad=True)
     y = moe_mod.grouped_mm(x, w, counts)
-    ref = torch.cat([x.detach()[:3].double() @ w.detach()[1].double(), x.detach()[3:].double() @ w.detach()[3].double()])
+    ref = torch.cat(
+        [x.detach()[:3].double() @ w.detach()[1].double(), x.detach()[3:].double() @ w.detach()[3].double()]
+    )
     torch.testing.assert_close(y.detach().double(), ref, rtol=1e-5, atol=1e-5)
     y.sum().backward()
     torch.testing.assert_close(x.grad[:3], w[1].detach().sum(-1).expand(3, d_in), rtol=1e-5, atol=1e-5)
@@ -542,7 +556,8 @@ def test_meta_build_materialize_init():
 
 
 def test_router_math_is_fp32_for_bf16_inputs():
-    """Logits 1 and 1 + 2^-8 are equal in bf16 (7 mantissa bits) but distinct in fp32: the router must see them apart."""
+    """Logits 1 and 1 + 2^-8 are equal in bf16 (7 mantissa bits) but distinct in fp32: the router must see them
+    apart."""
     cfg = MoEConfig(num_experts=2, top_k=1, capacity_factor=None, renormalize=False)
     router = Router(2, cfg, init_std=0.02).to(torch.bfloat16)
     with torch.no_grad():
@@ -627,9 +642,22 @@ def test_train_refuses_an_unusable_megablocks_backend_with_exit_2(tmp_path):
     if megablocks_unavailable() is None:
         pytest.skip("megablocks is usable here: nothing to refuse")
     repo = Path(__file__).resolve().parents[2]
-    proc = subprocess.run([sys.executable, str(repo / "launch" / "train.py"), "--config", str(repo / "configs" / "debug.json"),
-                           "--set", "model.moe.backend=megablocks", "--run-dir", str(tmp_path / "run")],
-                          capture_output=True, text=True, timeout=120, cwd=repo)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(repo / "launch" / "train.py"),
+            "--config",
+            str(repo / "configs" / "debug.json"),
+            "--set",
+            "model.moe.backend=megablocks",
+            "--run-dir",
+            str(tmp_path / "run"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=repo,
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("error: model.moe.backend='megablocks': not usable here")
 
@@ -647,8 +675,7 @@ def test_megablocks_backend_matches_native(capacity_factor):
     within twice the bf16 error of the native layer against its fp32 self."""
     torch.manual_seed(0)
     layers = {}
-    for name, backend, dtype in (("native", "native", torch.bfloat16), ("megablocks", "megablocks", torch.bfloat16),
-                                 ("fp32", "native", torch.float32)):
+    for name, backend in (("native", "native"), ("megablocks", "megablocks"), ("fp32", "native")):
         cfg = MoEConfig(num_experts=8, top_k=2, capacity_factor=capacity_factor, backend=backend)
         layers[name] = MoE(64, 128, cfg, init_std=0.02, n_layers=2).cuda()
     layers["native"].init_weights()
@@ -667,11 +694,12 @@ def test_megablocks_backend_matches_native(capacity_factor):
         assert (mb - ref).abs().max().item() <= bound
 
 
-# ------------------------------------------------------------------------- fused gate/up activation
+# ------------------------------------------------------------------------------------- gated SiLU
 
 
-@pytest.mark.parametrize("shape, dtype, tol", [((7, 10), F64, 1e-12), ((2, 3, 16), torch.bfloat16, 2e-2),
-                                               ((0, 8), torch.float32, 0)])
+@pytest.mark.parametrize(
+    "shape, dtype, tol", [((7, 10), F64, 1e-12), ((2, 3, 16), torch.bfloat16, 2e-2), ((0, 8), torch.float32, 0)]
+)
 def test_gated_silu_matches_autograd_of_silu_times_up(shape, dtype, tol):
     """gated_silu([a | b]) = silu(a) · b, and its hand-written backward equals autograd's through the two halves."""
     from moe_dist.layers.mlp import gated_silu

@@ -3,8 +3,8 @@
 import pytest
 import torch
 import torch.nn.functional as F
-
 from moe_dist.kernels.reference import selective_scan_ref
+
 from moe_dist.layers.scan import _scan_steps, selective_scan
 
 BATCH, DIM, STATE = 2, 3, 4
@@ -63,7 +63,7 @@ def test_chunked_matches_sequential(seqlen, chunk_size, use_d, use_z, use_bias, 
     for name, g, g_ref in zip(leaves, grads, grads_ref):
         if name != "A" or seqlen > 1:  # A only acts once there is a previous state to decay
             assert g_ref.abs().sum() > 0, name  # so a zero gradient cannot pass by matching a zero
-        torch.testing.assert_close(g, g_ref, rtol=1e-9, atol=1e-10, msg=lambda m: f"grad of {name}: {m}")
+        torch.testing.assert_close(g, g_ref, rtol=1e-9, atol=1e-10, msg=lambda m, name=name: f"grad of {name}: {m}")
 
 
 @pytest.mark.parametrize("chunk_size", [1, 2, 3, 64, 128])
@@ -76,14 +76,16 @@ def test_chunk_size_does_not_change_result(chunk_size):
     grad_out = torch.randn_like(y)
     grads_ref = torch.autograd.grad(y_ref, leaves, grad_out)
     for name, g, g_ref in zip(INPUT_NAMES, torch.autograd.grad(y, leaves, grad_out), grads_ref):
-        torch.testing.assert_close(g, g_ref, rtol=1e-9, atol=1e-10, msg=lambda m: f"grad of {name}: {m}")
+        torch.testing.assert_close(g, g_ref, rtol=1e-9, atol=1e-10, msg=lambda m, name=name: f"grad of {name}: {m}")
 
 
 def test_time_major_views_as_mamba_passes_them():
     """Mamba hands over Δ, B, C and z as transposed views of (B, L, ·) tensors; results must not depend on strides."""
     inputs = make_inputs(37, seed=5)
-    views = {k: v.transpose(1, 2).contiguous().transpose(1, 2) if k in ("delta", "B", "C", "z") else v.clone()
-             for k, v in inputs.items()}
+    views = {
+        k: v.transpose(1, 2).contiguous().transpose(1, 2) if k in ("delta", "B", "C", "z") else v.clone()
+        for k, v in inputs.items()
+    }
     results = []
     for args in (inputs, views):
         leaves = [v.requires_grad_() for v in args.values()]
@@ -172,7 +174,7 @@ def test_long_sequence_with_strong_decay_is_finite_and_matches():
     grads = torch.autograd.grad(y, leaves, torch.ones_like(y))
     for name, g, g_ref in zip(INPUT_NAMES, grads, torch.autograd.grad(y_ref, leaves, torch.ones_like(y))):
         assert torch.isfinite(g).all(), name
-        torch.testing.assert_close(g, g_ref, rtol=1e-9, atol=1e-10, msg=lambda m: f"grad of {name}: {m}")
+        torch.testing.assert_close(g, g_ref, rtol=1e-9, atol=1e-10, msg=lambda m, name=name: f"grad of {name}: {m}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -201,5 +203,5 @@ def test_fp32_gradients_match_fp64_reference():
         assert g.dtype == torch.float32
         scale = g_ref.abs().max()
         torch.testing.assert_close(
-            g.double(), g_ref, rtol=1e-4, atol=1e-5 * scale, msg=lambda m: f"grad of {name}: {m}"
+            g.double(), g_ref, rtol=1e-4, atol=1e-5 * scale, msg=lambda m, name=name: f"grad of {name}: {m}"
         )
