@@ -12,8 +12,9 @@ local expert's hidden dimension):
 
 We create every group ourselves, in the same order on every rank, and register the expert groups under
 DeepSpeed's names (its own constructor would put TP peers into one EDP group, which suits experts replicated
-over TP, not split). DeepSpeed's engine gets the TP and DP groups through `Mesh.mpu`. The handles live in the
-Mesh object, never in module globals of ours.
+over TP, not split) through private_api.py, the one module that touches DeepSpeed's and torch's internals.
+DeepSpeed's engine gets the TP and DP groups through `Mesh.mpu`. The handles live in the Mesh object, never in
+module globals of ours.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from moe_dist.config import JobConfig, check_layout
+from moe_dist.parallel import private_api
 
 
 @dataclass(frozen=True)
@@ -120,14 +122,6 @@ def _new_groups(all_groups: list[list[int]], rank: int) -> tuple[dist.ProcessGro
     return mine
 
 
-def _register_expert_groups(name: str, ep: tuple, edp: tuple) -> None:
-    """Hand our EP/EDP groups to DeepSpeed under its group name: its engine and ZeRO look them up there."""
-    from deepspeed.utils import groups
-
-    groups._EXPERT_PARALLEL_GROUP[name], groups._EXPERT_PARALLEL_GROUP_RANKS[name] = ep
-    groups._EXPERT_DATA_PARALLEL_GROUP[name], groups._EXPERT_DATA_PARALLEL_GROUP_RANKS[name] = edp
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -142,12 +136,7 @@ def set_group_timeouts(timeout_s: float) -> None:
     a stopped rank would hang an expert all-to-all for half an hour. Call again after anything that makes groups
     (deepspeed.initialize).
     """
-    from torch.distributed import distributed_c10d as c10d
-
-    timeout = timedelta(seconds=timeout_s)
-    for group in list(c10d._world.pg_map):  # torch keeps no public list of a rank's groups
-        if not c10d._rank_not_in_group(group):
-            c10d._set_pg_timeout(timeout, group)
+    private_api.set_timeout_of_every_group(timedelta(seconds=timeout_s))
 
 
 def _torchelastic_attempt_store(timeout: timedelta) -> dist.Store | None:
@@ -169,18 +158,16 @@ def _torchelastic_attempt_store(timeout: timedelta) -> dist.Store | None:
 def _unlink_deepspeed_shm(rank: int, world_size: int) -> None:
     """Remove the name of this rank's DeepSpeed shared-memory all-reduce buffer once every rank has mapped it.
 
-    On CPU, DeepSpeed's shm all-reduce (ops/csrc/cpu/comm/shm.cpp, when all ranks are local) creates
-    /dev/shm/deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank> in init_distributed, maps every
-    peer's, and never unlinks them: 69 MB of RAM-backed tmpfs per rank outlive every run (22 GB after a few test
-    runs filled this machine). After a barrier every rank has mapped every buffer, so the names can go; the
-    mappings stay valid until the processes exit, killed or not.
+    On CPU, DeepSpeed's shm all-reduce (when all ranks are local) creates one /dev/shm buffer per rank in
+    init_distributed (named as private_api.deepspeed_shm_buffer_name says), maps every peer's, and never unlinks
+    them: 69 MB of RAM-backed tmpfs per rank outlive every run (22 GB after a few test runs filled this machine).
+    After a barrier every rank has mapped every buffer, so the names can go; the mappings stay valid until the
+    processes exit, killed or not.
     """
     if world_size == 1:
         return
     dist.barrier()  # every rank, whether or not DeepSpeed made a buffer: the same collectives everywhere
-    name = (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
-            f"{os.environ.get('MASTER_PORT', '')}_{rank}")
-    Path("/dev/shm", name).unlink(missing_ok=True)
+    Path("/dev/shm", private_api.deepspeed_shm_buffer_name(rank)).unlink(missing_ok=True)
 
 
 def init_distributed(cfg: JobConfig, timeout_s: float | None = None) -> Mesh:
@@ -191,7 +178,6 @@ def init_distributed(cfg: JobConfig, timeout_s: float | None = None) -> Mesh:
     would listen on every network interface for no one.
     """
     import deepspeed  # imported here: it probes the accelerator at import time
-    from deepspeed.utils import groups
 
     alone = "RANK" not in os.environ
     if alone:
@@ -222,9 +208,9 @@ def init_distributed(cfg: JobConfig, timeout_s: float | None = None) -> Mesh:
         tp_group, _ = _new_groups(layout["tp"], rank)
         dp_group, _ = _new_groups(layout["dp"], rank)
     if ep > 1:
-        if name not in groups._get_expert_parallel_group_dict():
-            _register_expert_groups(name, _new_groups(layout["ep"], rank), _new_groups(layout["edp"], rank))
-        ep_group, edp_group = groups._get_expert_parallel_group(name), groups._get_expert_data_parallel_group(name)
+        if private_api.expert_groups(name) is None:
+            private_api.register_expert_groups(name, _new_groups(layout["ep"], rank), _new_groups(layout["edp"], rank))
+        ep_group, edp_group = private_api.expert_groups(name)
     set_group_timeouts(timeout_s if timeout_s is not None else cfg.parallel.timeout_s)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     return Mesh(rank=rank, world_size=world_size, local_rank=local_rank, local_world_size=local_world, device=device,

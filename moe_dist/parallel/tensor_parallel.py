@@ -30,8 +30,9 @@ this rank's tokens, get their gradients summed over TP.
 Initialization: apply_tp runs after `materialize`, slicing the full tensors every rank initialized from the
 same seed (as Megatron's CPU initialization does), so values do not depend on the layout; the price is one
 transient full copy of the local model per rank. Sharded parameters carry `tp_dim` (and `tp_parts` for
-in_proj's two halves) for layout-independent checkpoints, and `model_parallel = True` so DeepSpeed's gradient
-norm counts each shard once and each replicated parameter once (on tp_rank 0).
+in_proj's two halves) for layout-independent checkpoints, and DeepSpeed's model-parallel mark
+(private_api.mark_model_parallel) so its gradient norm counts each shard once and each replicated parameter once
+(on tp_rank 0).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from moe_dist.layers.attention import Attention
 from moe_dist.layers.mamba import Mamba
 from moe_dist.layers.mlp import SwiGLU
 from moe_dist.layers.moe import MoE
+from moe_dist.parallel import private_api
 from moe_dist.parallel.comm import (all_gather_list, all_reduce_max, all_reduce_sum, copy_to_region, gather_sequence,
                                      reduce_from_region, scatter_sequence)
 from moe_dist.parallel.mesh import Mesh
@@ -77,7 +79,8 @@ def _shard_param(module: nn.Module, name: str, dim: int, mesh: Mesh, parts: int 
     full = getattr(module, name)
     p = nn.Parameter(shard(full.detach(), dim, mesh.tp_rank, mesh.tp, parts).clone(), requires_grad=full.requires_grad)
     p.__dict__.update(vars(full))
-    p.tp_dim, p.tp_parts, p.model_parallel = dim, parts, True
+    p.tp_dim, p.tp_parts = dim, parts
+    private_api.mark_model_parallel(p)
     setattr(module, name, p)
 
 

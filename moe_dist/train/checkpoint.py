@@ -35,6 +35,7 @@ from torch import nn
 
 from moe_dist.config import JobConfig, config_to_dict
 from moe_dist.layers.moe import Experts
+from moe_dist.parallel import private_api
 from moe_dist.parallel.comm import barrier
 from moe_dist.parallel.mesh import Mesh
 from moe_dist.parallel.tensor_parallel import gather_shards, shard
@@ -104,16 +105,14 @@ def _link_optimizer_state(engine) -> None:
     ZeRO 1/2 links them once, right after the first parameter group's first step, when later groups have no
     state yet, and never again: their moments would then be unreachable. Linking once all state exists fixes it.
     """
-    if hasattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state"):
-        engine.optimizer._hp_optimizer_states_linked = False
-        engine.optimizer._lazy_init_hp_params_optimizer_state()
+    private_api.relink_zero_optimizer_state(engine.optimizer)
 
 
 def _full_state(engine, p: nn.Parameter) -> dict[str, torch.Tensor]:
     """fp32 value and Adam moments of one local parameter. Collective under ZeRO (over the parameter's group)."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
-    if hasattr(p, "_hp_mapping"):  # ZeRO 1/2: fp32 master weights and moments are partitioned
+    if private_api.has_partitioned_fp32_state(p):  # ZeRO 1/2: fp32 master weights and moments are partitioned
         return {"param": safe_get_full_fp32_param(p), **{k: safe_get_full_optimizer_state(p, k) for k in MOMENTS}}
     state = _inner_optimizer(engine).state[p]
     return {"param": p.detach().float(), **{k: state[k] for k in MOMENTS}}
@@ -346,7 +345,7 @@ def load_checkpoint(engine, model: nn.Module, scheduler, path: Path, meta: dict,
             values[key] = st.local(v, mesh).contiguous().to(p.device)
         with torch.no_grad():
             p.copy_(values["param"].to(p.dtype))
-        if hasattr(p, "_hp_mapping"):
+        if private_api.has_partitioned_fp32_state(p):
             safe_set_full_fp32_param(p, values["param"])
             for k in MOMENTS:
                 safe_set_full_optimizer_state(p, values[k], k)

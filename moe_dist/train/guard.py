@@ -9,7 +9,8 @@ functions of the step (data.py, optim.lr_lambda), so a resumed run replays the s
 row (train.max_nonfinite_steps) stop the run: nothing it could do next would be better.
 
 Zeroing the gradients is not skipping: Adam would still decay its moments, bump its step count and apply weight
-decay. What we do instead, per optimizer DeepSpeed builds from our config:
+decay. What we do instead, per optimizer DeepSpeed builds from our config (private_api.step_without_update: it
+rests on DeepSpeed internals):
 - ZeRO 1/2 (DeepSpeedZeroOptimizer, fp32 or bf16): the boundary `engine.step()` runs with the optimizer's own
   overflow verdict forced. That is DeepSpeed's path for fp16/bf16 overflow: it frees the reduced gradient
   partitions, resets its micro-step bookkeeping, touches neither the fp32 master weights nor the Adam state, and
@@ -34,6 +35,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from moe_dist.parallel import private_api
 from moe_dist.parallel.comm import all_reduce_sum
 from moe_dist.parallel.mesh import Mesh
 
@@ -71,10 +73,9 @@ def operation(what: str, timeout_s: float):
 
 def _local_grads(engine) -> list[torch.Tensor]:
     """This rank's reduced gradients after the accumulation boundary's backward."""
-    partitions = getattr(engine.optimizer, "averaged_gradients", None)
-    if partitions is not None:  # ZeRO 1/2: the partition of the reduced gradients this rank updates
-        groups = partitions.values() if isinstance(partitions, dict) else partitions
-        return [g for group in groups if group is not None for g in group if g is not None]
+    partitions = private_api.reduced_gradient_partitions(engine.optimizer)  # ZeRO 1/2: this rank's partition
+    if partitions is not None:
+        return partitions
     return [p.grad for p in engine.module.parameters() if p.grad is not None]
 
 
@@ -129,28 +130,6 @@ class NonFiniteGuard:
         return True
 
     def _skip(self) -> None:
-        from deepspeed.runtime.base_optimizer import ZeROOptimizer
-
-        engine, opt = self.engine, self.engine.optimizer
-        if not isinstance(opt, ZeROOptimizer):
-            own = opt.__dict__.get("step")
-            opt.step = lambda *args, **kwargs: None  # shadows the class's step() for this one call
-            try:
-                engine.step()  # DeepSpeed's bookkeeping (clip, zero_grad, LR, counters) with no update
-            finally:
-                if own is None:
-                    del opt.step
-                else:
-                    opt.step = own
-            return
-        saved = opt.check_grad_overflow
-        opt.check_grad_overflow = True
-        opt.check_overflow = lambda partition_gradients=True: setattr(opt, "overflow", True)
-        try:
-            engine.step()
-        finally:
-            del opt.check_overflow  # back to the class's method
-            opt.check_grad_overflow = saved
-        if engine.was_step_applied():
+        if not private_api.step_without_update(self.engine):
             raise TrainingError("DeepSpeed applied an optimizer step that had to be skipped (non-finite values); "
                                 "this DeepSpeed version is not supported")

@@ -8,19 +8,20 @@ import torch
 from torch import nn
 
 from moe_dist.config import JobConfig, grad_accum_steps
+from moe_dist.parallel import private_api
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Decay matrices; exempt vectors (norm weights, biases, D) and the SSM's A_log, as is standard.
 
-    Expert-parallel parameters (marked by apply_ep with `allreduce = False`) go in their own groups flagged
-    `moe` with the expert group's name: DeepSpeed's ZeRO partitions and reduces those over the expert-data-
-    parallel group instead of the whole data-parallel group.
+    Expert-parallel parameters (marked by apply_ep through private_api.mark_expert_parameter) go in their own
+    groups flagged `moe` with the expert group's name: DeepSpeed's ZeRO partitions and reduces those over the
+    expert-data-parallel group instead of the whole data-parallel group.
     """
     groups: dict[tuple, dict] = {}
     for name, p in model.named_parameters():
         decay = weight_decay if p.ndim >= 2 and not name.endswith("A_log") else 0.0
-        expert_group = getattr(p, "group_name", None) if getattr(p, "allreduce", True) is False else None
+        expert_group = private_api.expert_group_of(p)
         key = (decay, expert_group)
         if key not in groups:
             groups[key] = {"params": [], "weight_decay": decay}

@@ -1,0 +1,235 @@
+"""Every private or undocumented API of DeepSpeed and torch that moe_dist relies on, in one file.
+
+Checked against deepspeed 0.19.8 and torch 2.13.0 (CPU build), the versions the CPU machines install. Each
+function names what it reaches into and what breaks when that changes. tests/parallel/test_private_api.py runs
+every function against the installed versions in one process (no spawned world, in the quick subset); the
+end-to-end equivalence tests (EP, TP and ZeRO runs == one process) prove the integration as a whole. When
+upgrading either library, read this file first: nothing else in moe_dist touches their internals.
+
+DeepSpeed and torch are imported inside the functions: `import deepspeed` probes the accelerator, and this
+module is imported by mesh.py, which the index-math tests load without a process group.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+CHECKED_AGAINST = {"deepspeed": "0.19.8", "torch": "2.13.0"}
+
+
+# ------------------------------------------------------------------------------ DeepSpeed's expert groups
+
+
+def register_expert_groups(name: str, ep: tuple[dist.ProcessGroup, list[int]],
+                           edp: tuple[dist.ProcessGroup, list[int]]) -> None:
+    """Hand our expert-parallel (EP) and expert-data-parallel (EDP) groups, each as (group, global ranks), to
+    DeepSpeed under its group name ("ep_size_N").
+
+    deepspeed 0.19.8: `deepspeed.utils.groups` keeps module-level dicts `_EXPERT_PARALLEL_GROUP`,
+    `_EXPERT_DATA_PARALLEL_GROUP` and their `_RANKS` twins; the engine copies the two group dicts at
+    initialize (`_get_expert_parallel_group_dict`, `_get_expert_data_parallel_group_dict`) and ZeRO 1/2
+    partitions and reduces every `moe` parameter group over the EDP group of its name. Its own constructor
+    (`_create_expert_and_data_parallel`) would put TP peers into one EDP group (experts replicated over TP, not
+    split as ours are), hence the direct write. If the dicts are renamed or the engine stops reading them,
+    deepspeed.initialize fails with "expert data parallel group is not initialized" or a KeyError, or ZeRO
+    reduces expert gradients over the wrong ranks, which the EP equivalence tests catch.
+    """
+    from deepspeed.utils import groups
+
+    groups._EXPERT_PARALLEL_GROUP[name], groups._EXPERT_PARALLEL_GROUP_RANKS[name] = ep
+    groups._EXPERT_DATA_PARALLEL_GROUP[name], groups._EXPERT_DATA_PARALLEL_GROUP_RANKS[name] = edp
+
+
+def expert_groups(name: str) -> tuple[dist.ProcessGroup, dist.ProcessGroup] | None:
+    """(EP group, EDP group) DeepSpeed holds under `name`, or None when none is registered.
+
+    deepspeed 0.19.8: the getters `groups._get_expert_parallel_group_dict`, `_get_expert_parallel_group` and
+    `_get_expert_data_parallel_group` (what the engine and ZeRO call). A rename is an AttributeError here.
+    """
+    from deepspeed.utils import groups
+
+    if name not in groups._get_expert_parallel_group_dict():
+        return None
+    return groups._get_expert_parallel_group(name), groups._get_expert_data_parallel_group(name)
+
+
+# ------------------------------------------------------------------------------ how DeepSpeed sees parameters
+
+
+def mark_expert_parameter(p: nn.Parameter, group_name: str) -> None:
+    """Mark an expert-parallel parameter the way DeepSpeed's own MoE experts do.
+
+    deepspeed 0.19.8: `deepspeed.moe.utils.is_moe_param` tests `allreduce == False`; the engine's gradient
+    reduction and ZeRO's partitioning then take the EDP group named by `group_name`. If the attributes change
+    meaning, expert gradients are averaged over the whole data-parallel group: EP runs no longer equal one
+    process (test_ep_e2e.py).
+    """
+    p.allreduce = False
+    p.group_name = group_name
+
+
+def expert_group_of(p: nn.Parameter) -> str | None:
+    """The EDP group name of a parameter marked by `mark_expert_parameter`, else None."""
+    return getattr(p, "group_name", None) if getattr(p, "allreduce", True) is False else None
+
+
+def mark_model_parallel(p: nn.Parameter) -> None:
+    """Mark a tensor-parallel shard for DeepSpeed's gradient norm.
+
+    deepspeed 0.19.8: `runtime.utils.is_model_parallel_parameter` tests `model_parallel` (or
+    `tensor_model_parallel`); marked parameters count on every TP rank, the others on tp_rank 0 only. If that
+    changes, the clipped gradient norm is wrong under TP (test_tp_e2e.py compares grad norms step by step).
+    """
+    p.model_parallel = True
+
+
+@functools.cache
+def _marker_class() -> type:
+    from deepspeed.moe.layer import MoE as DeepSpeedMoE
+
+    class DeepSpeedMoEMarker(DeepSpeedMoE):
+        """Tells DeepSpeed's engine that the model has expert-parallel parameters; never called."""
+
+        def __init__(self, num_experts: int, ep_size: int, group_name: str):
+            nn.Module.__init__(self)  # DeepSpeed's own __init__ would build its experts; we only need the type
+            self.num_experts, self.ep_size, self.expert_group_name = num_experts, ep_size, group_name
+
+        def set_deepspeed_parallelism(self, *args, **kwargs) -> None:
+            """Groups already exist: the mesh registered them (register_expert_groups)."""
+
+        def forward(self, *args, **kwargs):
+            raise RuntimeError("the DeepSpeed MoE marker is not a layer")
+
+    return DeepSpeedMoEMarker
+
+
+def deepspeed_moe_marker(num_experts: int, ep_size: int, group_name: str) -> nn.Module:
+    """A parameter-free module to attach to a model with expert-parallel parameters.
+
+    deepspeed 0.19.8: `DeepSpeedEngine._configure_distributed_model` sets `has_moe_layers` only when it finds an
+    instance of `deepspeed.moe.layer.MoE` among the modules (reading its `num_experts`), and only then does it
+    reduce `allreduce = False` parameters over their EDP group and hand ZeRO the expert groups; it also calls
+    `set_deepspeed_parallelism` on every module that has one. The subclass skips MoE.__init__ (which would
+    build DeepSpeed's own experts and gate). If the engine's check changes (another class, more attributes
+    read), initialize raises AttributeError or expert gradients are reduced over the whole data-parallel group:
+    the EP equivalence tests fail.
+    """
+    return _marker_class()(num_experts, ep_size, group_name)
+
+
+# ------------------------------------------------------------------------------ ZeRO optimizer internals
+
+
+def has_partitioned_fp32_state(p: nn.Parameter) -> bool:
+    """Whether ZeRO 1/2 holds this parameter's fp32 master weight and Adam moments in partitions, readable only
+    through deepspeed.utils.safe_get_full_* (public).
+
+    deepspeed 0.19.8: ZeRO 1/2 attaches `_hp_mapping` to each parameter it partitions. If the attribute is
+    renamed, checkpoints read the torch optimizer's (empty) state instead: saving raises KeyError.
+    """
+    return hasattr(p, "_hp_mapping")
+
+
+def relink_zero_optimizer_state(optimizer) -> None:
+    """(Re)build ZeRO 1/2's per-parameter views of the partitioned Adam state (no-op for other optimizers).
+
+    deepspeed 0.19.8: DeepSpeedZeroOptimizer and BF16_Optimizer link them once, lazily
+    (`_lazy_init_hp_params_optimizer_state`, guarded by `_hp_optimizer_states_linked`), right after the first
+    parameter group's first step, when later groups (the expert groups) have no state yet, and never again:
+    their moments would stay unreachable. If the names change this silently does nothing and checkpoints miss
+    the expert groups' moments; the exact-resume tests catch it.
+    """
+    if hasattr(optimizer, "_lazy_init_hp_params_optimizer_state"):
+        optimizer._hp_optimizer_states_linked = False
+        optimizer._lazy_init_hp_params_optimizer_state()
+
+
+def reduced_gradient_partitions(optimizer) -> list[torch.Tensor] | None:
+    """ZeRO 1/2: the partition of the reduced gradients this rank updates, after the accumulation boundary's
+    backward; None for an optimizer that keeps the gradients in `p.grad` (ZeRO 0).
+
+    deepspeed 0.19.8: DeepSpeedZeroOptimizer's `averaged_gradients` ({group index: [tensors]}, or a list). If it
+    moves, this returns None and the non-finite guard reads `p.grad` instead, which ZeRO 1/2 may already have
+    released: a NaN gradient could go unnoticed (test_reliability.py's non-finite test checks).
+    """
+    partitions = getattr(optimizer, "averaged_gradients", None)
+    if partitions is None:
+        return None
+    groups = partitions.values() if isinstance(partitions, dict) else partitions
+    return [g for group in groups if group is not None for g in group if g is not None]
+
+
+def step_without_update(engine) -> bool:
+    """The accumulation boundary's `engine.step()` with every update held back; False when DeepSpeed applied an
+    update anyway (its internals moved: the caller must stop).
+
+    deepspeed 0.19.8:
+    - ZeRO 1/2 (`runtime.base_optimizer.ZeROOptimizer` subclasses): its overflow verdict is forced, by setting
+      `check_grad_overflow` and shadowing `check_overflow` to set `overflow = True`. That is DeepSpeed's fp16/bf16
+      overflow path: it frees the reduced gradient partitions, resets its micro-step bookkeeping, leaves the fp32
+      master weights and Adam state alone, and `engine.was_step_applied()` turns false.
+    - ZeRO 0 (the torch optimizer itself): its `step` is shadowed by a no-op for this one call, so DeepSpeed does
+      its bookkeeping (clipping, zero_grad, LR, counters) and nothing is updated.
+    If the overflow hooks change, the step is applied and this returns False.
+    """
+    from deepspeed.runtime.base_optimizer import ZeROOptimizer
+
+    opt = engine.optimizer
+    if not isinstance(opt, ZeROOptimizer):
+        own = opt.__dict__.get("step")
+        opt.step = lambda *args, **kwargs: None  # shadows the class's step() for this one call
+        try:
+            engine.step()
+        finally:
+            if own is None:
+                del opt.step
+            else:
+                opt.step = own
+        return True
+    saved = opt.check_grad_overflow
+    opt.check_grad_overflow = True
+    opt.check_overflow = lambda partition_gradients=True: setattr(opt, "overflow", True)
+    try:
+        engine.step()
+    finally:
+        del opt.check_overflow  # back to the class's method
+        opt.check_grad_overflow = saved
+    return not engine.was_step_applied()
+
+
+# ------------------------------------------------------------------------------ torch.distributed internals
+
+
+def set_timeout_of_every_group(timeout: timedelta) -> None:
+    """Give every process group this rank belongs to the collective timeout `timeout`.
+
+    torch 2.13.0: torch keeps no public list of a process's groups; `distributed_c10d._world.pg_map` is that
+    list, `_rank_not_in_group` tells member groups from placeholders, and `_set_pg_timeout` sets the timeout of
+    the group's gloo/NCCL backends. If they move, this raises AttributeError at start-up (never silently: a
+    group left at torch's 30-minute default would hang a stopped rank's peers for half an hour).
+    """
+    from torch.distributed import distributed_c10d as c10d
+
+    for group in list(c10d._world.pg_map):
+        if not c10d._rank_not_in_group(group):
+            c10d._set_pg_timeout(timeout, group)
+
+
+# ------------------------------------------------------------------------------ DeepSpeed's CPU shm all-reduce
+
+
+def deepspeed_shm_buffer_name(rank: int) -> str:
+    """The /dev/shm name of rank `rank`'s DeepSpeed shared-memory all-reduce buffer in this job.
+
+    deepspeed 0.19.8: ops/csrc/cpu/comm/shm.cpp (`shm_initialize`) creates
+    `deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>` and never unlinks it. If the format
+    changes, nothing is removed and every run leaks 69 MB of tmpfs per rank again (test_launchers.py's check).
+    """
+    return (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+            f"{os.environ.get('MASTER_PORT', '')}_{rank}")

@@ -1,0 +1,213 @@
+"""moe_dist/parallel/private_api.py against the installed DeepSpeed and torch, in this process (a gloo world of
+one, no spawned ranks): every internal it reaches into still exists and still means what the module says.
+
+A tiny DeepSpeed engine with one expert parameter group shows the pieces together: the engine takes the marker
+for a DeepSpeed MoE layer, ZeRO reduces the expert group over the EDP group registered under its name, and a
+step run through `step_without_update` changes nothing. The multi-process equivalence tests prove the same
+integration at real layouts.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from support import free_port
+from torch import nn
+
+from moe_dist.parallel import private_api
+
+GROUP = "ep_size_test"  # a name no training layout uses
+
+
+@pytest.fixture(scope="module")
+def world():
+    """A gloo world of one in this process, adopted by deepspeed.comm as init_distributed does; everything it
+    changes (environment, DeepSpeed's registries, torch's default group) is put back afterwards."""
+    import deepspeed
+    import deepspeed.comm.comm as ds_comm
+    from deepspeed.utils import groups
+
+    assert not dist.is_initialized()
+    env = dict(os.environ)
+    # LOCAL_SIZE (set by the deepspeed launcher) == world size makes DeepSpeed create its shm all-reduce buffer.
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", LOCAL_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    shm = Path("/dev/shm", private_api.deepspeed_shm_buffer_name(0))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=60))
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    try:
+        yield shm
+    finally:
+        shm.unlink(missing_ok=True)
+        for registry in (groups._EXPERT_PARALLEL_GROUP, groups._EXPERT_PARALLEL_GROUP_RANKS,
+                         groups._EXPERT_DATA_PARALLEL_GROUP, groups._EXPERT_DATA_PARALLEL_GROUP_RANKS):
+            registry.pop(GROUP, None)
+        dist.destroy_process_group()
+        ds_comm.cdb = None
+        os.environ.clear()
+        os.environ.update(env)
+
+
+@pytest.fixture(scope="module")
+def expert_groups(world):
+    """Our EP and EDP groups (one rank each), registered with DeepSpeed."""
+    ep, edp = dist.new_group([0]), dist.new_group([0])
+    assert private_api.expert_groups(GROUP) is None
+    private_api.register_expert_groups(GROUP, (ep, [0]), (edp, [0]))
+    return ep, edp
+
+
+def test_registered_expert_groups_read_back_through_deepspeeds_getters(expert_groups):
+    from deepspeed.utils import groups
+
+    ep, edp = expert_groups
+    got = private_api.expert_groups(GROUP)
+    assert got is not None and got[0] is ep and got[1] is edp
+    # What the engine copies at initialize and ZeRO indexes by a parameter group's name:
+    assert groups._get_expert_parallel_group_dict()[GROUP] is ep
+    assert groups._get_expert_data_parallel_group_dict()[GROUP] is edp
+    assert groups._get_expert_parallel_group_ranks(GROUP) == [0]
+    assert groups._get_expert_data_parallel_group_ranks(GROUP) == [0]
+    assert groups._get_expert_parallel_world_size(GROUP) == 1 and groups._get_expert_data_parallel_rank(GROUP) == 0
+
+
+def test_parameter_marks_are_the_ones_deepspeed_reads():
+    from deepspeed.moe.utils import is_moe_param
+    from deepspeed.runtime.utils import is_model_parallel_parameter
+
+    expert, dense, shard = (nn.Parameter(torch.zeros(2)) for _ in range(3))
+    private_api.mark_expert_parameter(expert, GROUP)
+    private_api.mark_model_parallel(shard)
+    assert is_moe_param(expert) and not is_moe_param(dense) and not is_moe_param(shard)
+    assert private_api.expert_group_of(expert) == GROUP and private_api.expert_group_of(dense) is None
+    assert is_model_parallel_parameter(shard) and not is_model_parallel_parameter(dense)
+
+
+def test_marker_is_a_parameter_free_deepspeed_moe_layer():
+    from deepspeed.moe.layer import MoE
+
+    marker = private_api.deepspeed_moe_marker(8, 2, "ep_size_2")
+    assert isinstance(marker, MoE) and list(marker.parameters()) == []
+    assert (marker.num_experts, marker.ep_size, marker.expert_group_name) == (8, 2, "ep_size_2")
+    marker.set_deepspeed_parallelism(False)  # what the engine calls on it: a no-op, the groups exist
+    with pytest.raises(RuntimeError, match="not a layer"):
+        marker(torch.zeros(1))
+
+
+def test_group_timeouts_reach_every_group(world):
+    from torch.distributed import distributed_c10d as c10d
+
+    extra = dist.new_group([0])  # made after init_process_group: torch's 30-minute default
+
+    def timeout(group) -> timedelta:
+        return group._get_backend(torch.device("cpu")).options._timeout
+
+    assert timeout(extra) == timedelta(minutes=30)
+    private_api.set_timeout_of_every_group(timedelta(seconds=7))
+    assert timeout(extra) == timedelta(seconds=7)
+    assert all(timeout(g) == timedelta(seconds=7) for g in c10d._world.pg_map)  # the world and every other group
+
+
+def test_shm_buffer_name_is_the_one_deepspeeds_kernel_creates(world):
+    shm = world  # deepspeed.init_distributed (the fixture) ran DeepSpeed's shm_initialize
+    assert shm.is_file() and shm.stat().st_size > 1 << 20, f"no DeepSpeed shm buffer named {shm.name}"
+
+
+class _Tiny(nn.Module):
+    """A dense layer and an 'expert' layer whose parameters form their own expert group."""
+
+    def __init__(self, expert_group: str | None):
+        super().__init__()
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            self.dense, self.expert = nn.Linear(4, 4), nn.Linear(4, 1)
+        if expert_group is not None:
+            for p in self.expert.parameters():
+                private_api.mark_expert_parameter(p, expert_group)
+            self.marker = private_api.deepspeed_moe_marker(1, 1, expert_group)
+
+    def forward(self, x):
+        return self.expert(torch.tanh(self.dense(x))).square().mean()
+
+
+def _engine(zero_stage: int, expert_group: str | None):
+    import deepspeed
+
+    from moe_dist.train.optim import param_groups
+
+    model = _Tiny(expert_group)
+    opt = torch.optim.AdamW(param_groups(model, 0.0), lr=0.1)
+    config = {"train_batch_size": 1, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": zero_stage}, "zero_allow_untested_optimizer": True,
+              "steps_per_print": 10**9}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+    return engine, model
+
+
+def _backward(engine, seed: int) -> None:
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(seed))
+    engine.backward(engine(x))
+
+
+def _full_state(model) -> dict[str, torch.Tensor]:
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    out = {}
+    for name, p in model.named_parameters():
+        assert private_api.has_partitioned_fp32_state(p), name
+        out[name] = safe_get_full_fp32_param(p).clone()
+        for k in ("exp_avg", "exp_avg_sq"):
+            state = safe_get_full_optimizer_state(p, k)
+            assert state is not None, f"{k} of {name} unreachable"
+            out[f"{k}.{name}"] = state.clone()
+    return out
+
+
+def test_zero_engine_reduces_the_expert_group_over_its_edp_group_and_skips_without_update(expert_groups):
+    _, edp = expert_groups
+    engine, model = _engine(1, GROUP)
+    assert engine.has_moe_layers  # the marker was taken for a DeepSpeed MoE layer
+    opt = engine.optimizer
+    expert_index = next(i for i, g in enumerate(opt.optimizer.param_groups) if g.get("moe"))
+    assert opt.real_dp_process_group[expert_index] is edp  # ZeRO reduces and partitions it over our EDP group
+
+    _backward(engine, 0)
+    grads = private_api.reduced_gradient_partitions(opt)
+    assert grads and all(torch.isfinite(g).all() for g in grads) and any(g.abs().sum() > 0 for g in grads)
+    engine.step()
+    private_api.relink_zero_optimizer_state(opt)  # the expert group's moments become reachable
+    before = _full_state(model)
+    def adam_steps() -> list[float]:
+        return [opt.optimizer.state[p]["step"].item() for g in opt.optimizer.param_groups for p in g["params"]]
+
+    steps_before = adam_steps()
+
+    _backward(engine, 1)
+    assert private_api.step_without_update(engine)
+    assert not engine.was_step_applied()
+    after = _full_state(model)
+    assert all(torch.equal(before[k], after[k]) for k in before), "a held-back step changed the state"
+    assert adam_steps() == steps_before == [1.0] * len(steps_before)
+
+    _backward(engine, 2)
+    engine.step()  # and a normal step still moves every parameter
+    moved = _full_state(model)
+    assert all(not torch.equal(before[n], moved[n]) for n, _ in model.named_parameters())
+
+
+def test_torch_optimizer_step_is_held_back_too(world):
+    engine, model = _engine(0, None)
+    assert private_api.reduced_gradient_partitions(engine.optimizer) is None  # gradients live in p.grad
+    _backward(engine, 0)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert private_api.step_without_update(engine)
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
+    assert "step" not in vars(engine.optimizer)  # the shadowing no-op is gone again
+    _backward(engine, 1)
+    engine.step()
+    assert all(not torch.equal(before[n], p) for n, p in model.named_parameters())
