@@ -81,9 +81,11 @@ class _UnpermuteRows(torch.autograd.Function):
         grad_R = grad_TD.index_select(0, rows_R % ctx.num_tokens)  # each row's token gradient (R, D)
         grad_weight_A = None
         if ctx.needs_input_grad[2]:
-            # d out[t] / d weight[a] = y[row(a)]: a dot product per kept row in fp32; dropped assignments get 0
+            # d out[t] / d weight[a] = y[row(a)]: a dot product per kept row, summed in fp32 over products in the
+            # rows' dtype (as torch's own autograd of y * w in that dtype; widening both (R, D) operands to fp32
+            # first cost more than the rest of the combine's backward); dropped assignments get 0
             grad_weight_A = torch.zeros_like(weight_A)
-            dots_R = torch.linalg.vecdot(grad_R.to(compute), y_RD.to(compute))
+            dots_R = torch.mul(grad_R, y_RD).sum(-1, dtype=compute)
             grad_weight_A.index_copy_(0, rows_R, dots_R.to(weight_A.dtype))
         # times its weight, in the gradient's dtype (the weight rounded to it once)
         grad_y = grad_R.mul_(weight_A.index_select(0, rows_R).to(grad_TD.dtype)[:, None])
