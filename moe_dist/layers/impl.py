@@ -65,23 +65,21 @@ def _why_no_triton(device: torch.device) -> Optional[str]:
     return f"the model is built for {device}; the Triton kernels run on CUDA"
 
 
-def resolve(
-    impl: str, key: str, device: torch.device | str, torch_fn: Callable, kernel: Optional[str], what: str
-) -> Kernel:
+def resolve(impl: str, key: str, device: torch.device | str, torch_fn: Callable, kernel: str, what: str) -> Kernel:
     """The implementation of config value `impl` (of config key `key`) for a layer built for `device`.
 
-    `torch_fn` is the PyTorch path; `kernel` is "module.function" in moe_dist.kernels with the same signature, or
-    None where the operation has no GPU kernel of ours; `what` names it in messages ("selective scan").
+    `torch_fn` is the PyTorch path; `kernel` is "module.function" in moe_dist.kernels with the same signature;
+    `what` names it in messages ("selective scan").
     """
     if impl not in IMPLS:
         quoted = [repr(c) for c in IMPLS]
         raise ValueError(f"{key}: expected {', '.join(quoted[:-1])} or {quoted[-1]}, got {impl!r}")
     device = torch.device(device)
-    why_not = _why_no_triton(device) if kernel is not None and impl != "torch" else None
     if impl == "auto":  # a CUDA machine without the triton package gets the PyTorch paths
-        impl = AUTO_ON_CUDA[key] if device.type == "cuda" and why_not is None else "torch"
-    if impl == "torch" or kernel is None:
+        impl = AUTO_ON_CUDA[key] if device.type == "cuda" and _why_no_triton(device) is None else "torch"
+    if impl == "torch":
         return Kernel("torch", torch_fn)
+    why_not = _why_no_triton(device)
     if why_not is not None:
         raise ValueError(f"{key}='triton': the Triton {what} is not available: {why_not}")
     module_name, fn_name = kernel.split(".")
