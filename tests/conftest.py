@@ -1,4 +1,7 @@
-"""Shared test helpers: launching real training jobs (python, deepspeed, torchrun) and reading their outputs."""
+"""Shared test helpers: launching real training jobs (python, deepspeed, torchrun) and reading their outputs.
+
+Multi-process runs are the suite's cost (each launch is seconds of imports and start-up per rank on a 2-core
+machine), so runs that several modules compare against are made once per session (`debug_run`)."""
 
 from __future__ import annotations
 
@@ -9,35 +12,38 @@ import sys
 from pathlib import Path
 
 import pytest
-from support import console_script, free_port
+from support import DEBUG_CONFIG, ONE_THREAD, console_script, free_port, shm_buffers
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = str(REPO / "launch" / "train.py")
 
 
 class Runner:
-    """Runs launch/train.py under a real launcher and returns the completed process (timeout = test failure)."""
+    """Runs launch/train.py under a real launcher and returns the completed process (timeout = test failure),
+    with the rendezvous port it used as `master_port` (None for a single process)."""
 
     def __init__(self, timeout: float = 300.0):
         self.timeout = timeout
 
-    def command(self, launcher: str, nproc: int, args: list[str]) -> list[str]:
+    def command(self, launcher: str, nproc: int, args: list[str], port: int | None) -> list[str]:
         if launcher == "python":
             assert nproc == 1
             return [sys.executable, TRAIN, *args]
         if launcher == "deepspeed":
-            return [console_script("deepspeed"), "--num_gpus", str(nproc), "--master_port", str(free_port()), TRAIN, *args]
+            return [console_script("deepspeed"), "--num_gpus", str(nproc), "--master_port", str(port), TRAIN, *args]
         if launcher == "torchrun":
-            return [console_script("torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(free_port()),
-                    TRAIN, *args]
+            return [console_script("torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(port), TRAIN,
+                    *args]
         raise ValueError(launcher)
 
     def __call__(self, launcher: str, nproc: int, args: list[str], check: bool = True) -> subprocess.CompletedProcess:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        proc = subprocess.run(self.command(launcher, nproc, args), cwd=REPO, env=env, capture_output=True,
+        port = None if launcher == "python" else free_port()
+        proc = subprocess.run(self.command(launcher, nproc, args, port), cwd=REPO, env=env, capture_output=True,
                               text=True, timeout=self.timeout)
         if check and proc.returncode != 0:
             raise AssertionError(f"{launcher} run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+        proc.master_port = port
         return proc
 
 
@@ -55,10 +61,32 @@ def metrics():
     return read_metrics
 
 
-@pytest.fixture
-def port() -> int:
-    """A free TCP port on localhost for a launcher's rendezvous."""
-    return free_port()
+class DebugRuns:
+    """`debug_run(launcher)`: the run directory of configs/debug.json as it is (6 steps, eval and checkpoint every
+    3; one thread per process) under "python" (1 process), "deepspeed" or "torchrun" (2 processes), trained on
+    first use and shared by every test that compares against it (train/test_train_e2e.py, test_launchers.py,
+    train/test_bad_input.py). Tests copy a run directory before they change anything in it. `shm[launcher]`: the
+    DeepSpeed shm buffers the run left behind, looked for right after it ended."""
+
+    def __init__(self, root: Path, run: Runner):
+        self.root, self.run = root, run
+        self.dirs: dict[str, Path] = {}
+        self.shm: dict[str, list[str]] = {}
+
+    def __call__(self, launcher: str) -> Path:
+        if launcher not in self.dirs:
+            run_dir = self.root / launcher
+            proc = self.run(launcher, 1 if launcher == "python" else 2,
+                            ["--config", DEBUG_CONFIG, "--run-dir", str(run_dir), "--set", ONE_THREAD])
+            if proc.master_port is not None:
+                self.shm[launcher] = shm_buffers(proc.master_port)
+            self.dirs[launcher] = run_dir
+        return self.dirs[launcher]
+
+
+@pytest.fixture(scope="session")
+def debug_run(tmp_path_factory, run_train) -> DebugRuns:
+    return DebugRuns(tmp_path_factory.mktemp("debug_runs"), run_train)
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,11 @@ def console_script(name: str) -> str:
     return str(path) if path.exists() else shutil.which(name)
 
 
+def shm_buffers(port: int) -> list[str]:
+    """DeepSpeed shm all-reduce buffers of the job that used this rendezvous port, still in /dev/shm."""
+    return sorted(p.name for p in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
+
+
 def train_records(records: list[dict]) -> list[dict]:
     """The per-step training records of a metrics.jsonl (evaluation-only records, e.g. step 0, left out)."""
     return [r for r in records if "loss" in r]
@@ -40,3 +45,18 @@ def load_script(path: Path):
     finally:
         sys.path.remove(str(path.parent))
     return module
+
+
+DEBUG_CONFIG = "configs/debug.json"  # the small job most end-to-end tests train (6 steps, 2 MoE layers)
+# One torch thread per process: at these sizes a second thread only adds hand-offs (a single process on 2 busy
+# cores ran 6 debug steps 5x slower with the default, cores / local processes = 2). Multi-process runs on 2
+# cores get 1 anyway, so the layouts compared with one process keep the same arithmetic.
+ONE_THREAD = "train.threads=1"
+
+# The parallel end-to-end runs (tests/parallel/test_ep_e2e.py, test_tp_e2e.py): every layout trains these steps
+# and is compared step by step with one process of the same mode, which the two modules share.
+E2E_CONFIG = DEBUG_CONFIG  # attention, Mamba, dense and MoE layers; 4 experts, top-2
+E2E_STEPS, E2E_SAVE = 6, 3  # resume tests restart from the step-3 checkpoint: past warmup, Adam moments built up
+E2E_BASE = [f"train.steps={E2E_STEPS}", f"train.save_every={E2E_SAVE}", "train.eval_every=0", "train.eval_batches=4",
+            ONE_THREAD]
+E2E_MODES = {"capacity": [], "dropless": ["model.moe.capacity_factor=null"]}

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers  # a dev dependency (pyproject.toml): a missing one fails here, it never skips the module
 from safetensors import safe_open
 
 from moe_dist.config import ModelConfig, load_config
@@ -20,7 +21,6 @@ from moe_dist.hf import (HFConfigError, config_from_hf, export_run_to_hf, import
 from moe_dist.models.decoder import build_model, generate, lm_loss, materialize
 from moe_dist.train.data import TokenDataset, load_tokens, micro_batches
 
-transformers = pytest.importorskip("transformers")
 REPO = Path(__file__).resolve().parents[1]
 # fp32 logits of size ~1-3 agree to ~1e-6 here (measured: Mixtral 7e-7, Jamba 9e-7); 2e-5 leaves headroom for
 # other CPUs' summation orders while still catching any real mapping error (those show up at 1e-2 and above).
@@ -168,7 +168,10 @@ def test_sharded_export_loads(mixtral, tmp_path):
     index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "sharded").eval()
-    assert _max_diff(reloaded, load_hf_model(tmp_path / "sharded"), _tokens(4)) < ATOL
+    tokens = _tokens(4)
+    with torch.no_grad():  # both loaders read every shard: the source model's logits, exactly and to ATOL
+        assert torch.equal(reloaded(tokens).logits, hf_model(tokens).logits)
+    assert _max_diff(hf_model, load_hf_model(tmp_path / "sharded"), tokens) < ATOL
 
 
 def _jamba_style(**model) -> ModelConfig:

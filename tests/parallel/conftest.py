@@ -1,4 +1,5 @@
-"""Helpers shared by the parallel end-to-end tests: compare a run with the single-process reference."""
+"""Helpers shared by the parallel end-to-end tests: the single-process reference runs (made once per session, for
+test_ep_e2e.py and test_tp_e2e.py alike) and comparisons of a run with them."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from support import train_records
+from support import E2E_BASE, E2E_CONFIG, E2E_MODES, E2E_STEPS, train_records
 
 
 def _checkpoint_tensors(step_dir: Path) -> dict[str, torch.Tensor]:
@@ -28,8 +29,38 @@ def _same_trajectory(got: list[dict], ref: list[dict], first_step: int = 1) -> N
     for g, r in zip(got, ref):
         assert g["loss"] == pytest.approx(r["loss"], rel=1e-5), g["step"]
         assert g["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-4), g["step"]  # clipping at 1.0 is active
+        assert len(g["moe"]) == len(r["moe"]) == 2, g["step"]  # configs/debug.json's two MoE layers
         for lg, lr in zip(g["moe"], r["moe"]):
             assert lg["tokens_per_expert"] == lr["tokens_per_expert"]  # global expert load, not rank 0's
+
+
+def _same_final_state(got_dir: Path, ref_dir: Path, atol_of_scale: float) -> dict[str, torch.Tensor]:
+    """The last checkpoints hold the same tensors (parameters and Adam moments, each once under its global name),
+    equal in fp32 up to `atol_of_scale` of each tensor's largest magnitude (summation order differs between
+    layouts); returns the run's tensors."""
+    got = _checkpoint_tensors(got_dir / f"checkpoints/step_{E2E_STEPS}")
+    ref = _checkpoint_tensors(ref_dir / f"checkpoints/step_{E2E_STEPS}")
+    assert got.keys() == ref.keys()
+    for name in ref:
+        scale = ref[name].abs().max().item()
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-5, atol=atol_of_scale * scale, msg=name)
+    return got
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory, run_train):
+    """`reference(mode)`: the run directory of the single-process run of configs/debug.json with E2E_BASE in MoE
+    mode "capacity" or "dropless", trained on first use."""
+    root, done = tmp_path_factory.mktemp("reference"), {}
+
+    def get(mode: str) -> Path:
+        if mode not in done:
+            run_train("python", 1, ["--config", E2E_CONFIG, "--run-dir", str(root / mode), "--set", *E2E_BASE,
+                                    *E2E_MODES[mode]])
+            done[mode] = root / mode
+        return done[mode]
+
+    return get
 
 
 @pytest.fixture(scope="session")
@@ -40,3 +71,8 @@ def checkpoint_tensors():
 @pytest.fixture(scope="session")
 def same_trajectory():
     return _same_trajectory
+
+
+@pytest.fixture(scope="session")
+def same_final_state():
+    return _same_final_state

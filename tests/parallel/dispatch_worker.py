@@ -1,13 +1,13 @@
-"""Worker for test_ep_dispatch.py, run as `torchrun --nproc_per_node P dispatch_worker.py OUT_DIR SCENARIO DTYPE`.
+"""Worker for test_ep_dispatch.py, run as `torchrun --nproc_per_node 2 dispatch_worker.py OUT_DIR`.
 
-Each rank builds the same 4-expert MoE layer (`layer_config(dtype)`: fp32 at d_model 8, or bf16 at d_model 32,
-where the CPU experts run the compiled grouped GEMM on AMX machines), keeps its expert shard behind the all-to-all dispatcher (the real
-`apply_ep`), runs forward and backward on its own tokens, and saves its outputs and gradients for the test to
-compare against one process.
+Each rank builds the same 4-expert MoE layer (`layer_config(dtype)`: fp32 at d_model 8, or bf16 at d_model 32),
+keeps its expert shard behind the all-to-all dispatcher (the real `apply_ep`), runs forward and backward on its
+own tokens for every scenario and dtype, and saves its outputs and gradients as
+OUT_DIR/<scenario>_<dtype>_rank<R>.safetensors for the test to compare against one process. One world serves
+every case: its start-up costs more than all the cases together.
 """
 
 import sys
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -20,12 +20,12 @@ from moe_dist.models.decoder import build_model, materialize
 from moe_dist.parallel.expert_parallel import apply_ep
 from moe_dist.parallel.mesh import init_distributed
 
-
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+SCENARIOS = ["all_to_other_rank", "rank_routes_nothing_locally"]
 
 
 def layer_config(dtype: str) -> list:
-    """Config overrides of the one-MoE-layer model; bf16 at sizes the AMX grouped GEMM takes (multiples of 32)."""
+    """Config overrides of the one-MoE-layer model; bf16 at sizes torch's grouped GEMM takes (16-byte rows)."""
     size = ["model.d_model=8", "model.d_ff=16"] if dtype == "fp32" else ["model.d_model=32", "model.d_ff=32"]
     return [*size, "model.n_layers=1", "model.mixer_pattern=A", "model.attention.n_heads=2",
             "model.attention.n_kv_heads=2", "model.moe.num_experts=4", "model.moe.top_k=2",
@@ -46,10 +46,13 @@ def scenario_inputs(scenario: str, rank: int, d_model: int = 8) -> torch.Tensor:
     return x + 0.01 * torch.randn(6, d_model, generator=torch.Generator().manual_seed(rank))
 
 
-def main(out_dir: str, scenario: str, dtype: str) -> None:
-    cfg = load_config(None, [*layer_config(dtype), "parallel.ep=2", "train.global_batch_size=4",
-                             "train.micro_batch_size=2", "train.eval_batches=2"])
-    mesh = init_distributed(cfg, timeout_s=60)
+def _config(dtype: str):
+    return load_config(None, [*layer_config(dtype), "parallel.ep=2", "train.global_batch_size=4",
+                              "train.micro_batch_size=2", "train.eval_batches=2"])
+
+
+def run_case(out_dir: Path, mesh, scenario: str, dtype: str) -> None:
+    cfg = _config(dtype)
     model = materialize(apply_ep(build_model(cfg.model), mesh), "cpu", seed=0).to(DTYPES[dtype])
     moe = next(m for m in model.modules() if isinstance(m, MoE))
     with torch.no_grad():
@@ -60,10 +63,18 @@ def main(out_dir: str, scenario: str, dtype: str) -> None:
     (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
     tensors = {"out": out.detach(), "x_grad": x.grad, "router_grad": moe.router.weight.grad,
                **{f"{n}_grad": getattr(moe.experts, n).grad for n in ("w13", "w2")}}
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(Path(out_dir) / f"rank{mesh.rank}.safetensors"))
+    save_file({k: v.contiguous() for k, v in tensors.items()},
+              str(out_dir / f"{scenario}_{dtype}_rank{mesh.rank}.safetensors"))
+
+
+def main(out_dir: str) -> None:
+    mesh = init_distributed(_config("fp32"), timeout_s=60)
+    for dtype in DTYPES:
+        for scenario in SCENARIOS:
+            run_case(Path(out_dir), mesh, scenario, dtype)
     dist.barrier()
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3])
+    main(sys.argv[1])

@@ -1,5 +1,11 @@
 """Expert parallelism end to end under DeepSpeed: EP runs equal one process with gradient accumulation
-(DESIGN.md §5), step by step, for ZeRO 1 and 2, capacity and dropless; checkpoints reshard across EP sizes."""
+(DESIGN.md §5), step by step, for ZeRO 1 and 2, capacity and dropless; checkpoints reshard across EP sizes.
+
+Every run is compared with the session's single-process `reference` of its mode (shared with test_tp_e2e.py),
+losses, clipped-gradient norms and expert load at every step, parameters and Adam moments at the end. A resumed
+run is such a comparison too, for the steps after its checkpoint, so (dp, ep, zero) = (2, 2, 1) with capacity
+drops is covered by ep1-to-ep2; (2, 2, 2) → (4, 4, 1) resharding with TP is test_tp_e2e.py's. Runs use torchrun
+except one (the deepspeed launcher; launchers are equal: test_launchers.py)."""
 
 from __future__ import annotations
 
@@ -7,70 +13,63 @@ import re
 import shutil
 
 import pytest
-import torch
-from support import train_records
+from support import E2E_BASE, E2E_CONFIG, E2E_MODES, E2E_SAVE, E2E_STEPS, train_records
 
-CONFIG = "configs/debug.json"
-STEPS, SAVE = 8, 4
-BASE = [f"train.steps={STEPS}", f"train.save_every={SAVE}", "train.eval_every=0", "train.eval_batches=4"]
-MODES = {"capacity": [], "dropless": ["model.moe.capacity_factor=null"]}
 NUM_EXPERTS = 4  # configs/debug.json
+ATOL_OF_SCALE = 1e-4  # fp32, of each tensor's largest magnitude: summation order differs between layouts
+LAYOUTS = {  # (world, ep, mode, zero stage): launcher
+    (2, 2, "dropless", 2): "deepspeed",
+    (4, 2, "capacity", 2): "torchrun",
+    (4, 4, "dropless", 1): "torchrun",
+}
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory, run_train, metrics):
-    """Run every layout once; tests below inspect the results."""
-    root, run = tmp_path_factory.mktemp("ep"), run_train
-    out = {}
-    for mode, extra in MODES.items():
-        d = root / f"ref_{mode}"
-        run("python", 1, ["--config", CONFIG, "--run-dir", str(d), "--set", *BASE, *extra])
-        out[("ref", mode)] = d
-    layouts = [(2, 2, "capacity", 1), (2, 2, "dropless", 2), (4, 2, "capacity", 2), (4, 4, "dropless", 1)]
-    for world, ep, mode, zero in layouts:
-        d = root / f"w{world}_ep{ep}_{mode}_z{zero}"
-        run("deepspeed", world, ["--config", CONFIG, "--run-dir", str(d), "--set", *BASE, *MODES[mode],
-                                 f"parallel.ep={ep}", f"deepspeed.zero_stage={zero}"])
-        out[(world, ep, mode, zero)] = d
-    out["read"] = metrics
-    out["run"] = run
-    out["root"] = root
-    return out
+def _args(run_dir, mode: str, ep: int, zero: int, *extra: str) -> list[str]:
+    return ["--config", E2E_CONFIG, "--run-dir", str(run_dir), *extra, "--set", *E2E_BASE, *E2E_MODES[mode],
+            f"parallel.ep={ep}", f"deepspeed.zero_stage={zero}"]
 
 
-@pytest.mark.parametrize("layout", [(2, 2, "capacity", 1), (2, 2, "dropless", 2), (4, 2, "capacity", 2),
-                                    (4, 4, "dropless", 1)], ids=lambda t: f"dp{t[0]}-ep{t[1]}-{t[2]}-zero{t[3]}")
-def test_ep_run_equals_one_process(runs, checkpoint_tensors, same_trajectory, layout):
-    read = runs["read"]
-    got_dir, ref_dir = runs[layout], runs[("ref", layout[2])]
-    same_trajectory(read(got_dir), read(ref_dir))
-    for r in train_records(read(got_dir)):
-        assert all(layer["a2a_bytes_per_rank"] > 0 for layer in r["moe"])
-    got, ref = checkpoint_tensors(got_dir / f"checkpoints/step_{STEPS}"), checkpoint_tensors(ref_dir / f"checkpoints/step_{STEPS}")
-    assert got.keys() == ref.keys()
-    for name in ref:
-        # fp32 tolerance relative to the tensor's scale: summation order differs between layouts
-        scale = ref[name].abs().max().item()
-        torch.testing.assert_close(got[name], ref[name], rtol=1e-5, atol=1e-4 * scale, msg=name)
+def _check_against_reference(run_dir, ref_dir, ep: int, first_step, read, same_trajectory, same_final_state):
+    records = [r for r in train_records(read(run_dir)) if r["step"] >= first_step]
+    same_trajectory(records, read(ref_dir), first_step=first_step)
+    if ep > 1:
+        assert all(layer["a2a_bytes_per_rank"] > 0 for r in records for layer in r["moe"])
+    got = same_final_state(run_dir, ref_dir, ATOL_OF_SCALE)
     experts = sorted(k for k in got if re.fullmatch(r"blocks\.\d+\.ffn\.experts\.w13\.\d+", k))
     assert len(experts) == 2 * NUM_EXPERTS  # two MoE layers, every expert once under its global index
 
 
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, run_train):
+    """Run every layout once; tests below inspect the results."""
+    root, out = tmp_path_factory.mktemp("ep"), {}
+    for (world, ep, mode, zero), launcher in LAYOUTS.items():
+        out[(world, ep, mode, zero)] = d = root / f"w{world}_ep{ep}_{mode}_z{zero}"
+        run_train(launcher, world, _args(d, mode, ep, zero))
+    return out
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS), ids=lambda t: f"dp{t[0]}-ep{t[1]}-{t[2]}-zero{t[3]}")
+def test_ep_run_equals_one_process(runs, reference, metrics, same_trajectory, same_final_state, layout):
+    _check_against_reference(runs[layout], reference(layout[2]), layout[1], 1, metrics, same_trajectory,
+                             same_final_state)
+
+
 @pytest.mark.parametrize("source, mode, resume_world, resume_ep", [
-    ((2, 2, "capacity", 1), "capacity", 1, 1),  # ep=2 -> ep=1 (one process)
-    ((2, 2, "capacity", 1), "capacity", 4, 4),  # ep=2 -> ep=4
-    (("ref", "capacity"), "capacity", 2, 2),  # ep=1 -> ep=2
+    ((2, 2, "dropless", 2), "dropless", 1, 1),  # ep=2 -> ep=1 (one process)
+    ("ref", "capacity", 2, 2),  # ep=1 -> ep=2
     ((4, 4, "dropless", 1), "dropless", 2, 2),  # ep=4 -> ep=2
-], ids=["ep2-to-ep1", "ep2-to-ep4", "ep1-to-ep2", "ep4-to-ep2"])
-def test_checkpoint_reshards_across_ep_sizes(runs, same_trajectory, source, mode, resume_world, resume_ep):
-    read, run = runs["read"], runs["run"]
-    d = runs["root"] / f"resume_{'_'.join(map(str, source))}_to_w{resume_world}_ep{resume_ep}"
-    shutil.copytree(runs[source], d)
-    shutil.rmtree(d / f"checkpoints/step_{STEPS}")  # resume from the step-4 checkpoint written at the old layout
-    launcher = "python" if resume_world == 1 else "deepspeed"
-    run(launcher, resume_world, ["--config", CONFIG, "--run-dir", str(d), "--resume", "--set", *BASE, *MODES[mode],
-                                 f"parallel.ep={resume_ep}", "deepspeed.zero_stage=1"])
-    resumed = [r for r in train_records(read(d)) if r["step"] > SAVE]
-    same_trajectory(resumed, read(runs[("ref", mode)]), first_step=SAVE + 1)
+], ids=["ep2-to-ep1", "ep1-to-ep2", "ep4-to-ep2"])
+def test_checkpoint_reshards_across_ep_sizes(tmp_path, runs, reference, run_train, metrics, same_trajectory,
+                                             same_final_state, source, mode, resume_world, resume_ep):
+    """The source run's step-3 checkpoint, written at its layout, resumed at another (ZeRO 1): steps 4-6 and the
+    final state equal the uninterrupted single-process run's."""
+    d = tmp_path / "run"
+    shutil.copytree(reference(mode) if source == "ref" else runs[source], d)
+    shutil.rmtree(d / f"checkpoints/step_{E2E_STEPS}")
+    launcher = "python" if resume_world == 1 else "torchrun"
+    proc = run_train(launcher, resume_world, _args(d, mode, resume_ep, 1, "--resume"))
+    assert f"resuming from {d / 'checkpoints' / f'step_{E2E_SAVE}'} (step {E2E_SAVE})" in proc.stderr
+    _check_against_reference(d, reference(mode), resume_ep, E2E_SAVE + 1, metrics, same_trajectory, same_final_state)

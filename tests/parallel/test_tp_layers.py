@@ -28,8 +28,8 @@ def tp_results(tmp_path_factory) -> list[dict]:
     return [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(2)]
 
 
-
-
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("layer", LAYERS)
 def test_tensor_parallel_layer_matches_single_device(tp_results, layer, variant):

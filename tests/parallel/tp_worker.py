@@ -34,7 +34,8 @@ def _diff(got: torch.Tensor, want: torch.Tensor) -> dict:
 
 
 def _compare_grads(ref: torch.nn.Module, sharded: torch.nn.Module, mesh, prefix: str, out: dict) -> None:
-    for (name, p_ref), (_, p_tp) in zip(ref.named_parameters(), sharded.named_parameters()):
+    for (name, p_ref), (name_tp, p_tp) in zip(ref.named_parameters(), sharded.named_parameters(), strict=True):
+        assert name_tp == name, (name_tp, name)  # apply_tp keeps global parameter names
         want = p_ref.grad
         if hasattr(p_tp, "tp_dim"):
             want = shard(want, p_tp.tp_dim, mesh.tp_rank, mesh.tp, p_tp.tp_parts)

@@ -26,13 +26,14 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from support import console_script, free_port
+from support import ONE_THREAD, console_script, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = str(Path(__file__).with_name("fault_worker.py"))
 CONFIG = "configs/debug.json"
 STEPS = 6
-BASE = ["--config", CONFIG, "--resume", "--set", f"train.steps={STEPS}", "train.save_every=1", "train.eval_every=0"]
+BASE = ["--config", CONFIG, "--resume", "--set", f"train.steps={STEPS}", "train.save_every=1", "train.eval_every=0",
+        ONE_THREAD]
 TIMEOUT = 300  # per job; a hang fails the test instead of stalling CI
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]

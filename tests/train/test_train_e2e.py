@@ -1,4 +1,7 @@
-"""End-to-end training runs under real launchers: python (1 process), deepspeed and torchrun (2 CPU processes)."""
+"""End-to-end training runs under real launchers: python (1 process), deepspeed and torchrun (2 CPU processes).
+
+The runs of configs/debug.json as it is come from the session's `debug_run` (shared with test_launchers.py and
+test_bad_input.py); only the other ZeRO stages and the resume are launched here."""
 
 from __future__ import annotations
 
@@ -6,10 +9,10 @@ import json
 import shutil
 
 import pytest
-from support import train_records
+from support import DEBUG_CONFIG, ONE_THREAD, train_records
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-CONFIG = "configs/debug.json"
+CONFIG = DEBUG_CONFIG  # zero_stage 1, 6 steps, eval and checkpoint every 3
 STEPS = 6
 REQUIRED = {"step", "loss", "lm_loss", "aux_loss", "z_loss", "lr", "grad_norm", "tokens_per_s", "moe"}
 
@@ -20,26 +23,31 @@ def _losses(records):
     return [r["loss"] for r in train_records(records)]
 
 
-def test_single_process_matches_two_process_deepspeed_for_every_zero_stage(tmp_path, run_train, metrics):
-    run_train("python", 1, ["--config", CONFIG, "--run-dir", str(tmp_path / "one")])
-    ref = metrics(tmp_path / "one")
-    ref_losses = _losses(ref)
+def test_single_process_matches_two_processes_for_every_zero_stage(tmp_path, debug_run, run_train, metrics):
+    """ZeRO 1 (the config's) under the deepspeed launcher; 0 and 2 under torchrun (launchers are equal:
+    test_torchrun_matches_deepspeed_launcher)."""
+    ref_losses = _losses(metrics(debug_run("python")))
     assert len(ref_losses) == STEPS
     assert ref_losses[-1] < ref_losses[0] - 0.5, f"loss did not fall: {ref_losses}"
     for stage in (0, 1, 2):
-        run_dir = tmp_path / f"ds_zero{stage}"
-        run_train("deepspeed", 2, ["--config", CONFIG, "--run-dir", str(run_dir), "--set", f"deepspeed.zero_stage={stage}"])
+        if stage == 1:
+            run_dir = debug_run("deepspeed")
+        else:
+            run_dir = tmp_path / f"zero{stage}"
+            run_train("torchrun", 2, ["--config", CONFIG, "--run-dir", str(run_dir), "--set", ONE_THREAD,
+                                      f"deepspeed.zero_stage={stage}"])
+        assert json.loads((run_dir / "config.json").read_text())["deepspeed"]["zero_stage"] == stage
         got = metrics(run_dir)
         assert _losses(got) == pytest.approx(ref_losses, rel=1e-5, abs=1e-6), f"zero stage {stage}"
         # Expert load is the global count: every assignment of the global batch is counted once.
         for r in train_records(got):
+            assert len(r["moe"]) == 2
             for layer in r["moe"]:
                 assert sum(layer["tokens_per_expert"]) == 8 * 32 * 2  # global batch × seq_len × top_k
 
 
-def test_deepspeed_two_process_outputs(tmp_path, run_train, metrics):
-    run_dir = tmp_path / "run"
-    run_train("deepspeed", 2, ["--config", CONFIG, "--run-dir", str(run_dir)])
+def test_deepspeed_two_process_outputs(debug_run, metrics):
+    run_dir = debug_run("deepspeed")
     records = metrics(run_dir)
     train = train_records(records)
     assert [r["step"] for r in train] == list(range(1, STEPS + 1))
@@ -63,22 +71,20 @@ def test_deepspeed_two_process_outputs(tmp_path, run_train, metrics):
     assert acc.Scalars("train/loss")[0].value == pytest.approx(train[0]["loss"], rel=1e-6)
 
 
-def test_resume_reproduces_uninterrupted_losses(tmp_path, run_train, metrics):
+def test_resume_reproduces_uninterrupted_losses(tmp_path, debug_run, run_train, metrics):
+    """A crash after the step-3 checkpoint (the step-6 one never completed): --resume recomputes steps 4-6 exactly.
+    (Refusing to reuse a run directory without --resume: test_bad_input.py.)"""
+    full = _losses(metrics(debug_run("deepspeed")))
     run_dir = tmp_path / "run"
-    args = ["--config", CONFIG, "--run-dir", str(run_dir)]
-    run_train("deepspeed", 2, args)
-    full = _losses(metrics(run_dir))
-    # Simulate a crash after the step-3 checkpoint: the step-6 checkpoint never completed.
+    shutil.copytree(debug_run("deepspeed"), run_dir)
     shutil.rmtree(run_dir / "checkpoints" / "step_6")
-    refused = run_train("deepspeed", 2, args, check=False)
-    assert refused.returncode != 0 and "--resume" in refused.stderr
-    run_train("deepspeed", 2, [*args, "--resume"])
+    proc = run_train("deepspeed", 2, ["--config", CONFIG, "--run-dir", str(run_dir), "--resume", "--set", ONE_THREAD])
+    assert f"resuming from {run_dir / 'checkpoints' / 'step_3'} (step 3)" in proc.stdout + proc.stderr
     resumed = metrics(run_dir)
     assert [r["step"] for r in train_records(resumed)] == list(range(1, STEPS + 1))
     assert _losses(resumed) == full  # exact: same data, same state, same order of operations
 
 
-def test_torchrun_matches_deepspeed_launcher(tmp_path, run_train, metrics):
-    run_train("torchrun", 2, ["--config", CONFIG, "--run-dir", str(tmp_path / "tr")])
-    run_train("deepspeed", 2, ["--config", CONFIG, "--run-dir", str(tmp_path / "ds")])
-    assert _losses(metrics(tmp_path / "tr")) == _losses(metrics(tmp_path / "ds"))
+def test_torchrun_matches_deepspeed_launcher(debug_run, metrics):
+    got, ref = _losses(metrics(debug_run("torchrun"))), _losses(metrics(debug_run("deepspeed")))
+    assert len(got) == STEPS and got == ref
