@@ -32,17 +32,32 @@ class Runner:
         if launcher == "deepspeed":
             return [console_script("deepspeed"), "--num_gpus", str(nproc), "--master_port", str(port), TRAIN, *args]
         if launcher == "torchrun":
-            return [console_script("torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(port), TRAIN,
-                    *args]
+            return [
+                console_script("torchrun"),
+                "--nproc_per_node",
+                str(nproc),
+                "--master_port",
+                str(port),
+                TRAIN,
+                *args,
+            ]
         raise ValueError(launcher)
 
     def __call__(self, launcher: str, nproc: int, args: list[str], check: bool = True) -> subprocess.CompletedProcess:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         port = None if launcher == "python" else free_port()
-        proc = subprocess.run(self.command(launcher, nproc, args, port), cwd=REPO, env=env, capture_output=True,
-                              text=True, timeout=self.timeout)
+        proc = subprocess.run(
+            self.command(launcher, nproc, args, port),
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=self.timeout,
+        )
         if check and proc.returncode != 0:
-            raise AssertionError(f"{launcher} run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+            raise AssertionError(
+                f"{launcher} run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+            )
         proc.master_port = port
         return proc
 
@@ -76,8 +91,11 @@ class DebugRuns:
     def __call__(self, launcher: str) -> Path:
         if launcher not in self.dirs:
             run_dir = self.root / launcher
-            proc = self.run(launcher, 1 if launcher == "python" else 2,
-                            ["--config", DEBUG_CONFIG, "--run-dir", str(run_dir), "--set", ONE_THREAD])
+            proc = self.run(
+                launcher,
+                1 if launcher == "python" else 2,
+                ["--config", DEBUG_CONFIG, "--run-dir", str(run_dir), "--set", ONE_THREAD],
+            )
             if proc.master_port is not None:
                 self.shm[launcher] = shm_buffers(proc.master_port)
             self.dirs[launcher] = run_dir

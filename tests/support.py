@@ -57,6 +57,11 @@ ONE_THREAD = "train.threads=1"
 # and is compared step by step with one process of the same mode, which the two modules share.
 E2E_CONFIG = DEBUG_CONFIG  # attention, Mamba, dense and MoE layers; 4 experts, top-2
 E2E_STEPS, E2E_SAVE = 6, 3  # resume tests restart from the step-3 checkpoint: past warmup, Adam moments built up
-E2E_BASE = [f"train.steps={E2E_STEPS}", f"train.save_every={E2E_SAVE}", "train.eval_every=0", "train.eval_batches=4",
-            ONE_THREAD]
+E2E_BASE = [
+    f"train.steps={E2E_STEPS}",
+    f"train.save_every={E2E_SAVE}",
+    "train.eval_every=0",
+    "train.eval_batches=4",
+    ONE_THREAD,
+]
 E2E_MODES = {"capacity": [], "dropless": ["model.moe.capacity_factor=null"]}

@@ -20,8 +20,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 HYBRID = {"mixer_pattern": "AM", "ffn_pattern": "ED", "attention": {"n_heads": 4, "n_kv_heads": 2, "sliding_window": 5}}
 MIXTRAL = {"mixer_pattern": "A", "ffn_pattern": "E", "attention": {"n_heads": 4, "n_kv_heads": 1, "rope_theta": 1e6}}
-JAMBA = {"mixer_pattern": "MMAM", "ffn_pattern": "DE", "attention": {"n_heads": 4, "n_kv_heads": 2, "rope": False},
-         "mamba": {"d_state": 8, "d_conv": 3, "inner_norms": True, "proj_bias": True}, "moe": {"renormalize": False}}
+JAMBA = {
+    "mixer_pattern": "MMAM",
+    "ffn_pattern": "DE",
+    "attention": {"n_heads": 4, "n_kv_heads": 2, "rope": False},
+    "mamba": {"d_state": 8, "d_conv": 3, "inner_norms": True, "proj_bias": True},
+    "moe": {"renormalize": False},
+}
 
 
 def _model(layout: dict, vocab: int = 256, seed: int = 0):
@@ -114,7 +119,20 @@ def test_generate_cli(tmp_path, capsys):
     write_initial_checkpoint(wide, wide_cfg, tmp_path / "wide")
     assert main(["--checkpoint", str(tmp_path / "wide"), "--prompt", "hi"]) == 2
     assert "--prompt-ids" in capsys.readouterr().err
-    assert main(["--checkpoint", str(tmp_path / "wide"), "--prompt-ids", "1,299,7", "--max-new-tokens", "3",
-                 "--temperature", "0"]) == 0
+    assert (
+        main(
+            [
+                "--checkpoint",
+                str(tmp_path / "wide"),
+                "--prompt-ids",
+                "1,299,7",
+                "--max-new-tokens",
+                "3",
+                "--temperature",
+                "0",
+            ]
+        )
+        == 0
+    )
     ids = [int(t) for t in capsys.readouterr().out.strip().split(",")]
     assert ids[:3] == [1, 299, 7] and len(ids) == 6 and max(ids) < 300

@@ -16,8 +16,15 @@ import transformers  # a dev dependency (pyproject.toml): a missing one fails he
 from safetensors import safe_open
 
 from moe_dist.config import ModelConfig, load_config
-from moe_dist.hf import (HFConfigError, config_from_hf, export_run_to_hf, import_hf_to_run, load_checkpoint_model,
-                         load_hf_model, save_hf_model)
+from moe_dist.hf import (
+    HFConfigError,
+    config_from_hf,
+    export_run_to_hf,
+    import_hf_to_run,
+    load_checkpoint_model,
+    load_hf_model,
+    save_hf_model,
+)
 from moe_dist.models.decoder import build_model, generate, lm_loss, materialize
 from moe_dist.train.data import TokenDataset, load_tokens, micro_batches
 
@@ -42,9 +49,21 @@ def _perturb(model: torch.nn.Module, seed: int) -> None:
 
 
 def mixtral_dir(path, **overrides):
-    cfg = dict(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, rope_theta=500.0,
-               sliding_window=6, rms_norm_eps=1e-5, initializer_range=0.1, max_position_embeddings=256)
+    cfg = dict(
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        rope_theta=500.0,
+        sliding_window=6,
+        rms_norm_eps=1e-5,
+        initializer_range=0.1,
+        max_position_embeddings=256,
+    )
     torch.manual_seed(0)
     model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**{**cfg, **overrides})).eval()
     _perturb(model, 1)
@@ -53,11 +72,29 @@ def mixtral_dir(path, **overrides):
 
 
 def jamba_dir(path, **overrides):
-    cfg = dict(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
-               num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, attn_layer_period=4,
-               attn_layer_offset=2, expert_layer_period=2, expert_layer_offset=1, mamba_d_state=8, mamba_d_conv=3,
-               mamba_expand=2, mamba_dt_rank=3, mamba_conv_bias=True, mamba_proj_bias=True, rms_norm_eps=1e-6,
-               initializer_range=0.1, use_mamba_kernels=False)
+    cfg = dict(
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        attn_layer_period=4,
+        attn_layer_offset=2,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+        mamba_d_state=8,
+        mamba_d_conv=3,
+        mamba_expand=2,
+        mamba_dt_rank=3,
+        mamba_conv_bias=True,
+        mamba_proj_bias=True,
+        rms_norm_eps=1e-6,
+        initializer_range=0.1,
+        use_mamba_kernels=False,
+    )
     torch.manual_seed(0)
     model = transformers.JambaForCausalLM(transformers.JambaConfig(**{**cfg, **overrides})).eval()
     _perturb(model, 2)
@@ -110,14 +147,33 @@ def test_jamba_config_mapping(jamba):
     cfg = load_hf_model(path).cfg
     assert (cfg.mixer_pattern, cfg.ffn_pattern) == ("MMAM", "DE")
     m, a, moe = cfg.mamba, cfg.attention, cfg.moe
-    assert (m.d_state, m.d_conv, m.expand, m.dt_rank, m.conv_bias, m.proj_bias, m.inner_norms) == (8, 3, 2, 3, True, True, True)
+    assert (m.d_state, m.d_conv, m.expand, m.dt_rank, m.conv_bias, m.proj_bias, m.inner_norms) == (
+        8,
+        3,
+        2,
+        3,
+        True,
+        True,
+        True,
+    )
     assert not a.rope and a.n_kv_heads == 2
     assert (moe.renormalize, moe.capacity_factor, moe.num_experts) == (False, None, 4)
     assert cfg.norm_eps == 1e-6
 
 
-@pytest.mark.parametrize("overrides", [{}, {"attn_layer_period": 2, "attn_layer_offset": 1, "mamba_conv_bias": False,
-                                            "mamba_proj_bias": False, "num_experts_per_tok": 1}])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {
+            "attn_layer_period": 2,
+            "attn_layer_offset": 1,
+            "mamba_conv_bias": False,
+            "mamba_proj_bias": False,
+            "num_experts_per_tok": 1,
+        },
+    ],
+)
 def test_jamba_logits_match_transformers(tmp_path, overrides):
     hf_model = jamba_dir(tmp_path, **overrides)
     ours = load_hf_model(tmp_path)
@@ -175,10 +231,18 @@ def test_sharded_export_loads(mixtral, tmp_path):
 
 
 def _jamba_style(**model) -> ModelConfig:
-    raw = {"vocab_size": 256, "d_model": 32, "n_layers": 4, "d_ff": 64, "mixer_pattern": "MA", "ffn_pattern": "ED",
-           "attention": {"n_heads": 4, "n_kv_heads": 2, "rope": False},
-           "mamba": {"d_state": 8, "inner_norms": True},
-           "moe": {"num_experts": 4, "top_k": 2, "renormalize": False, "capacity_factor": None}, **model}
+    raw = {
+        "vocab_size": 256,
+        "d_model": 32,
+        "n_layers": 4,
+        "d_ff": 64,
+        "mixer_pattern": "MA",
+        "ffn_pattern": "ED",
+        "attention": {"n_heads": 4, "n_kv_heads": 2, "rope": False},
+        "mamba": {"d_state": 8, "inner_norms": True},
+        "moe": {"num_experts": 4, "top_k": 2, "renormalize": False, "capacity_factor": None},
+        **model,
+    }
     return load_config(None, [f"model={json.dumps(raw)}"]).model
 
 
@@ -212,8 +276,9 @@ def test_greedy_generation_matches_transformers(arch, request):
     hf_model, path = request.getfixturevalue(arch)
     prompt = _tokens(6, (1, 5))
     ours = generate(load_hf_model(path), prompt, 12, temperature=0)
-    theirs = hf_model.generate(prompt, max_new_tokens=12, do_sample=False, min_new_tokens=12,
-                               pad_token_id=0, eos_token_id=None)
+    theirs = hf_model.generate(
+        prompt, max_new_tokens=12, do_sample=False, min_new_tokens=12, pad_token_id=0, eos_token_id=None
+    )
     assert torch.equal(ours, theirs)
 
 
@@ -223,13 +288,35 @@ def test_converted_checkpoint_resumes_training(jamba, tmp_path):
     and the trained checkpoint exports back to a model transformers loads with our logits."""
     hf_model, path = jamba
     run = tmp_path / "run"
-    base = load_config("configs/debug.json", ["train.steps=1", "train.eval_every=0", "train.save_every=1",
-                                              "train.weight_decay=0.0", "train.grad_clip=0.0", "train.threads=1"])
+    base = load_config(
+        "configs/debug.json",
+        [
+            "train.steps=1",
+            "train.eval_every=0",
+            "train.save_every=1",
+            "train.weight_decay=0.0",
+            "train.grad_clip=0.0",
+            "train.threads=1",
+        ],
+    )
     import_hf_to_run(path, run, base)
     cfg = json.loads((run / "config.json").read_text())
     assert cfg["model"]["moe"]["capacity_factor"] is None and cfg["train"]["steps"] == 1
-    proc = subprocess.run([sys.executable, str(REPO / "launch" / "train.py"), "--config", str(run / "config.json"),
-                           "--run-dir", str(run), "--resume"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "launch" / "train.py"),
+            "--config",
+            str(run / "config.json"),
+            "--run-dir",
+            str(run),
+            "--resume",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
     assert record["step"] == 1
@@ -238,8 +325,10 @@ def test_converted_checkpoint_resumes_training(jamba, tmp_path):
     train_tokens, _ = load_tokens(base.data, t.seq_len)
     batch = TokenDataset(train_tokens, t.seq_len, t.seed).global_batch(0, t.global_batch_size)
     with torch.no_grad():
-        expected = [lm_loss(hf_model(mb[:, :-1]).logits, mb[:, 1:]).item()
-                    for mb in micro_batches(batch, t.micro_batch_size, 0, 1)]
+        expected = [
+            lm_loss(hf_model(mb[:, :-1]).logits, mb[:, 1:]).item()
+            for mb in micro_batches(batch, t.micro_batch_size, 0, 1)
+        ]
     assert record["lm_loss"] == pytest.approx(sum(expected) / len(expected), abs=1e-5)
 
     before, _ = load_checkpoint_model(run / "checkpoints" / "step_0")
@@ -298,7 +387,20 @@ def test_generate_cli_uses_the_checkpoints_tokenizer(tmp_path, capsys):
     generate_main = _cli("generate.py")
     capsys.readouterr()  # drop what building the models printed
     for checkpoint in (hf_dir, tmp_path / "run"):
-        assert generate_main(["--checkpoint", str(checkpoint), "--prompt", "def main ( x )", "--max-new-tokens", "4",
-                              "--temperature", "0"]) == 0
+        assert (
+            generate_main(
+                [
+                    "--checkpoint",
+                    str(checkpoint),
+                    "--prompt",
+                    "def main ( x )",
+                    "--max-new-tokens",
+                    "4",
+                    "--temperature",
+                    "0",
+                ]
+            )
+            == 0
+        )
         text = capsys.readouterr().out.split()
         assert text[:5] == ["def", "main", "(", "x", ")"] and len(text) == 9 and set(text) <= set(words)

@@ -20,8 +20,20 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 def _accelerate(deepspeed_plugin: bool, port: int) -> list[str]:
-    cmd = [console_script("accelerate"), "launch", "--num_processes", "2", "--num_machines", "1",
-           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port)]
+    cmd = [
+        console_script("accelerate"),
+        "launch",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        str(port),
+    ]
     # --multi_gpu is accelerate's torch.distributed launcher; on a CPU machine it starts CPU processes.
     # The DeepSpeed plugin's settings go to the processes as ACCELERATE_DEEPSPEED_* variables; train.py builds its
     # engine from the job config, so the two are kept equal (zero stage 1 in both).
@@ -37,8 +49,16 @@ def runs(tmp_path_factory, debug_run, metrics):
     shm = {launcher: debug_run.shm[launcher] for launcher in ("deepspeed", "torchrun")}
     for launcher, plugin in (("accelerate", False), ("accelerate-deepspeed", True)):
         run_dir, port = root / launcher, free_port()
-        cmd = [*_accelerate(plugin, port), TRAIN, "--config", DEBUG_CONFIG, "--run-dir", str(run_dir), "--set",
-               ONE_THREAD]
+        cmd = [
+            *_accelerate(plugin, port),
+            TRAIN,
+            "--config",
+            DEBUG_CONFIG,
+            "--run-dir",
+            str(run_dir),
+            "--set",
+            ONE_THREAD,
+        ]
         tic = time.perf_counter()
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
         print(f"{launcher}: {time.perf_counter() - tic:.1f} s end to end")

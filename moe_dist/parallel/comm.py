@@ -72,8 +72,9 @@ def all_to_all_equal(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return out
 
 
-def all_to_all_rows(x: torch.Tensor, out_splits: list[int], in_splits: list[int],
-                    group: dist.ProcessGroup) -> torch.Tensor:
+def all_to_all_rows(
+    x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup
+) -> torch.Tensor:
     """Differentiable uneven all-to-all of rows: in_splits[i] rows go to rank i, out_splits[i] arrive from it."""
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
     return dist_fn.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)

@@ -41,8 +41,9 @@ def apply_ep(model: nn.Module, mesh: Mesh) -> nn.Module:
             private_api.mark_expert_parameter(shard, mesh.ep_group_name)  # reduced over the EDP group only
             setattr(experts, name, shard)
         experts.expert_offset = mesh.ep_rank * local
-        module.dispatcher = AllToAllDispatcher(mesh.ep_group, mesh.ep, mesh.ep_rank, num_experts,
-                                               module.dispatcher.permutation)
+        module.dispatcher = AllToAllDispatcher(
+            mesh.ep_group, mesh.ep, mesh.ep_rank, num_experts, module.dispatcher.permutation
+        )
     if num_experts is not None:
         model.deepspeed_moe_marker = private_api.deepspeed_moe_marker(num_experts, mesh.ep, mesh.ep_group_name)
     return model

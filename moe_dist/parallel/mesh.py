@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import os
 import socket
-from pathlib import Path
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -150,8 +150,13 @@ def _torchelastic_attempt_store(timeout: timedelta) -> dist.Store | None:
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
-    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
-                           is_master=False, timeout=timeout)
+    client = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        int(os.environ["WORLD_SIZE"]),
+        is_master=False,
+        timeout=timeout,
+    )
     return dist.PrefixStore(f"moe_dist/attempt_{attempt}", client)
 
 
@@ -181,8 +186,14 @@ def init_distributed(cfg: JobConfig, timeout_s: float | None = None) -> Mesh:
 
     alone = "RANK" not in os.environ
     if alone:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        os.environ.update(
+            RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_RANK="0",
+            LOCAL_WORLD_SIZE="1",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(_free_port()),
+        )
     cuda = torch.cuda.is_available()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
@@ -193,8 +204,13 @@ def init_distributed(cfg: JobConfig, timeout_s: float | None = None) -> Mesh:
         backend = "nccl" if cuda else "gloo"
         store = dist.HashStore() if alone else _torchelastic_attempt_store(timeout)
         if store is not None:
-            dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
-                                    world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+            dist.init_process_group(
+                backend,
+                store=store,
+                rank=int(os.environ["RANK"]),
+                world_size=int(os.environ["WORLD_SIZE"]),
+                timeout=timeout,
+            )
         deepspeed.init_distributed(dist_backend=backend, timeout=timeout, auto_mpi_discovery=False)  # adopts it
     rank, world_size = dist.get_rank(), dist.get_world_size()
     _unlink_deepspeed_shm(rank, world_size)
@@ -213,6 +229,21 @@ def init_distributed(cfg: JobConfig, timeout_s: float | None = None) -> Mesh:
         ep_group, edp_group = private_api.expert_groups(name)
     set_group_timeouts(timeout_s if timeout_s is not None else cfg.parallel.timeout_s)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    return Mesh(rank=rank, world_size=world_size, local_rank=local_rank, local_world_size=local_world, device=device,
-                dp=dp, dp_rank=dp_rank, ep=ep, ep_rank=dp_rank % ep, ep_group=ep_group, edp_group=edp_group,
-                ep_group_name=name, tp=tp, tp_rank=rank % tp, tp_group=tp_group, dp_group=dp_group)
+    return Mesh(
+        rank=rank,
+        world_size=world_size,
+        local_rank=local_rank,
+        local_world_size=local_world,
+        device=device,
+        dp=dp,
+        dp_rank=dp_rank,
+        ep=ep,
+        ep_rank=dp_rank % ep,
+        ep_group=ep_group,
+        edp_group=edp_group,
+        ep_group_name=name,
+        tp=tp,
+        tp_rank=rank % tp,
+        tp_group=tp_group,
+        dp_group=dp_group,
+    )

@@ -26,8 +26,9 @@ CHECKED_AGAINST = {"deepspeed": "0.19.8", "torch": "2.13.0"}
 # ------------------------------------------------------------------------------ DeepSpeed's expert groups
 
 
-def register_expert_groups(name: str, ep: tuple[dist.ProcessGroup, list[int]],
-                           edp: tuple[dist.ProcessGroup, list[int]]) -> None:
+def register_expert_groups(
+    name: str, ep: tuple[dist.ProcessGroup, list[int]], edp: tuple[dist.ProcessGroup, list[int]]
+) -> None:
     """Hand our expert-parallel (EP) and expert-data-parallel (EDP) groups, each as (group, global ranks), to
     DeepSpeed under its group name ("ep_size_N").
 
@@ -231,5 +232,7 @@ def deepspeed_shm_buffer_name(rank: int) -> str:
     `deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>` and never unlinks it. If the format
     changes, nothing is removed and every run leaks 69 MB of tmpfs per rank again (test_launchers.py's check).
     """
-    return (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
-            f"{os.environ.get('MASTER_PORT', '')}_{rank}")
+    return (
+        f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+        f"{os.environ.get('MASTER_PORT', '')}_{rank}"
+    )

@@ -49,10 +49,16 @@ from moe_dist.layers.mamba import Mamba
 from moe_dist.layers.mlp import SwiGLU
 from moe_dist.layers.moe import MoE
 from moe_dist.parallel import private_api
-from moe_dist.parallel.comm import (all_gather_list, all_reduce_max, all_reduce_sum, copy_to_region, gather_sequence,
-                                     reduce_from_region, scatter_sequence)
+from moe_dist.parallel.comm import (
+    all_gather_list,
+    all_reduce_max,
+    all_reduce_sum,
+    copy_to_region,
+    gather_sequence,
+    reduce_from_region,
+    scatter_sequence,
+)
 from moe_dist.parallel.mesh import Mesh
-
 
 # ------------------------------------------------------------------------------------------ shard math
 
@@ -157,8 +163,7 @@ def _mamba(mamba: Mamba, mesh: Mesh, b: _Boundaries) -> None:
         for norm in (mamba.dt_norm, mamba.b_norm, mamba.c_norm):
             norm.register_forward_hook(lambda m, args, out: copy_to_region(out, group))
     else:
-        mamba.x_proj.register_forward_hook(
-            lambda m, args, out: copy_to_region(reduce_from_region(out, group), group))
+        mamba.x_proj.register_forward_hook(lambda m, args, out: copy_to_region(reduce_from_region(out, group), group))
 
 
 def _swiglu(ffn: SwiGLU, mesh: Mesh, b: _Boundaries) -> None:
@@ -266,6 +271,5 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 def vocab_parallel_lm_loss(logits: torch.Tensor, targets: torch.Tensor, mesh: Mesh) -> torch.Tensor:
     """`lm_loss` for vocabulary-sharded logits (B, S, V/tp): mean next-token cross-entropy, replicated on TP."""
     start = mesh.tp_rank * logits.shape[-1]
-    per_token = _VocabParallelCrossEntropy.apply(logits.float().flatten(0, 1), targets.flatten(), start,
-                                                 mesh.tp_group)
+    per_token = _VocabParallelCrossEntropy.apply(logits.float().flatten(0, 1), targets.flatten(), start, mesh.tp_group)
     return per_token.mean()

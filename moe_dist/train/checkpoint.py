@@ -142,7 +142,10 @@ def _write_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
 
 def _write_manifest(tmp: Path, meta: dict, cfg: JobConfig) -> None:
     """config.json, then meta.json: the manifest is written last, after every file it lists."""
-    for name, text in (("config.json", json.dumps(config_to_dict(cfg), indent=2)), ("meta.json", json.dumps(meta, indent=2))):
+    for name, text in (
+        ("config.json", json.dumps(config_to_dict(cfg), indent=2)),
+        ("meta.json", json.dumps(meta, indent=2)),
+    ):
         (tmp / name).write_text(text + "\n")
         _fsync(tmp / name)
 
@@ -158,8 +161,16 @@ def _publish(tmp: Path, final: Path) -> None:
     _fsync(final.parent)
 
 
-def save_checkpoint(engine, model: nn.Module, scheduler, ckpt_root: Path, step: int, cfg: JobConfig,
-                    mesh: Mesh, extra_meta: dict | None = None) -> Path:
+def save_checkpoint(
+    engine,
+    model: nn.Module,
+    scheduler,
+    ckpt_root: Path,
+    step: int,
+    cfg: JobConfig,
+    mesh: Mesh,
+    extra_meta: dict | None = None,
+) -> Path:
     """Collective: every rank calls it at the same step. `extra_meta` goes into meta.json (JSON values)."""
     final, tmp = ckpt_root / f"step_{step}", ckpt_root / f".step_{step}.tmp"
     if mesh.rank == 0:
@@ -184,17 +195,24 @@ def save_checkpoint(engine, model: nn.Module, scheduler, ckpt_root: Path, step: 
     barrier()
     if mesh.rank == 0:
         files = {f.name: _sha256(f) for f in sorted(tmp.glob("*.safetensors"))}
-        meta = {"format": FORMAT_VERSION, "step": step, "adam_step": _adam_step(engine),
-                "lr": scheduler.get_last_lr()[0], "layout": {"dp": mesh.dp, "ep": mesh.ep, "tp": mesh.tp},
-                **(extra_meta or {}), "files": files}
+        meta = {
+            "format": FORMAT_VERSION,
+            "step": step,
+            "adam_step": _adam_step(engine),
+            "lr": scheduler.get_last_lr()[0],
+            "layout": {"dp": mesh.dp, "ep": mesh.ep, "tp": mesh.tp},
+            **(extra_meta or {}),
+            "files": files,
+        }
         _write_manifest(tmp, meta, cfg)
         _publish(tmp, final)
     barrier()
     return final
 
 
-def write_whole_checkpoint(ckpt_root: Path, step: int, tensors: dict[str, torch.Tensor], meta: dict,
-                           cfg: JobConfig) -> Path:
+def write_whole_checkpoint(
+    ckpt_root: Path, step: int, tensors: dict[str, torch.Tensor], meta: dict, cfg: JobConfig
+) -> Path:
     """One process holding every tensor (imported weights): the files, manifest and atomic publish of
     `save_checkpoint`, in one tensor file. `meta` holds the fields besides "format" and "files"."""
     final, tmp = ckpt_root / f"step_{step}", ckpt_root / f".step_{step}.tmp"
@@ -215,8 +233,11 @@ def _adam_step(engine) -> int:
 def latest_checkpoint(ckpt_root: Path) -> Path | None:
     """The newest published checkpoint directory (`step_N` holding meta.json), unverified; None if there is none.
     Training resumes through resume.select_checkpoint, which verifies and falls back."""
-    found = [(int(m.group(1)), d) for d in ckpt_root.glob("step_*")
-             if (m := STEP_DIR.fullmatch(d.name)) and (d / "meta.json").is_file()]
+    found = [
+        (int(m.group(1)), d)
+        for d in ckpt_root.glob("step_*")
+        if (m := STEP_DIR.fullmatch(d.name)) and (d / "meta.json").is_file()
+    ]
     return max(found, key=lambda t: t[0])[1] if found else None
 
 
@@ -233,14 +254,21 @@ def read_meta(path: Path) -> dict:
         found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
         raise CheckpointError(f"{meta_path}: checkpoint format {found}, expected {FORMAT_VERSION}")
     files = meta.get("files")
-    if not (isinstance(meta.get("step"), int) and isinstance(meta.get("adam_step"), int) and isinstance(files, dict)
-            and all(isinstance(v, str) for v in files.values())):
-        raise CheckpointError(f"{meta_path}: needs integer 'step' and 'adam_step' and a 'files' object of sha256 "
-                              f"strings")
+    if not (
+        isinstance(meta.get("step"), int)
+        and isinstance(meta.get("adam_step"), int)
+        and isinstance(files, dict)
+        and all(isinstance(v, str) for v in files.values())
+    ):
+        raise CheckpointError(
+            f"{meta_path}: needs integer 'step' and 'adam_step' and a 'files' object of sha256 strings"
+        )
     for name in files:
         if not TENSOR_FILE.fullmatch(name):
-            raise CheckpointError(f"{meta_path}: lists {name!r}, which is not a checkpoint tensor file "
-                                  f"(rankNNNNN.safetensors); refusing to open it")
+            raise CheckpointError(
+                f"{meta_path}: lists {name!r}, which is not a checkpoint tensor file "
+                f"(rankNNNNN.safetensors); refusing to open it"
+            )
     return meta
 
 
@@ -293,21 +321,29 @@ def check_fits(path: Path, meta: dict, index: dict, model: nn.Module, mesh: Mesh
     local, every = _expected(model, mesh)
     extra = sorted(set(index) - every)
     if extra:
-        raise CheckpointMismatch(f"{path}: holds {len(extra)} tensors this model lacks (e.g. {extra[0]!r}); it was "
-                                 f"written for a different model (compare {path / 'config.json'} with this config)")
+        raise CheckpointMismatch(
+            f"{path}: holds {len(extra)} tensors this model lacks (e.g. {extra[0]!r}); it was "
+            f"written for a different model (compare {path / 'config.json'} with this config)"
+        )
     for name, shape in local.items():
         if name not in index:
-            raise CheckpointMismatch(f"{path}: has no tensor {name!r}; it was written for a different model "
-                                     f"(compare {path / 'config.json'} with this config)")
+            raise CheckpointMismatch(
+                f"{path}: has no tensor {name!r}; it was written for a different model "
+                f"(compare {path / 'config.json'} with this config)"
+            )
         if index[name][1] != shape:
-            raise CheckpointMismatch(f"{path}: {name} has shape {index[name][1]}, this model needs {shape}; it was "
-                                     f"written for a different model shape (compare {path / 'config.json'})")
+            raise CheckpointMismatch(
+                f"{path}: {name} has shape {index[name][1]}, this model needs {shape}; it was "
+                f"written for a different model shape (compare {path / 'config.json'})"
+            )
     saved = meta.get("data")  # absent in checkpoints made outside training (e.g. imported weights)
     if saved is not None:
         for key, value in data_identity.items():
             if saved.get(key) != value:
-                raise CheckpointMismatch(f"{path}: written with data {key}={saved.get(key)!r}, this run has "
-                                         f"{value!r}; resuming would repeat or skip samples")
+                raise CheckpointMismatch(
+                    f"{path}: written with data {key}={saved.get(key)!r}, this run has "
+                    f"{value!r}; resuming would repeat or skip samples"
+                )
 
 
 def _ensure_optimizer_state(engine, adam_step: int) -> None:

@@ -31,10 +31,22 @@ MEMMAP_DTYPES = ("uint16", "uint32")  # wide enough for vocabularies beyond byte
 
 # Stdlib directories that are not representative library code (tests, vendored packages, demos, tools)
 # or are not part of every installation; skipping them keeps the embedded corpus comparable across machines.
-_STDLIB_SKIP_DIRS = frozenset({
-    "site-packages", "dist-packages", "test", "tests", "idle_test", "idlelib", "lib2to3", "__pycache__",
-    "ensurepip", "turtledemo", "tkinter", "pydoc_data",
-})
+_STDLIB_SKIP_DIRS = frozenset(
+    {
+        "site-packages",
+        "dist-packages",
+        "test",
+        "tests",
+        "idle_test",
+        "idlelib",
+        "lib2to3",
+        "__pycache__",
+        "ensurepip",
+        "turtledemo",
+        "tkinter",
+        "pydoc_data",
+    }
+)
 
 
 # ----------------------------------------------------------------------------------------------- tokens
@@ -179,9 +191,11 @@ def read_memmap(path: str | Path) -> np.ndarray:
 
 def _check_length(tokens: np.ndarray, seq_len: int, what: str) -> None:
     if len(tokens) < seq_len + 1:
-        raise ValueError(f"data: the {what} has {len(tokens)} tokens, fewer than one sequence of "
-                         f"train.seq_len + 1 = {seq_len + 1} (add data.paths, raise data.max_bytes "
-                         f"or change data.val_fraction)")
+        raise ValueError(
+            f"data: the {what} has {len(tokens)} tokens, fewer than one sequence of "
+            f"train.seq_len + 1 = {seq_len + 1} (add data.paths, raise data.max_bytes "
+            f"or change data.val_fraction)"
+        )
 
 
 def load_tokens(cfg: DataConfig, seq_len: int = 1) -> tuple[np.ndarray, np.ndarray]:
@@ -202,7 +216,7 @@ def load_tokens(cfg: DataConfig, seq_len: int = 1) -> tuple[np.ndarray, np.ndarr
     else:
         raise ValueError(f"data.source: expected 'stdlib', 'text' or 'memmap', got {cfg.source!r}")
     n_val = int(len(tokens) * cfg.val_fraction)
-    train, val = tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val:]
+    train, val = tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val :]
     _check_length(train, seq_len, f"training split of data.source={cfg.source!r}")
     _check_length(val, seq_len, f"validation split of data.source={cfg.source!r}")
     return train, val
@@ -259,8 +273,7 @@ class TokenDataset:
         return batches
 
 
-def micro_batches(global_batch: torch.Tensor, micro_batch_size: int, dp_rank: int,
-                  dp_size: int) -> list[torch.Tensor]:
+def micro_batches(global_batch: torch.Tensor, micro_batch_size: int, dp_rank: int, dp_size: int) -> list[torch.Tensor]:
     """This data-parallel rank's micro-batches of a global batch, in gradient-accumulation order.
 
     The (G, S+1) batch is cut into n_micro = G // micro_batch_size consecutive micro-batches (m covers rows
@@ -268,13 +281,17 @@ def micro_batches(global_batch: torch.Tensor, micro_batch_size: int, dp_rank: in
     process (dp_size = 1) thus sees the same micro-batches as all ranks together."""
     n_rows = global_batch.shape[0]
     if micro_batch_size <= 0 or n_rows % micro_batch_size:
-        raise ValueError(f"train.global_batch_size: {n_rows} sequences is not a multiple of "
-                         f"train.micro_batch_size={micro_batch_size}")
+        raise ValueError(
+            f"train.global_batch_size: {n_rows} sequences is not a multiple of "
+            f"train.micro_batch_size={micro_batch_size}"
+        )
     n_micro = n_rows // micro_batch_size
     if n_micro % dp_size:
-        raise ValueError(f"train.global_batch_size: {n_micro} micro-batches of {micro_batch_size} are not "
-                         f"divisible among {dp_size} data-parallel ranks")
+        raise ValueError(
+            f"train.global_batch_size: {n_micro} micro-batches of {micro_batch_size} are not "
+            f"divisible among {dp_size} data-parallel ranks"
+        )
     if not 0 <= dp_rank < dp_size:
         raise ValueError(f"micro_batches: dp_rank must be in [0, {dp_size}), got {dp_rank}")
     mb = micro_batch_size
-    return [global_batch[m * mb:(m + 1) * mb] for m in range(dp_rank, n_micro, dp_size)]
+    return [global_batch[m * mb : (m + 1) * mb] for m in range(dp_rank, n_micro, dp_size)]

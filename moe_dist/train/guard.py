@@ -67,8 +67,9 @@ def operation(what: str, timeout_s: float):
         if not (isinstance(e, dist.DistError) or any(s in text.lower() for s in _COMM_FAILURE)):
             raise
         kind = "timed out" if "time" in text.lower() else "failed"
-        raise CollectiveError(f"{what}: collective {kind} (parallel.timeout_s={timeout_s:g}; a rank died or "
-                              f"stopped responding): {text}") from e
+        raise CollectiveError(
+            f"{what}: collective {kind} (parallel.timeout_s={timeout_s:g}; a rank died or stopped responding): {text}"
+        ) from e
 
 
 def _local_grads(engine) -> list[torch.Tensor]:
@@ -82,8 +83,9 @@ def _local_grads(engine) -> list[torch.Tensor]:
 class NonFiniteGuard:
     """Runs the accumulation boundary's optimizer step, or skips it on every rank (see the module docstring)."""
 
-    def __init__(self, engine, scheduler, mesh: Mesh, max_in_row: int, warn: Callable[[str], None],
-                 skipped_total: int = 0):
+    def __init__(
+        self, engine, scheduler, mesh: Mesh, max_in_row: int, warn: Callable[[str], None], skipped_total: int = 0
+    ):
         self.engine, self.scheduler, self.mesh = engine, scheduler, mesh
         self.max_in_row, self.warn = max_in_row, warn
         self.skipped_total = skipped_total  # over the whole run, carried in checkpoints
@@ -117,19 +119,28 @@ class NonFiniteGuard:
             return False
         self.skipped_total += 1
         self.in_row += 1
-        causes = [f"{what} on rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}"
-                  for what, r in (("non-finite loss", loss_ranks), ("non-finite gradient", grad_ranks)) if r]
+        causes = [
+            f"{what} on rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}"
+            for what, r in (("non-finite loss", loss_ranks), ("non-finite gradient", grad_ranks))
+            if r
+        ]
         cause = "; ".join(causes) or "DeepSpeed overflow (fp16 loss scaling)"
         limit = self.max_in_row
-        self.warn(f"warning: step {step}: {cause}; optimizer step skipped on every rank ({self.in_row} in a row, "
-                  f"{self.skipped_total} in total; train.max_nonfinite_steps={limit})")
+        self.warn(
+            f"warning: step {step}: {cause}; optimizer step skipped on every rank ({self.in_row} in a row, "
+            f"{self.skipped_total} in total; train.max_nonfinite_steps={limit})"
+        )
         if limit > 0 and self.in_row >= limit:
-            raise NonFiniteError(f"step {step}: {self.in_row} optimizer steps in a row skipped ({cause}), "
-                                 f"train.max_nonfinite_steps={limit}: stopping; parameters are those after step "
-                                 f"{step - self.in_row}. Lower train.lr or check the data, then resume")
+            raise NonFiniteError(
+                f"step {step}: {self.in_row} optimizer steps in a row skipped ({cause}), "
+                f"train.max_nonfinite_steps={limit}: stopping; parameters are those after step "
+                f"{step - self.in_row}. Lower train.lr or check the data, then resume"
+            )
         return True
 
     def _skip(self) -> None:
         if not private_api.step_without_update(self.engine):
-            raise TrainingError("DeepSpeed applied an optimizer step that had to be skipped (non-finite values); "
-                                "this DeepSpeed version is not supported")
+            raise TrainingError(
+                "DeepSpeed applied an optimizer step that had to be skipped (non-finite values); "
+                "this DeepSpeed version is not supported"
+            )

@@ -76,15 +76,15 @@ def evaluate(engine, cfg: JobConfig, val: TokenDataset, mesh: Mesh) -> float:
     return (total[0] / total[1]).item()
 
 
-def _train_step(engine, cfg: JobConfig, data: TokenDataset, mesh: Mesh, guard: NonFiniteGuard, n_moe: int,
-                step: int) -> dict:
+def _train_step(
+    engine, cfg: JobConfig, data: TokenDataset, mesh: Mesh, guard: NonFiniteGuard, n_moe: int, step: int
+) -> dict:
     """Optimizer step `step` (1-based) over this rank's micro-batches of the step's global batch; returns the
     step's record. Every collective runs inside `operation`, so a failure names the step and what was running."""
     t, timeout = cfg.train, cfg.parallel.timeout_s
     tic = time.perf_counter()
     acc = StepAccumulator(n_moe, cfg.model.moe.num_experts, counted=mesh.tp_rank == 0)
-    batches = micro_batches(data.global_batch(step - 1, t.global_batch_size), t.micro_batch_size, mesh.dp_rank,
-                            mesh.dp)
+    batches = micro_batches(data.global_batch(step - 1, t.global_batch_size), t.micro_batch_size, mesh.dp_rank, mesh.dp)
     for i, batch in enumerate(batches):
         last = i == len(batches) - 1
         with operation(f"step {step}: forward of micro-batch {i} (MoE all-to-all)", timeout):
@@ -101,8 +101,12 @@ def _train_step(engine, cfg: JobConfig, data: TokenDataset, mesh: Mesh, guard: N
         record = {"step": step, **acc.reduce()}
     elapsed = time.perf_counter() - tic
     grad_norm = engine.get_global_grad_norm()
-    record.update(lr=engine.get_lr()[0], grad_norm=float(grad_norm) if grad_norm is not None else 0.0,
-                  tokens_per_s=t.global_batch_size * t.seq_len / elapsed, skipped_steps=guard.skipped_total)
+    record.update(
+        lr=engine.get_lr()[0],
+        grad_norm=float(grad_norm) if grad_norm is not None else 0.0,
+        tokens_per_s=t.global_batch_size * t.seq_len / elapsed,
+        skipped_steps=guard.skipped_total,
+    )
     return record
 
 
@@ -115,17 +119,21 @@ def _check_settings(cfg: JobConfig) -> None:
 def _check_vocab(tokens: np.ndarray, vocab_size: int, what: str) -> None:
     """Token ids must index the embedding; a memmap of another tokenizer or dtype fails here, not mid-run."""
     chunk = 1 << 26
-    top = max((int(tokens[i:i + chunk].max()) for i in range(0, len(tokens), chunk)), default=0)
+    top = max((int(tokens[i : i + chunk].max()) for i in range(0, len(tokens), chunk)), default=0)
     if top >= vocab_size:
-        raise ValueError(f"data: the {what} holds token id {top}, outside model.vocab_size={vocab_size} "
-                         f"(data from another tokenizer, or a memmap read with the wrong dtype?)")
+        raise ValueError(
+            f"data: the {what} holds token id {top}, outside model.vocab_size={vocab_size} "
+            f"(data from another tokenizer, or a memmap read with the wrong dtype?)"
+        )
 
 
 def _check_run_dir(run_dir: Path, resume: bool) -> None:
     """Every rank, before init: the directory can be used and written. Creates it if missing, writes nothing."""
     if not resume and ((run_dir / "metrics.jsonl").exists() or complete_checkpoints(run_dir / "checkpoints")):
-        raise RunDirError(f"{run_dir}: already holds a run (metrics.jsonl or checkpoints); pass --resume to "
-                          f"continue it or choose another --run-dir")
+        raise RunDirError(
+            f"{run_dir}: already holds a run (metrics.jsonl or checkpoints); pass --resume to "
+            f"continue it or choose another --run-dir"
+        )
     if run_dir.exists() and not run_dir.is_dir():
         raise RunDirError(f"{run_dir}: exists and is not a directory")
     try:
@@ -177,8 +185,13 @@ def train(cfg: JobConfig, run_dir: Path, resume: bool = False) -> list[dict]:
     data = TokenDataset(train_tokens, t.seq_len, t.seed)
     val = TokenDataset(val_tokens, t.seq_len, t.seed)
     # What makes step s see the same samples: checkpoints record it, resume insists on it.
-    data_identity = {"seed": t.seed, "global_batch_size": t.global_batch_size, "seq_len": t.seq_len,
-                     "source": cfg.data.source, "train_tokens": int(len(train_tokens))}
+    data_identity = {
+        "seed": t.seed,
+        "global_batch_size": t.global_batch_size,
+        "seq_len": t.seq_len,
+        "source": cfg.data.source,
+        "train_tokens": int(len(train_tokens)),
+    }
 
     import deepspeed  # here, after the input checks: importing it takes seconds
 
@@ -197,8 +210,13 @@ def train(cfg: JobConfig, run_dir: Path, resume: bool = False) -> list[dict]:
 
     optimizer, scheduler = build_optimizer(model, cfg)
     with operation("start-up: deepspeed.initialize", timeout):
-        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                               config=deepspeed_config(cfg, mesh.dp), mpu=mesh.mpu)
+        engine, _, _, _ = deepspeed.initialize(
+            model=model,
+            optimizer=optimizer,
+            lr_scheduler=scheduler,
+            config=deepspeed_config(cfg, mesh.dp),
+            mpu=mesh.mpu,
+        )
     set_group_timeouts(timeout)  # DeepSpeed made more groups
     start, skipped = 0, 0
     if found is not None:
@@ -235,8 +253,16 @@ def train(cfg: JobConfig, run_dir: Path, resume: bool = False) -> list[dict]:
             records.append(record)
             if (t.save_every and done % t.save_every == 0) or done == t.steps:
                 with operation(f"step {done}: checkpoint save", timeout):
-                    save_checkpoint(engine, model, scheduler, ckpt_root, done, cfg, mesh,
-                                    extra_meta={"skipped_steps": guard.skipped_total, "data": data_identity})
+                    save_checkpoint(
+                        engine,
+                        model,
+                        scheduler,
+                        ckpt_root,
+                        done,
+                        cfg,
+                        mesh,
+                        extra_meta={"skipped_steps": guard.skipped_total, "data": data_identity},
+                    )
                 if mesh.rank == 0:
                     prune_checkpoints(ckpt_root, t.keep_last, done)
             bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")

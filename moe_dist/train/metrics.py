@@ -51,19 +51,30 @@ class StepAccumulator:
     def __init__(self, n_moe_layers: int, num_experts: int, counted: bool = True):
         self.n_layers, self.E = n_moe_layers, num_experts
         self.counted = counted  # False on tensor-parallel peers of a counted rank: they saw the same tokens
-        self.total = torch.zeros(1 + len(SCALARS) + n_moe_layers * (2 * num_experts + _LAYER_EXTRA),
-                                 dtype=torch.float64)
+        self.total = torch.zeros(
+            1 + len(SCALARS) + n_moe_layers * (2 * num_experts + _LAYER_EXTRA), dtype=torch.float64
+        )
 
     def add(self, loss: torch.Tensor, lm: torch.Tensor, out: DecoderOutput) -> None:
         if not self.counted:
             return
-        parts = [torch.ones(1), loss.detach().reshape(1), lm.detach().reshape(1),
-                 out.aux_loss.detach().reshape(1), out.z_loss.detach().reshape(1)]
+        parts = [
+            torch.ones(1),
+            loss.detach().reshape(1),
+            lm.detach().reshape(1),
+            out.aux_loss.detach().reshape(1),
+            out.z_loss.detach().reshape(1),
+        ]
         for s in out.moe_stats:
             counts, dropped = s.tokens_per_expert_E.detach().double().cpu(), s.dropped.detach().double().cpu()
-            parts += [counts, dropped_per_expert(counts, dropped.item()), dropped.reshape(1),
-                      torch.tensor([float(s.assignments)]), s.entropy.detach().reshape(1),
-                      torch.tensor([float(s.sent_bytes)])]
+            parts += [
+                counts,
+                dropped_per_expert(counts, dropped.item()),
+                dropped.reshape(1),
+                torch.tensor([float(s.assignments)]),
+                s.entropy.detach().reshape(1),
+                torch.tensor([float(s.sent_bytes)]),
+            ]
         self.total += torch.cat([p.double().cpu() for p in parts])
 
     def reduce(self) -> dict:
@@ -73,17 +84,19 @@ class StepAccumulator:
         out = {k: total[1 + i].item() / n for i, k in enumerate(SCALARS)}
         layers, off, E = [], 1 + len(SCALARS), self.E
         for _ in range(self.n_layers):
-            tpe, dpe = total[off:off + E], total[off + E:off + 2 * E]
-            dropped, assigned, entropy, sent = total[off + 2 * E:off + 2 * E + _LAYER_EXTRA].tolist()
+            tpe, dpe = total[off : off + E], total[off + E : off + 2 * E]
+            dropped, assigned, entropy, sent = total[off + 2 * E : off + 2 * E + _LAYER_EXTRA].tolist()
             mean = tpe.mean().item()
-            layers.append({
-                "tokens_per_expert": [int(round(v)) for v in tpe.tolist()],
-                "dropped_per_expert": [int(round(v)) for v in dpe.tolist()],
-                "drop_fraction": dropped / assigned,
-                "max_over_mean_load": tpe.max().item() / mean if mean > 0 else 0.0,
-                "router_entropy": entropy / n,
-                "a2a_bytes_per_rank": sent / n,  # mean bytes one rank sends per dispatch all-to-all
-            })
+            layers.append(
+                {
+                    "tokens_per_expert": [int(round(v)) for v in tpe.tolist()],
+                    "dropped_per_expert": [int(round(v)) for v in dpe.tolist()],
+                    "drop_fraction": dropped / assigned,
+                    "max_over_mean_load": tpe.max().item() / mean if mean > 0 else 0.0,
+                    "router_entropy": entropy / n,
+                    "a2a_bytes_per_rank": sent / n,  # mean bytes one rank sends per dispatch all-to-all
+                }
+            )
             off += 2 * E + _LAYER_EXTRA
         out["moe"] = layers
         return out
@@ -95,8 +108,20 @@ CELL = 24  # pixels per heatmap cell
 TITLE_H, AXIS_H, LABEL_W, BAR_W = 20, 16, 28, 52  # margins: title, expert indices, layer indices, colour bar
 MIN_W = 200  # room for the title
 # viridis at 9 evenly spaced points: perceptually uniform and readable by colour-blind viewers
-_VIRIDIS = np.array([[68, 1, 84], [71, 44, 122], [59, 81, 139], [44, 113, 142], [33, 144, 141],
-                     [39, 173, 129], [92, 200, 99], [170, 220, 50], [253, 231, 37]], dtype=np.float64)
+_VIRIDIS = np.array(
+    [
+        [68, 1, 84],
+        [71, 44, 122],
+        [59, 81, 139],
+        [44, 113, 142],
+        [33, 144, 141],
+        [39, 173, 129],
+        [92, 200, 99],
+        [170, 220, 50],
+        [253, 231, 37],
+    ],
+    dtype=np.float64,
+)
 
 
 def colormap(values: np.ndarray) -> np.ndarray:
@@ -121,10 +146,10 @@ def heatmap_image(values_LE: np.ndarray, vmax: float, title: str) -> np.ndarray:
     H, W = heatmap_size(L, E)
     img = np.full((H, W, 3), 255, dtype=np.uint8)
     cells = colormap(values_LE / vmax if vmax > 0 else np.zeros_like(values_LE))  # (L, E, 3)
-    img[TITLE_H:TITLE_H + L * CELL, LABEL_W:LABEL_W + E * CELL] = cells.repeat(CELL, 0).repeat(CELL, 1)
+    img[TITLE_H : TITLE_H + L * CELL, LABEL_W : LABEL_W + E * CELL] = cells.repeat(CELL, 0).repeat(CELL, 1)
     bar_x, bar_h = LABEL_W + E * CELL + 6, L * CELL
     ramp = colormap(np.linspace(1.0, 0.0, bar_h))[:, None, :]  # top = vmax
-    img[TITLE_H:TITLE_H + bar_h, bar_x:bar_x + 8] = ramp
+    img[TITLE_H : TITLE_H + bar_h, bar_x : bar_x + 8] = ramp
     pil = Image.fromarray(img)
     draw = ImageDraw.Draw(pil)
     draw.text((4, 4), title, fill=(0, 0, 0))
@@ -145,8 +170,9 @@ def expert_load_images(layers: list[dict], step: int) -> dict[str, np.ndarray]:
     share = tpe / np.maximum(tpe.sum(axis=1, keepdims=True), 1.0)
     drop_rate = dpe / np.maximum(tpe, 1.0)
     return {
-        "moe/expert_load": heatmap_image(share, max(2.0 / tpe.shape[1], share.max()),
-                                         f"token share (layer x expert) @{step}"),
+        "moe/expert_load": heatmap_image(
+            share, max(2.0 / tpe.shape[1], share.max()), f"token share (layer x expert) @{step}"
+        ),
         "moe/drop_rate": heatmap_image(drop_rate, 1.0, f"drop rate (layer x expert) @{step}"),
     }
 
@@ -154,10 +180,14 @@ def expert_load_images(layers: list[dict], step: int) -> dict[str, np.ndarray]:
 def custom_scalars_layout(n_moe_layers: int) -> dict:
     """TensorBoard's custom-scalars layout: losses together, then one category per MoE layer."""
     layout = {
-        "training": {"loss": ["Multiline", ["train/loss", "train/lm_loss", "eval/eval_loss"]],
-                     "aux and z losses": ["Multiline", ["train/aux_loss", "train/z_loss"]]},
-        "moe: all layers": {"drop fraction": ["Multiline", [r"moe/layer\d+/drop_fraction"]],
-                            "max / mean load": ["Multiline", [r"moe/layer\d+/max_over_mean_load"]]},
+        "training": {
+            "loss": ["Multiline", ["train/loss", "train/lm_loss", "eval/eval_loss"]],
+            "aux and z losses": ["Multiline", ["train/aux_loss", "train/z_loss"]],
+        },
+        "moe: all layers": {
+            "drop fraction": ["Multiline", [r"moe/layer\d+/drop_fraction"]],
+            "max / mean load": ["Multiline", [r"moe/layer\d+/max_over_mean_load"]],
+        },
     }
     for i in range(n_moe_layers):
         tag = f"moe/layer{i}"
@@ -192,8 +222,14 @@ class MetricsLogger:
 
     `image_every` None reads train.image_every from RUN_DIR/config.json, the resolved config of the run."""
 
-    def __init__(self, run_dir: Path, enabled: bool, histogram_every: int, resume_step: int = 0,
-                 image_every: Optional[int] = None):
+    def __init__(
+        self,
+        run_dir: Path,
+        enabled: bool,
+        histogram_every: int,
+        resume_step: int = 0,
+        image_every: Optional[int] = None,
+    ):
         self.enabled, self.histogram_every = enabled, histogram_every
         self.path = run_dir / "metrics.jsonl"
         self.tb = None

@@ -28,13 +28,15 @@ def complete_checkpoints(ckpt_root: Path) -> list[tuple[int, Path]]:
     """Published checkpoints (`step_N/` holding meta.json), newest first; unverified."""
     if not ckpt_root.is_dir():
         return []
-    found = [(int(m.group(1)), d) for d in ckpt_root.iterdir()
-             if (m := STEP_DIR.fullmatch(d.name)) and (d / "meta.json").is_file()]
+    found = [
+        (int(m.group(1)), d)
+        for d in ckpt_root.iterdir()
+        if (m := STEP_DIR.fullmatch(d.name)) and (d / "meta.json").is_file()
+    ]
     return sorted(found, key=lambda t: t[0], reverse=True)
 
 
-def select_checkpoint(ckpt_root: Path, mesh: Mesh, warn: Callable[[str], None]
-                      ) -> tuple[Path, dict, dict] | None:
+def select_checkpoint(ckpt_root: Path, mesh: Mesh, warn: Callable[[str], None]) -> tuple[Path, dict, dict] | None:
     """Collective: (path, meta, index) of the newest checkpoint that verifies on every rank, or None when the
     run directory holds no checkpoint. `warn` gets one line per rejected checkpoint."""
     # Rank 0's listing is everyone's, so all ranks walk the same candidates with the same collectives.
@@ -53,8 +55,10 @@ def select_checkpoint(ckpt_root: Path, mesh: Mesh, warn: Callable[[str], None]
         rejected.append(path.name)
         warn(f"warning: checkpoint {path.name} rejected: {error}; falling back to the previous complete checkpoint")
     if rejected:
-        raise CheckpointError(f"{ckpt_root}: no usable checkpoint ({', '.join(rejected)} failed verification); "
-                              f"refusing to start over in this run directory (move them away to start fresh)")
+        raise CheckpointError(
+            f"{ckpt_root}: no usable checkpoint ({', '.join(rejected)} failed verification); "
+            f"refusing to start over in this run directory (move them away to start fresh)"
+        )
     return None
 
 

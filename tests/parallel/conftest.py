@@ -55,8 +55,11 @@ def reference(tmp_path_factory, run_train):
 
     def get(mode: str) -> Path:
         if mode not in done:
-            run_train("python", 1, ["--config", E2E_CONFIG, "--run-dir", str(root / mode), "--set", *E2E_BASE,
-                                    *E2E_MODES[mode]])
+            run_train(
+                "python",
+                1,
+                ["--config", E2E_CONFIG, "--run-dir", str(root / mode), "--set", *E2E_BASE, *E2E_MODES[mode]],
+            )
             done[mode] = root / mode
         return done[mode]
 

@@ -27,9 +27,16 @@ SCENARIOS = ["all_to_other_rank", "rank_routes_nothing_locally"]
 def layer_config(dtype: str) -> list:
     """Config overrides of the one-MoE-layer model; bf16 at sizes torch's grouped GEMM takes (16-byte rows)."""
     size = ["model.d_model=8", "model.d_ff=16"] if dtype == "fp32" else ["model.d_model=32", "model.d_ff=32"]
-    return [*size, "model.n_layers=1", "model.mixer_pattern=A", "model.attention.n_heads=2",
-            "model.attention.n_kv_heads=2", "model.moe.num_experts=4", "model.moe.top_k=2",
-            "model.moe.capacity_factor=null"]
+    return [
+        *size,
+        "model.n_layers=1",
+        "model.mixer_pattern=A",
+        "model.attention.n_heads=2",
+        "model.attention.n_kv_heads=2",
+        "model.moe.num_experts=4",
+        "model.moe.top_k=2",
+        "model.moe.capacity_factor=null",
+    ]
 
 
 def scenario_inputs(scenario: str, rank: int, d_model: int = 8) -> torch.Tensor:
@@ -47,8 +54,16 @@ def scenario_inputs(scenario: str, rank: int, d_model: int = 8) -> torch.Tensor:
 
 
 def _config(dtype: str):
-    return load_config(None, [*layer_config(dtype), "parallel.ep=2", "train.global_batch_size=4",
-                              "train.micro_batch_size=2", "train.eval_batches=2"])
+    return load_config(
+        None,
+        [
+            *layer_config(dtype),
+            "parallel.ep=2",
+            "train.global_batch_size=4",
+            "train.micro_batch_size=2",
+            "train.eval_batches=2",
+        ],
+    )
 
 
 def run_case(out_dir: Path, mesh, scenario: str, dtype: str) -> None:
@@ -61,10 +76,16 @@ def run_case(out_dir: Path, mesh, scenario: str, dtype: str) -> None:
     x = scenario_inputs(scenario, mesh.rank, cfg.model.d_model).to(DTYPES[dtype]).requires_grad_()
     out, stats = moe(x)
     (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
-    tensors = {"out": out.detach(), "x_grad": x.grad, "router_grad": moe.router.weight.grad,
-               **{f"{n}_grad": getattr(moe.experts, n).grad for n in ("w13", "w2")}}
-    save_file({k: v.contiguous() for k, v in tensors.items()},
-              str(out_dir / f"{scenario}_{dtype}_rank{mesh.rank}.safetensors"))
+    tensors = {
+        "out": out.detach(),
+        "x_grad": x.grad,
+        "router_grad": moe.router.weight.grad,
+        **{f"{n}_grad": getattr(moe.experts, n).grad for n in ("w13", "w2")},
+    }
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()},
+        str(out_dir / f"{scenario}_{dtype}_rank{mesh.rank}.safetensors"),
+    )
 
 
 def main(out_dir: str) -> None:

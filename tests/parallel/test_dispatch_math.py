@@ -23,12 +23,15 @@ def _brute_force(counts):
     return [labels.index(w) for w in wanted]
 
 
-@pytest.mark.parametrize("counts", [
-    [[2, 0, 1], [1, 3, 0]],
-    [[0, 0], [0, 0]],  # nothing routed anywhere
-    [[5], [0], [2]],
-    [[0, 4, 0, 0]],  # one source sends everything to one expert
-])
+@pytest.mark.parametrize(
+    "counts",
+    [
+        [[2, 0, 1], [1, 3, 0]],
+        [[0, 0], [0, 0]],  # nothing routed anywhere
+        [[5], [0], [2]],
+        [[0, 4, 0, 0]],  # one source sends everything to one expert
+    ],
+)
 def test_segment_permutation_regroups_by_second_index(counts):
     c = torch.tensor(counts)
     perm = segment_permutation(c)

@@ -32,8 +32,15 @@ TOLERANCES = {"fp32": (1e-5, 1e-6), "bf16": (2e-2, 2e-3)}
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("dispatch")
-    cmd = [console_script("torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()), str(WORKER),
-           str(out)]
+    cmd = [
+        console_script("torchrun"),
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        str(WORKER),
+        str(out),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out
@@ -67,12 +74,14 @@ def test_all_to_all_dispatch_matches_one_process(results, scenario, dtype):
     rtol, atol = TOLERANCES[dtype]
     for rank in range(2):
         for key in ("out", "x_grad", "router_grad"):
-            torch.testing.assert_close(got[rank][key], per_rank[rank][key], rtol=rtol, atol=atol,
-                                       msg=f"{key} rank {rank}")
+            torch.testing.assert_close(
+                got[rank][key], per_rank[rank][key], rtol=rtol, atol=atol, msg=f"{key} rank {rank}"
+            )
         for name, full in expert_grads.items():
-            shard = full[2 * rank:2 * rank + 2]  # rank r holds experts 2r, 2r+1
-            torch.testing.assert_close(got[rank][f"{name}_grad"], shard, rtol=rtol, atol=atol,
-                                       msg=f"{name} rank {rank}")
+            shard = full[2 * rank : 2 * rank + 2]  # rank r holds experts 2r, 2r+1
+            torch.testing.assert_close(
+                got[rank][f"{name}_grad"], shard, rtol=rtol, atol=atol, msg=f"{name} rank {rank}"
+            )
     if scenario == "all_to_other_rank":
         # experts 0 and 1 received no token anywhere: rank 0's expert gradients exist and are exactly zero
         assert all(torch.count_nonzero(got[0][f"{n}_grad"]) == 0 for n in ("w13", "w2"))

@@ -27,8 +27,18 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 
 def _args(run_dir, mode: str, ep: int, zero: int, *extra: str) -> list[str]:
-    return ["--config", E2E_CONFIG, "--run-dir", str(run_dir), *extra, "--set", *E2E_BASE, *E2E_MODES[mode],
-            f"parallel.ep={ep}", f"deepspeed.zero_stage={zero}"]
+    return [
+        "--config",
+        E2E_CONFIG,
+        "--run-dir",
+        str(run_dir),
+        *extra,
+        "--set",
+        *E2E_BASE,
+        *E2E_MODES[mode],
+        f"parallel.ep={ep}",
+        f"deepspeed.zero_stage={zero}",
+    ]
 
 
 def _check_against_reference(run_dir, ref_dir, ep: int, first_step, read, same_trajectory, same_final_state):
@@ -53,17 +63,33 @@ def runs(tmp_path_factory, run_train):
 
 @pytest.mark.parametrize("layout", list(LAYOUTS), ids=lambda t: f"dp{t[0]}-ep{t[1]}-{t[2]}-zero{t[3]}")
 def test_ep_run_equals_one_process(runs, reference, metrics, same_trajectory, same_final_state, layout):
-    _check_against_reference(runs[layout], reference(layout[2]), layout[1], 1, metrics, same_trajectory,
-                             same_final_state)
+    _check_against_reference(
+        runs[layout], reference(layout[2]), layout[1], 1, metrics, same_trajectory, same_final_state
+    )
 
 
-@pytest.mark.parametrize("source, mode, resume_world, resume_ep", [
-    ((2, 2, "dropless", 2), "dropless", 1, 1),  # ep=2 -> ep=1 (one process)
-    ("ref", "capacity", 2, 2),  # ep=1 -> ep=2
-    ((4, 4, "dropless", 1), "dropless", 2, 2),  # ep=4 -> ep=2
-], ids=["ep2-to-ep1", "ep1-to-ep2", "ep4-to-ep2"])
-def test_checkpoint_reshards_across_ep_sizes(tmp_path, runs, reference, run_train, metrics, same_trajectory,
-                                             same_final_state, source, mode, resume_world, resume_ep):
+@pytest.mark.parametrize(
+    "source, mode, resume_world, resume_ep",
+    [
+        ((2, 2, "dropless", 2), "dropless", 1, 1),  # ep=2 -> ep=1 (one process)
+        ("ref", "capacity", 2, 2),  # ep=1 -> ep=2
+        ((4, 4, "dropless", 1), "dropless", 2, 2),  # ep=4 -> ep=2
+    ],
+    ids=["ep2-to-ep1", "ep1-to-ep2", "ep4-to-ep2"],
+)
+def test_checkpoint_reshards_across_ep_sizes(
+    tmp_path,
+    runs,
+    reference,
+    run_train,
+    metrics,
+    same_trajectory,
+    same_final_state,
+    source,
+    mode,
+    resume_world,
+    resume_ep,
+):
     """The source run's step-3 checkpoint, written at its layout, resumed at another (ZeRO 1): steps 4-6 and the
     final state equal the uninterrupted single-process run's."""
     d = tmp_path / "run"

@@ -35,8 +35,15 @@ def world():
     assert not dist.is_initialized()
     env = dict(os.environ)
     # LOCAL_SIZE (set by the deepspeed launcher) == world size makes DeepSpeed create its shm all-reduce buffer.
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", LOCAL_SIZE="1",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    os.environ.update(
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+        LOCAL_WORLD_SIZE="1",
+        LOCAL_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+    )
     shm = Path("/dev/shm", private_api.deepspeed_shm_buffer_name(0))
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=60))
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
@@ -44,8 +51,12 @@ def world():
         yield shm
     finally:
         shm.unlink(missing_ok=True)
-        for registry in (groups._EXPERT_PARALLEL_GROUP, groups._EXPERT_PARALLEL_GROUP_RANKS,
-                         groups._EXPERT_DATA_PARALLEL_GROUP, groups._EXPERT_DATA_PARALLEL_GROUP_RANKS):
+        for registry in (
+            groups._EXPERT_PARALLEL_GROUP,
+            groups._EXPERT_PARALLEL_GROUP_RANKS,
+            groups._EXPERT_DATA_PARALLEL_GROUP,
+            groups._EXPERT_DATA_PARALLEL_GROUP_RANKS,
+        ):
             registry.pop(GROUP, None)
         dist.destroy_process_group()
         ds_comm.cdb = None
@@ -142,9 +153,14 @@ def _engine(zero_stage: int, expert_group: str | None):
 
     model = _Tiny(expert_group)
     opt = torch.optim.AdamW(param_groups(model, 0.0), lr=0.1)
-    config = {"train_batch_size": 1, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-              "zero_optimization": {"stage": zero_stage}, "zero_allow_untested_optimizer": True,
-              "steps_per_print": 10**9}
+    config = {
+        "train_batch_size": 1,
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": zero_stage},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+    }
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
     return engine, model
 
@@ -182,6 +198,7 @@ def test_zero_engine_reduces_the_expert_group_over_its_edp_group_and_skips_witho
     engine.step()
     private_api.relink_zero_optimizer_state(opt)  # the expert group's moments become reachable
     before = _full_state(model)
+
     def adam_steps() -> list[float]:
         return [opt.optimizer.state[p]["step"].item() for g in opt.optimizer.param_groups for p in g["params"]]
 

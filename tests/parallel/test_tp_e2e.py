@@ -26,8 +26,16 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 
 def _args(run_dir, *overrides: str, resume: bool = False) -> list[str]:
-    return ["--config", E2E_CONFIG, "--run-dir", str(run_dir), *(["--resume"] if resume else []), "--set",
-            *E2E_BASE, *overrides]
+    return [
+        "--config",
+        E2E_CONFIG,
+        "--run-dir",
+        str(run_dir),
+        *(["--resume"] if resume else []),
+        "--set",
+        *E2E_BASE,
+        *overrides,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -56,29 +64,34 @@ def test_tp_run_equals_one_process(runs, reference, metrics, same_trajectory, sa
     same_final_state(runs[layout], reference("capacity"), ATOL_OF_SCALE)  # every tensor whole, once, by global name
 
 
-def test_checkpoint_reshards_tp2_to_tp1_to_tp2(tmp_path, runs, reference, run_train, metrics, same_trajectory,
-                                               same_final_state):
+def test_checkpoint_reshards_tp2_to_tp1_to_tp2(
+    tmp_path, runs, reference, run_train, metrics, same_trajectory, same_final_state
+):
     """Resume the tp=2 run's step-3 checkpoint in one process (saving every 2 steps), then that run's step-4
     checkpoint at tp=2 again: every step continues the uninterrupted single-process trajectory."""
     ref = reference("capacity")
     tp1, tp2 = tmp_path / "resume_tp1", tmp_path / "resume_tp2"
     _resume(run_train, runs["dp1-ep1-tp2"], tp1, 1, "train.save_every=2", from_step=E2E_SAVE)
-    same_trajectory([r for r in train_records(metrics(tp1)) if r["step"] > E2E_SAVE], metrics(ref),
-                    first_step=E2E_SAVE + 1)
+    same_trajectory(
+        [r for r in train_records(metrics(tp1)) if r["step"] > E2E_SAVE], metrics(ref), first_step=E2E_SAVE + 1
+    )
     same_final_state(tp1, ref, ATOL_OF_SCALE)
 
     _resume(run_train, tp1, tp2, 2, "parallel.tp=2", from_step=E2E_SAVE + 1)
-    same_trajectory([r for r in train_records(metrics(tp2)) if r["step"] > E2E_SAVE + 1], metrics(ref),
-                    first_step=E2E_SAVE + 2)
+    same_trajectory(
+        [r for r in train_records(metrics(tp2)) if r["step"] > E2E_SAVE + 1], metrics(ref), first_step=E2E_SAVE + 2
+    )
     same_final_state(tp2, ref, ATOL_OF_SCALE)
 
 
-def test_checkpoint_reshards_across_combined_layouts(tmp_path, runs, reference, run_train, metrics, same_trajectory,
-                                                     same_final_state):
+def test_checkpoint_reshards_across_combined_layouts(
+    tmp_path, runs, reference, run_train, metrics, same_trajectory, same_final_state
+):
     """The (dp, ep, tp) = (2, 2, 2) sequence-parallel run's step-3 checkpoint resumed at (4, 4, 1): every
     dimension changes."""
     d, ref = tmp_path / "resume_222_to_441", reference("capacity")
     _resume(run_train, runs["dp2-ep2-tp2-sequence-parallel"], d, 4, "parallel.ep=4", from_step=E2E_SAVE)
-    same_trajectory([r for r in train_records(metrics(d)) if r["step"] > E2E_SAVE], metrics(ref),
-                    first_step=E2E_SAVE + 1)
+    same_trajectory(
+        [r for r in train_records(metrics(d)) if r["step"] > E2E_SAVE], metrics(ref), first_step=E2E_SAVE + 1
+    )
     same_final_state(d, ref, ATOL_OF_SCALE)

@@ -21,8 +21,15 @@ VARIANTS = ["norms_untied", "plain_tied", "sp_norms_untied"]
 @pytest.fixture(scope="module")
 def tp_results(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("tp") / "out.json"
-    cmd = [console_script("torchrun"), "--nproc_per_node", "2",
-           "--master_port", str(free_port()), str(WORKER), str(out)]
+    cmd = [
+        console_script("torchrun"),
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        str(WORKER),
+        str(out),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(2)]
@@ -38,8 +45,9 @@ def test_tensor_parallel_layer_matches_single_device(tp_results, layer, variant)
         assert f"{variant}.{layer}.out" in entries or layer == "model"
         assert sum(".grad." in k for k in entries) >= 2, f"no gradients compared for {layer}"
         for name, e in entries.items():
-            assert e["err"] <= 1e-4 * e["scale"] + 1e-12, f"rank {rank} {name}: max |diff| {e['err']:.3g} " \
-                                                          f"vs reference magnitude {e['scale']:.3g}"
+            assert e["err"] <= 1e-4 * e["scale"] + 1e-12, (
+                f"rank {rank} {name}: max |diff| {e['err']:.3g} vs reference magnitude {e['scale']:.3g}"
+            )
 
 
 @pytest.mark.parametrize("parts", [1, 2])

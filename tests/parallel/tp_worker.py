@@ -19,14 +19,30 @@ from moe_dist.models.decoder import build_model, lm_loss, materialize
 from moe_dist.parallel.mesh import init_distributed
 from moe_dist.parallel.tensor_parallel import apply_tp, shard, vocab_parallel_lm_loss
 
-BASE = ["model.d_model=32", "model.d_ff=64", "model.n_layers=2", "model.mixer_pattern=AM", "model.ffn_pattern=DE",
-        "model.attention.n_heads=4", "model.attention.n_kv_heads=2", "model.mamba.d_state=8",
-        "model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.capacity_factor=1.0", "parallel.tp=2",
-        "deepspeed.zero_stage=1"]
-VARIANTS = {"norms_untied": ["model.mamba.inner_norms=true", "model.tie_embeddings=false"],
-            "plain_tied": ["model.mamba.inner_norms=false", "model.tie_embeddings=true"],
-            "sp_norms_untied": ["model.mamba.inner_norms=true", "model.tie_embeddings=false",
-                                "parallel.sequence_parallel=true"]}
+BASE = [
+    "model.d_model=32",
+    "model.d_ff=64",
+    "model.n_layers=2",
+    "model.mixer_pattern=AM",
+    "model.ffn_pattern=DE",
+    "model.attention.n_heads=4",
+    "model.attention.n_kv_heads=2",
+    "model.mamba.d_state=8",
+    "model.moe.num_experts=4",
+    "model.moe.top_k=2",
+    "model.moe.capacity_factor=1.0",
+    "parallel.tp=2",
+    "deepspeed.zero_stage=1",
+]
+VARIANTS = {
+    "norms_untied": ["model.mamba.inner_norms=true", "model.tie_embeddings=false"],
+    "plain_tied": ["model.mamba.inner_norms=false", "model.tie_embeddings=true"],
+    "sp_norms_untied": [
+        "model.mamba.inner_norms=true",
+        "model.tie_embeddings=false",
+        "parallel.sequence_parallel=true",
+    ],
+}
 
 
 def _diff(got: torch.Tensor, want: torch.Tensor) -> dict:
@@ -72,7 +88,7 @@ def main(path: str) -> None:
         ref = materialize(build_model(cfg.model), "cpu", seed=0)
         tp_model = apply_tp(copy.deepcopy(ref), mesh, cfg.parallel.sequence_parallel)
         x = torch.randn(2, 16, cfg.model.d_model, generator=torch.Generator().manual_seed(0))
-        for i, (b_ref, b_tp) in enumerate(zip(ref.blocks, tp_model.blocks)):
+        for b_ref, b_tp in zip(ref.blocks, tp_model.blocks):
             kind = type(b_ref.mixer).__name__.lower()
             sp = cfg.parallel.sequence_parallel
             _run_module(b_ref.mixer, b_tp.mixer, x, mesh, f"{variant}.{kind}", out, sp)

@@ -44,8 +44,10 @@ def _die() -> None:
 
 
 def _kill_here(where: str) -> bool:
-    return any(k["rank"] == RANK and k["step"] == state["step"] and k["where"] == where and k["attempt"] == ATTEMPT
-               for k in FAULT.get("kill_in_save", []))
+    return any(
+        k["rank"] == RANK and k["step"] == state["step"] and k["where"] == where and k["attempt"] == ATTEMPT
+        for k in FAULT.get("kill_in_save", [])
+    )
 
 
 _global_batch, _windows = TokenDataset.global_batch, TokenDataset._windows
@@ -69,8 +71,12 @@ def micro_batches(global_batch, micro_batch_size, dp_rank, dp_size):
         starts, mb = state["starts"], micro_batch_size
         with open(Path(SAMPLES_DIR) / f"rank{RANK}.jsonl", "a") as f:
             for m in range(dp_rank, global_batch.shape[0] // mb, dp_size):
-                f.write(json.dumps({"step": state["step"], "micro": m, "starts": starts[m * mb:(m + 1) * mb],
-                                    "attempt": ATTEMPT}) + "\n")
+                f.write(
+                    json.dumps(
+                        {"step": state["step"], "micro": m, "starts": starts[m * mb : (m + 1) * mb], "attempt": ATTEMPT}
+                    )
+                    + "\n"
+                )
     return out
 
 
@@ -87,7 +93,7 @@ def forward_loss(engine, cfg, batch, device):
         else:
             hook = {}
 
-            def poison(grad):
+            def poison(grad, hook=hook):  # called once, within this iteration: `hook` is this iteration's dict
                 hook["handle"].remove()
                 grad = grad.clone()
                 grad.view(-1)[0] = float("nan")

@@ -27,9 +27,21 @@ TRAIN = str(REPO / "launch" / "train.py")
 CONFIG = "configs/debug.json"
 SMALL = ["train.steps=2", "train.save_every=1", "train.eval_every=0"]
 
-PRE_INIT = ["malformed_json", "unknown_key", "wrong_type", "wrong_type_in_file", "missing_data_path", "empty_corpus",
-            "memmap_unknown_dtype", "memmap_read_with_wrong_dtype", "memmap_ids_beyond_vocab", "run_dir_under_a_file",
-            "run_dir_is_a_file", "existing_run_without_resume", "checkpoints_without_resume"]
+PRE_INIT = [
+    "malformed_json",
+    "unknown_key",
+    "wrong_type",
+    "wrong_type_in_file",
+    "missing_data_path",
+    "empty_corpus",
+    "memmap_unknown_dtype",
+    "memmap_read_with_wrong_dtype",
+    "memmap_ids_beyond_vocab",
+    "run_dir_under_a_file",
+    "run_dir_is_a_file",
+    "existing_run_without_resume",
+    "checkpoints_without_resume",
+]
 CHECKPOINT = ["checkpoint_of_another_model_shape", "checkpoint_of_another_data_order"]
 
 
@@ -37,18 +49,29 @@ def _run(args: list[str], nproc: int = 1) -> subprocess.CompletedProcess:
     if nproc == 1:
         cmd = [sys.executable, TRAIN, *args]
     else:
-        cmd = [console_script("torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(free_port()),
-               TRAIN, *args]
-    return subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"}, capture_output=True,
-                          text=True, timeout=300)
+        cmd = [
+            console_script("torchrun"),
+            "--nproc_per_node",
+            str(nproc),
+            "--master_port",
+            str(free_port()),
+            TRAIN,
+            *args,
+        ]
+    return subprocess.run(
+        cmd, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"}, capture_output=True, text=True, timeout=300
+    )
 
 
 def _snapshot(root: Path) -> dict[str, tuple]:
     out = {}
     for p in [root, *sorted(root.rglob("*"))]:
         st = p.stat()
-        out[str(p.relative_to(root))] = (hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir",
-                                         st.st_size if p.is_file() else 0, st.st_mtime_ns)
+        out[str(p.relative_to(root))] = (
+            hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir",
+            st.st_size if p.is_file() else 0,
+            st.st_mtime_ns,
+        )
     return out
 
 
@@ -138,7 +161,7 @@ def _arguments(case: str, tmp: Path, run_dir: Path) -> tuple[list[str], str]:
     # A case's --config / --run-dir replaces the default; its --set items join the one --set list.
     if "--set" in extra:
         i = extra.index("--set")
-        args, extra = [*args, *extra[i + 1:]], extra[:i]
+        args, extra = [*args, *extra[i + 1 :]], extra[:i]
     if "--resume" in extra:
         extra.remove("--resume")
         args.append("--resume")

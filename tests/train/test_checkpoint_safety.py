@@ -16,12 +16,28 @@ from safetensors.torch import save_file
 
 from moe_dist.parallel.mesh import Mesh
 from moe_dist.train.checkpoint import (
-    FORMAT_VERSION, CheckpointError, _sha256, latest_checkpoint, verify_checkpoint,
+    FORMAT_VERSION,
+    CheckpointError,
+    _sha256,
+    latest_checkpoint,
+    verify_checkpoint,
 )
 from moe_dist.train.resume import complete_checkpoints, prune_checkpoints, select_checkpoint
 
-MESH = Mesh(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"), dp=1, dp_rank=0,
-            ep=1, ep_rank=0, ep_group=None, edp_group=None, ep_group_name="ep_size_1")
+MESH = Mesh(
+    rank=0,
+    world_size=1,
+    local_rank=0,
+    local_world_size=1,
+    device=torch.device("cpu"),
+    dp=1,
+    dp_rank=0,
+    ep=1,
+    ep_rank=0,
+    ep_group=None,
+    edp_group=None,
+    ep_group_name="ep_size_1",
+)
 
 
 def _write_checkpoint(root: Path, step: int) -> Path:
@@ -81,8 +97,12 @@ def test_a_pickle_in_place_of_a_tensor_file_is_rejected_and_never_runs(tmp_path)
     payload = pickle.dumps(_Payload(sentinel))
     # The payload is live: unpickling it in another process creates its sentinel.
     probe = tmp_path / "probe_pwned"
-    subprocess.run([sys.executable, "-c", "import pickle, sys; pickle.loads(sys.stdin.buffer.read())"],
-                   input=pickle.dumps(_Payload(probe)), check=True, cwd=Path(__file__).parent)
+    subprocess.run(
+        [sys.executable, "-c", "import pickle, sys; pickle.loads(sys.stdin.buffer.read())"],
+        input=pickle.dumps(_Payload(probe)),
+        check=True,
+        cwd=Path(__file__).parent,
+    )
     assert probe.exists()
 
     d = _write_checkpoint(tmp_path / "ckpt", 3)

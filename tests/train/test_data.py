@@ -11,7 +11,14 @@ import torch
 
 from moe_dist.config import DataConfig
 from moe_dist.train.data import (
-    DOC_SEPARATOR, TokenDataset, decode, encode, load_tokens, micro_batches, read_memmap, write_memmap,
+    DOC_SEPARATOR,
+    TokenDataset,
+    decode,
+    encode,
+    load_tokens,
+    micro_batches,
+    read_memmap,
+    write_memmap,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -59,7 +66,7 @@ def test_micro_batches_of_all_ranks_reproduce_the_global_batch(dp):
     # Micro-batch m = j * dp + r is rank r's j-th accumulation step.
     in_m_order = [per_rank[m % dp][m // dp] for m in range(8)]
     assert torch.equal(torch.cat(in_m_order), batch)
-    assert torch.equal(per_rank[dp - 1][0], batch[2 * (dp - 1):2 * dp])
+    assert torch.equal(per_rank[dp - 1][0], batch[2 * (dp - 1) : 2 * dp])
 
 
 def test_micro_batches_rejects_indivisible_layouts():
@@ -80,14 +87,15 @@ def test_stdlib_source_loads_python_source():
 
 
 def test_text_source_globs_sorted_and_split(corpus):
-    cfg = DataConfig(source="text", paths=[str(corpus / "*.txt"), str(corpus / "sub" / "c.txt")],
-                     val_fraction=0.1, max_bytes=None)
+    cfg = DataConfig(
+        source="text", paths=[str(corpus / "*.txt"), str(corpus / "sub" / "c.txt")], val_fraction=0.1, max_bytes=None
+    )
     train, val = load_tokens(cfg, seq_len=8)
     stream = np.concatenate([train, val])
     sep = chr(DOC_SEPARATOR)
     expected = sep.join((corpus / n).read_text(encoding="utf-8") for n in ("a.txt", "b.txt", "sub/c.txt"))
     assert decode(stream) == expected
-    assert np.array_equal(val, stream[len(stream) - int(len(stream) * 0.1):])
+    assert np.array_equal(val, stream[len(stream) - int(len(stream) * 0.1) :])
     capped, _ = load_tokens(DataConfig(source="text", paths=cfg.paths, max_bytes=100), seq_len=4)
     assert len(capped) == 100 - int(100 * 0.05)
 
@@ -117,8 +125,12 @@ def test_prepare_data_round_trip_matches_text_source(corpus, tmp_path, dtype):
     result = _prepare("--input", *globs, "--output", str(out), "--dtype", dtype)
     assert result.returncode == 0, result.stderr
     meta = json.loads(Path(f"{out}.json").read_text())
-    assert meta == {"dtype": dtype, "num_tokens": out.stat().st_size // np.dtype(dtype).itemsize,
-                    "vocab_size": 256, "tokenizer": "bytes"}
+    assert meta == {
+        "dtype": dtype,
+        "num_tokens": out.stat().st_size // np.dtype(dtype).itemsize,
+        "vocab_size": 256,
+        "tokenizer": "bytes",
+    }
     text_split = load_tokens(DataConfig(source="text", paths=globs, max_bytes=None), seq_len=8)
     mm_split = load_tokens(DataConfig(source="memmap", paths=[str(out)]), seq_len=8)
     assert mm_split[0].dtype == np.dtype(dtype)

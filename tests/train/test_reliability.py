@@ -32,8 +32,16 @@ REPO = Path(__file__).resolve().parents[2]
 WORKER = str(Path(__file__).with_name("fault_worker.py"))
 CONFIG = "configs/debug.json"
 STEPS = 6
-BASE = ["--config", CONFIG, "--resume", "--set", f"train.steps={STEPS}", "train.save_every=1", "train.eval_every=0",
-        ONE_THREAD]
+BASE = [
+    "--config",
+    CONFIG,
+    "--resume",
+    "--set",
+    f"train.steps={STEPS}",
+    "train.save_every=1",
+    "train.eval_every=0",
+    ONE_THREAD,
+]
 TIMEOUT = 300  # per job; a hang fails the test instead of stalling CI
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -46,8 +54,16 @@ class Job:
         self.marker = uuid.uuid4().hex  # inherited by every process of the job: how we find them
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "MOE_DIST_TEST_JOB": self.marker, **(env or {})}
         self.started = time.monotonic()
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, errors="replace", start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            env=full_env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+            start_new_session=True,
+        )
         self.lines: list[tuple[float, str]] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -116,12 +132,29 @@ def jobs():
     """Start jobs through this; they are killed at teardown, with DeepSpeed's shared-memory files they leave."""
     started: list[tuple[Job, int, float]] = []
 
-    def start(nproc: int, args: list[str], max_restarts: int = 0, fault: dict | None = None,
-              samples: Path | None = None, launcher: str = "torchrun") -> Job:
+    def start(
+        nproc: int,
+        args: list[str],
+        max_restarts: int = 0,
+        fault: dict | None = None,
+        samples: Path | None = None,
+        launcher: str = "torchrun",
+    ) -> Job:
         port = free_port()
         if launcher == "torchrun":
-            cmd = [console_script("torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(port),
-                   "--max-restarts", str(max_restarts), "--shutdown-timeout", "2", WORKER, *args]
+            cmd = [
+                console_script("torchrun"),
+                "--nproc_per_node",
+                str(nproc),
+                "--master_port",
+                str(port),
+                "--max-restarts",
+                str(max_restarts),
+                "--shutdown-timeout",
+                "2",
+                WORKER,
+                *args,
+            ]
         else:
             assert nproc == 1
             cmd = [sys.executable, WORKER, *args]
@@ -187,8 +220,17 @@ def reference(tmp_path_factory):
     """The uninterrupted run every fault below is compared with: 2 ranks, ZeRO 1, a checkpoint every step."""
     root = tmp_path_factory.mktemp("reference")
     port = free_port()
-    cmd = [console_script("torchrun"), "--nproc_per_node", "2", "--master_port", str(port), WORKER,
-           *BASE, "--run-dir", str(root / "run")]
+    cmd = [
+        console_script("torchrun"),
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(port),
+        WORKER,
+        *BASE,
+        "--run-dir",
+        str(root / "run"),
+    ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "SAMPLES_DIR": str(root / "samples")}
     (root / "samples").mkdir()
     t0 = time.monotonic()
@@ -198,8 +240,12 @@ def reference(tmp_path_factory):
     records = _train(root / "run")
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     assert all(r["skipped_steps"] == 0 for r in records)
-    return {"run": root / "run", "losses": [r["loss"] for r in records], "lrs": [r["lr"] for r in records],
-            "samples": _samples(root / "samples")}
+    return {
+        "run": root / "run",
+        "losses": [r["loss"] for r in records],
+        "lrs": [r["lr"] for r in records],
+        "samples": _samples(root / "samples"),
+    }
 
 
 def test_sigkill_and_kills_during_saves_restart_and_reproduce_the_uninterrupted_losses(tmp_path, jobs, reference):
@@ -212,8 +258,12 @@ def test_sigkill_and_kills_during_saves_restart_and_reproduce_the_uninterrupted_
     seed = int(os.environ.get("FAULT_SEED", random.randrange(1 << 30)))
     kill_after = random.Random(seed).randint(1, 3)
     run, samples = tmp_path / "run", tmp_path / "samples"
-    fault = {"kill_in_save": [{"rank": 0, "step": 5, "where": "write", "attempt": 1},
-                              {"rank": 0, "step": 6, "where": "publish", "attempt": 2}]}
+    fault = {
+        "kill_in_save": [
+            {"rank": 0, "step": 5, "where": "write", "attempt": 1},
+            {"rank": 0, "step": 6, "where": "publish", "attempt": 2},
+        ]
+    }
     job = jobs(2, [*BASE, "train.keep_last=3", "--run-dir", str(run)], max_restarts=3, fault=fault, samples=samples)
     job.wait_for(lambda: _last_step(run) >= kill_after, f"step {kill_after}")
     os.kill(job.worker(rank=1, attempt=0), signal.SIGKILL)
@@ -221,8 +271,11 @@ def test_sigkill_and_kills_during_saves_restart_and_reproduce_the_uninterrupted_
     logged, complete = _last_step(run), _complete(run)
     assert job.wait() == 0, job.output()[-5000:]
 
-    starts = [(t, int(m.group(1)) if (m := re.search(r"\(step (\d+)\)", line)) else 0)
-              for t, line in job.lines if re.match(r"(resuming from |no checkpoint in )", line)]
+    starts = [
+        (t, int(m.group(1)) if (m := re.search(r"\(step (\d+)\)", line)) else 0)
+        for t, line in job.lines
+        if re.match(r"(resuming from |no checkpoint in )", line)
+    ]
     assert len(starts) == 4, job.output()[-5000:]  # the first start and three restarts
     resumes = [step for _, step in starts[1:]]
     # The newest checkpoint complete at the kill, or one saved in the instant between our two reads.
@@ -243,15 +296,20 @@ def test_sigkill_and_kills_during_saves_restart_and_reproduce_the_uninterrupted_
 
     detected = job.first(r"failed \(exitcode: -?\d+\)", after=t_kill)
     first_new = job.first(r"train:.*\b%d/%d\b" % (resumes[0] + 1, STEPS), after=starts[1][0])
-    print(f"\nSIGKILL rank 1 (FAULT_SEED={seed}) after step {logged} was logged: the launcher saw it after "
-          f"{detected[0] - t_kill:.2f} s; restarted and resumed from step {resumes[0]} after "
-          f"{starts[1][0] - t_kill:.1f} s" + (f", next step done after {first_new[0] - t_kill:.1f} s" if first_new else "")
-          + f"; steps recomputed: {logged - resumes[0]}")
+    print(
+        f"\nSIGKILL rank 1 (FAULT_SEED={seed}) after step {logged} was logged: the launcher saw it after "
+        f"{detected[0] - t_kill:.2f} s; restarted and resumed from step {resumes[0]} after "
+        f"{starts[1][0] - t_kill:.1f} s"
+        + (f", next step done after {first_new[0] - t_kill:.1f} s" if first_new else "")
+        + f"; steps recomputed: {logged - resumes[0]}"
+    )
     for attempt in (1, 2):
         died = job.first(r"failed \(exitcode: -?\d+\)", after=starts[attempt][0])
         t_back, step = starts[attempt + 1]
-        print(f"SIGKILL in the save of step {step + 1} (attempt {attempt}): resumed from step {step} "
-              f"{t_back - died[0]:.1f} s after the launcher saw the death; steps recomputed: 1")
+        print(
+            f"SIGKILL in the save of step {step + 1} (attempt {attempt}): resumed from step {step} "
+            f"{t_back - died[0]:.1f} s after the launcher saw the death; steps recomputed: 1"
+        )
 
 
 def test_corrupt_truncated_and_malicious_checkpoints_fall_back_and_data_resumes_at_dp1(tmp_path, jobs, reference):
@@ -282,7 +340,9 @@ def test_corrupt_truncated_and_malicious_checkpoints_fall_back_and_data_resumes_
     out = job.output()
     warnings = [line for line in out.splitlines() if line.startswith("warning: checkpoint")]
     assert len(warnings) == 3, out[-3000:]
-    for line, f, why in zip(warnings, (f6, f5, f4), ("not a readable safetensors", "sha256 mismatch", "sha256 mismatch")):
+    for line, f, why in zip(
+        warnings, (f6, f5, f4), ("not a readable safetensors", "sha256 mismatch", "sha256 mismatch")
+    ):
         assert str(f) in line and why in line, line
     assert "resuming from" in out and "(step 3)" in out
     assert not sentinel.exists()
@@ -353,12 +413,16 @@ def test_sigstopped_rank_makes_the_others_fail_with_a_named_timeout_then_restart
     # grace; we do the SIGKILL at once to keep the test short. The restart path is torchrun's from here on.
     os.kill(stopped, signal.SIGKILL)
     assert job.wait() == 0, job.output()[-5000:]
-    assert re.match(rf"error: step \d+: .+: collective timed out \(parallel\.timeout_s={timeout_s};", error[1]), error[1]
+    assert re.match(rf"error: step \d+: .+: collective timed out \(parallel\.timeout_s={timeout_s};", error[1]), error[
+        1
+    ]
     resumed = job.first(r"resuming from .*\(step (\d+)\)", after=t_stop)
     assert resumed is not None
     resume_step = int(re.search(r"\(step (\d+)\)", resumed[1]).group(1))
     assert max(complete) <= resume_step <= logged + 1
     assert [r["loss"] for r in _train(run)] == pytest.approx(reference["losses"], rel=1e-5)  # EP=2 vs EP=1
-    print(f"\nSIGSTOP rank 1 after step {logged}: rank 0 failed after {error[0] - t_stop:.1f} s "
-          f"(timeout {timeout_s} s): {error[1][:160]}; resumed from step {resume_step} after "
-          f"{resumed[0] - t_stop:.1f} s; steps recomputed: {logged - resume_step}")
+    print(
+        f"\nSIGSTOP rank 1 after step {logged}: rank 0 failed after {error[0] - t_stop:.1f} s "
+        f"(timeout {timeout_s} s): {error[1][:160]}; resumed from step {resume_step} after "
+        f"{resumed[0] - t_stop:.1f} s; steps recomputed: {logged - resume_step}"
+    )

@@ -34,8 +34,11 @@ def test_single_process_matches_two_processes_for_every_zero_stage(tmp_path, deb
             run_dir = debug_run("deepspeed")
         else:
             run_dir = tmp_path / f"zero{stage}"
-            run_train("torchrun", 2, ["--config", CONFIG, "--run-dir", str(run_dir), "--set", ONE_THREAD,
-                                      f"deepspeed.zero_stage={stage}"])
+            run_train(
+                "torchrun",
+                2,
+                ["--config", CONFIG, "--run-dir", str(run_dir), "--set", ONE_THREAD, f"deepspeed.zero_stage={stage}"],
+            )
         assert json.loads((run_dir / "config.json").read_text())["deepspeed"]["zero_stage"] == stage
         got = metrics(run_dir)
         assert _losses(got) == pytest.approx(ref_losses, rel=1e-5, abs=1e-6), f"zero stage {stage}"
@@ -62,9 +65,21 @@ def test_deepspeed_two_process_outputs(debug_run, metrics):
     acc = EventAccumulator(str(run_dir / "tb"), size_guidance={"scalars": 0, "histograms": 0})
     acc.Reload()
     scalars, hists = set(acc.Tags()["scalars"]), set(acc.Tags()["histograms"])
-    for tag in ("train/loss", "train/lm_loss", "train/aux_loss", "train/z_loss", "train/lr", "train/grad_norm",
-                "train/tokens_per_s", "eval/eval_loss", "moe/layer0/drop_fraction", "moe/layer0/max_over_mean_load",
-                "moe/layer0/router_entropy", "moe/layer0/expert0_token_share", "moe/layer1/expert3_token_share"):
+    for tag in (
+        "train/loss",
+        "train/lm_loss",
+        "train/aux_loss",
+        "train/z_loss",
+        "train/lr",
+        "train/grad_norm",
+        "train/tokens_per_s",
+        "eval/eval_loss",
+        "moe/layer0/drop_fraction",
+        "moe/layer0/max_over_mean_load",
+        "moe/layer0/router_entropy",
+        "moe/layer0/expert0_token_share",
+        "moe/layer1/expert3_token_share",
+    ):
         assert tag in scalars, tag
     assert "moe/layer0/tokens_per_expert" in hists
     assert [e.step for e in acc.Scalars("train/loss")] == list(range(1, STEPS + 1))
