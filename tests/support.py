@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +20,13 @@ def console_script(name: str) -> str:
     """The launcher (deepspeed, torchrun, accelerate) installed beside this Python, else the one on PATH."""
     path = Path(sys.executable).with_name(name)
     return str(path) if path.exists() else shutil.which(name)
+
+
+def run_torchrun_worker(worker: Path, out: Path, nproc: int = 2, timeout: float = 240) -> None:
+    """`torchrun --nproc_per_node N WORKER OUT` on its own free port; a failure or a hang fails the test."""
+    cmd = [console_script("torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(free_port())]
+    proc = subprocess.run([*cmd, str(worker), str(out)], capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
 
 
 def shm_buffers(port: int) -> list[str]:

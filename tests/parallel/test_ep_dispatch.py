@@ -2,13 +2,12 @@
 that receives nothing, a rank that keeps nothing), in fp32 and bf16. One spawned world runs every case."""
 
 import importlib.util
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from support import console_script, free_port
+from support import run_torchrun_worker
 
 from moe_dist.config import load_config
 from moe_dist.layers.moe import MoE
@@ -32,17 +31,7 @@ TOLERANCES = {"fp32": (1e-5, 1e-6), "bf16": (2e-2, 2e-3)}
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("dispatch")
-    cmd = [
-        console_script("torchrun"),
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(free_port()),
-        str(WORKER),
-        str(out),
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_torchrun_worker(WORKER, out)
     return out
 
 

@@ -3,12 +3,11 @@ its single-device version, forward and backward: outputs, input gradients and ev
 ones against the matching slice)."""
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
-from support import console_script, free_port
+from support import run_torchrun_worker
 
 from moe_dist.parallel.tensor_parallel import shard, unshard
 
@@ -21,17 +20,7 @@ VARIANTS = ["norms_untied", "plain_tied", "sp_norms_untied"]
 @pytest.fixture(scope="module")
 def tp_results(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("tp") / "out.json"
-    cmd = [
-        console_script("torchrun"),
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(free_port()),
-        str(WORKER),
-        str(out),
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_torchrun_worker(WORKER, out)
     return [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(2)]
 
 
