@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from support import DEBUG_CONFIG, ONE_THREAD, console_script, free_port, shm_buffers
+from support import DEBUG_CONFIG, ONE_THREAD, console_script, free_port, shm_buffers, torchrun
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = str(REPO / "launch" / "train.py")
@@ -32,15 +32,7 @@ class Runner:
         if launcher == "deepspeed":
             return [console_script("deepspeed"), "--num_gpus", str(nproc), "--master_port", str(port), TRAIN, *args]
         if launcher == "torchrun":
-            return [
-                console_script("torchrun"),
-                "--nproc_per_node",
-                str(nproc),
-                "--master_port",
-                str(port),
-                TRAIN,
-                *args,
-            ]
+            return [*torchrun(nproc, port), TRAIN, *args]
         raise ValueError(launcher)
 
     def __call__(self, launcher: str, nproc: int, args: list[str], check: bool = True) -> subprocess.CompletedProcess:

@@ -22,10 +22,14 @@ def console_script(name: str) -> str:
     return str(path) if path.exists() else shutil.which(name)
 
 
+def torchrun(nproc: int, port: int | None = None) -> list[str]:
+    """The start of a `torchrun` command line for `nproc` local processes, on `port` (a free one by default)."""
+    return [console_script("torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(port or free_port())]
+
+
 def run_torchrun_worker(worker: Path, out: Path, nproc: int = 2, timeout: float = 240) -> None:
     """`torchrun --nproc_per_node N WORKER OUT` on its own free port; a failure or a hang fails the test."""
-    cmd = [console_script("torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(free_port())]
-    proc = subprocess.run([*cmd, str(worker), str(out)], capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run([*torchrun(nproc), str(worker), str(out)], capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
-from support import console_script, free_port, load_script
+from support import free_port, load_script, torchrun
 
 from moe_dist import perfmodel as pm
 from moe_dist.config import load_config
@@ -68,15 +68,7 @@ def test_collective_tracer_sees_each_outermost_call_once_and_uninstalls():
 
 
 def _torchrun(nproc: int, script: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    cmd = [
-        console_script("torchrun"),
-        "--nproc_per_node",
-        str(nproc),
-        "--master_port",
-        str(free_port()),
-        str(BENCHMARKS / script),
-        *args,
-    ]
+    cmd = [*torchrun(nproc), str(BENCHMARKS / script), *args]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc

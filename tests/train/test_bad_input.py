@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from support import console_script, free_port
+from support import torchrun
 
 from moe_dist.train.data import sidecar_path, write_memmap
 
@@ -49,15 +49,7 @@ def _run(args: list[str], nproc: int = 1) -> subprocess.CompletedProcess:
     if nproc == 1:
         cmd = [sys.executable, TRAIN, *args]
     else:
-        cmd = [
-            console_script("torchrun"),
-            "--nproc_per_node",
-            str(nproc),
-            "--master_port",
-            str(free_port()),
-            TRAIN,
-            *args,
-        ]
+        cmd = [*torchrun(nproc), TRAIN, *args]
     return subprocess.run(
         cmd, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"}, capture_output=True, text=True, timeout=300
     )
