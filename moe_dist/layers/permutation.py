@@ -92,6 +92,26 @@ class _UnpermuteRows(torch.autograd.Function):
         return grad_y, None, grad_weight_A, None
 
 
+class _ReorderRows(torch.autograd.Function):
+    """x[order] for a permutation `order` whose inverse is `inverse`: a gather both ways (indexing's autograd
+    would scatter-add with index_put)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, order)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
+
+
+def reorder_rows(x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """Rows of `x` in `order` (a permutation of its rows, `inverse` its inverse), differentiable by gathers."""
+    return _ReorderRows.apply(x, order, inverse)
+
+
 def permute_rows(x_TD: torch.Tensor, rows_R: torch.Tensor, top_k: int) -> torch.Tensor:
     """The PyTorch path of the token gather: `permute_tokens_ref`'s semantics and signature, faster backward."""
     return _PermuteRows.apply(x_TD, rows_R, top_k)

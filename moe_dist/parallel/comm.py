@@ -187,6 +187,70 @@ class _ScatterSequence(torch.autograd.Function):
         return _all_gather_along(grad, ctx.dim, ctx.group), None, None
 
 
+def _segment_index(sizes: list[int], width: int, device: torch.device) -> torch.Tensor:
+    """Where the rows of consecutive segments of `sizes` rows sit when segment i starts at row i·width."""
+    return torch.cat([torch.arange(i * width, i * width + n, device=device) for i, n in enumerate(sizes)])
+
+
+def _width(sizes: list[int]) -> int:
+    return max(max(sizes), 1)  # never an empty collective: every rank issues it, with or without rows
+
+
+def _gather_rows(x: torch.Tensor, sizes: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+    width = _width(sizes)
+    padded = x.new_zeros((width, *x.shape[1:]))
+    padded[: x.shape[0]] = x
+    out = x.new_empty((len(sizes) * width, *x.shape[1:]))
+    _all_gather_single(out, padded, group=group)
+    return out.index_select(0, _segment_index(sizes, width, x.device))
+
+
+def _reduce_scatter_rows(x: torch.Tensor, sizes: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+    width = _width(sizes)
+    padded = x.new_zeros((len(sizes) * width, *x.shape[1:]))
+    padded.index_copy_(0, _segment_index(sizes, width, x.device), x.contiguous())
+    out = x.new_empty((width, *x.shape[1:]))
+    _reduce_scatter_single(out, padded, group=group)
+    return out[: sizes[dist.get_rank(group)]]
+
+
+class _GatherRows(torch.autograd.Function):
+    """Uneven all-gather: rank i of `group` gives sizes[i] rows, every rank gets all of them in rank order (padded
+    to the largest block on the wire: equal-size collectives exist on every backend). Backward: each rank's block
+    of the gradient summed over the group."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, sizes: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.sizes, ctx.group = sizes, group
+        return _gather_rows(x, sizes, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _reduce_scatter_rows(grad, ctx.sizes, ctx.group), None, None
+
+
+class _ReduceScatterRows(torch.autograd.Function):
+    """The transpose of `_GatherRows`: x holds a block of sizes[i] rows for every rank i; rank i gets its block
+    summed over the group. Backward: the blocks' gradients all-gathered."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, sizes: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.sizes, ctx.group = sizes, group
+        return _reduce_scatter_rows(x, sizes, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _gather_rows(grad.contiguous(), ctx.sizes, ctx.group), None, None
+
+
+def gather_rows(x: torch.Tensor, sizes: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+    return _GatherRows.apply(x, sizes, group)
+
+
+def reduce_scatter_rows(x: torch.Tensor, sizes: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+    return _ReduceScatterRows.apply(x, sizes, group)
+
+
 def gather_sequence(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
     return _GatherSequence.apply(x, dim, group)
 

@@ -1,13 +1,24 @@
 """Expert-parallel token dispatch: the all-to-all implementation of the MoE layer's dispatcher seam.
 
 Shape legend: T tokens, D d_model, E experts, P = ep ranks in the EP group, L = E / P local experts,
-R rows routed from this rank (sorted by global expert), Q rows received here.
+S = TP ranks that split the dispatch (1 without tensor parallelism), R rows routed from this rank (sorted by
+global expert), Q rows received here.
 
 dispatch: the router's kept rows are already sorted by global expert, and rank p owns experts [p·L, (p+1)·L),
-so the rows for each destination rank are contiguous. Per-expert counts are exchanged first (a fixed-size
+so the rows for each destination rank are contiguous. Per-expert counts are exchanged first (one fixed-size
 all-to-all that every rank issues even when it routes nothing), then the rows (uneven splits). Received rows
 arrive grouped by (source rank, local expert) and are regrouped by (local expert, source rank) for the grouped
-GEMM. combine undoes both steps and applies the router weights on the token's own rank.
+GEMM, by a gather whose backward is the inverse gather. combine undoes both steps and applies the router
+weights on the token's own rank.
+
+Under tensor parallelism (experts split over TP along their hidden dimension, `TokenSplit`): the TP peers
+route the same tokens identically, and TP rank s dispatches only the kept rows of the s-th contiguous slice of
+them, so each all-to-all carries 1/S of the rows. The rows the S peers received are then all-gathered inside
+the TP group (every peer holds a slice of every local expert's hidden dimension and must see them all), and the
+partial expert outputs are reduce-scattered back to the peer that received each row. Each peer's combine
+yields its slice's tokens only (zeros elsewhere); the sum over TP where the MoE's output leaves the TP region
+assembles the whole micro-batch. The count all-to-all carries the counts of all S slices (each rank knows them:
+its routing is its TP peers' routing), so it stays the one count exchange of the layer.
 """
 
 from __future__ import annotations
@@ -18,8 +29,8 @@ import torch
 import torch.distributed as dist
 
 from moe_dist.layers.moe import Routing
-from moe_dist.layers.permutation import Permutation
-from moe_dist.parallel.comm import all_to_all_equal, all_to_all_rows
+from moe_dist.layers.permutation import Permutation, reorder_rows
+from moe_dist.parallel.comm import all_to_all_equal, all_to_all_rows, gather_rows, reduce_scatter_rows
 
 
 def segment_permutation(counts_XY: torch.Tensor) -> torch.Tensor:
@@ -35,46 +46,95 @@ def segment_permutation(counts_XY: torch.Tensor) -> torch.Tensor:
     return torch.arange(int(counts_YX.sum()), device=counts_XY.device) + shift
 
 
+@dataclass(frozen=True)
+class TokenSplit:
+    """TP rank `rank` of `size` peers dispatches the `rank`-th contiguous slice of the micro-batch's tokens."""
+
+    group: dist.ProcessGroup
+    size: int
+    rank: int
+
+
 @dataclass
 class _A2AState:
     routing: Routing
+    rows_R: torch.Tensor  # the kept rows this rank dispatched (its slice's, under a token split)
     send_splits: list[int]
     recv_splits: list[int]
-    recv_counts_PL: torch.Tensor
-    to_expert_order_Q: torch.Tensor
+    peer_rows: list[int]  # rows each TP peer received (a single entry without a token split)
+    to_expert_order: torch.Tensor  # (peer, source, local expert) segments → (local expert, peer, source)
+    to_source_order: torch.Tensor  # its inverse
     sent_bytes: int  # bytes of rows this rank sent to other ranks in the dispatch all-to-all
 
 
 class AllToAllDispatcher:
-    """Moves routed rows to the EP rank that owns their expert and back (swapped in by `apply_ep`)."""
+    """Moves routed rows to the EP rank that owns their expert and back (swapped in by `apply_ep`; `apply_tp`
+    adds the token split)."""
 
-    def __init__(self, group: dist.ProcessGroup, ep: int, ep_rank: int, num_experts: int, permutation: Permutation):
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        ep: int,
+        ep_rank: int,
+        num_experts: int,
+        permutation: Permutation,
+        split: TokenSplit | None = None,
+    ):
         self.group, self.ep, self.ep_rank = group, ep, ep_rank
-        self.num_local = num_experts // ep
+        self.num_experts, self.num_local = num_experts, num_experts // ep
         self.permutation = permutation
+        self.split = split
+
+    def with_split(self, split: TokenSplit) -> "AllToAllDispatcher":
+        return AllToAllDispatcher(self.group, self.ep, self.ep_rank, self.num_experts, self.permutation, split)
+
+    def _own_rows(self, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this rank's kept rows in expert order, kept rows per (slice, expert) (S, E) on the host)."""
+        E, counts_E = self.num_experts, routing.tokens_per_expert_E
+        if self.split is None:
+            return routing.rows_R, counts_E.cpu().view(1, E)
+        S, T, rows_R = self.split.size, max(routing.num_tokens, 1), routing.rows_R
+        expert_R = torch.repeat_interleave(torch.arange(E, device=rows_R.device), counts_E, output_size=len(rows_R))
+        slice_R = (rows_R % T) * S // T  # balanced contiguous token slices
+        counts_SE = torch.bincount(slice_R * E + expert_R, minlength=S * E).view(S, E).cpu()
+        start_S = torch.cumsum(counts_SE.sum(1), 0) - counts_SE.sum(1)
+        lo, n = int(start_S[self.split.rank]), int(counts_SE[self.split.rank].sum())
+        by_slice = torch.argsort(slice_R, stable=True)  # a stable sort keeps expert order inside each slice
+        return rows_R[by_slice[lo : lo + n]], counts_SE
 
     def dispatch(self, x_TD: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, _A2AState]:
         P, L = self.ep, self.num_local
-        x_RD = self.permutation.permute(x_TD, routing.rows_R, routing.top_k)
-        send_counts_PL = routing.tokens_per_expert_E.view(P, L)
-        recv_counts_PL = all_to_all_equal(send_counts_PL, self.group).cpu()  # row s: what rank s sends here
-        send_splits = send_counts_PL.sum(1).tolist()
-        recv_splits = recv_counts_PL.sum(1).tolist()
+        S, s = (self.split.size, self.split.rank) if self.split else (1, 0)
+        rows_R, counts_SE = self._own_rows(routing)
+        x_RD = self.permutation.permute(x_TD, rows_R, routing.top_k)
+        send_PSL = counts_SE.view(S, P, L).transpose(0, 1).contiguous().to(routing.tokens_per_expert_E.device)
+        recv_PSL = all_to_all_equal(send_PSL, self.group).cpu()  # [source, slice, l]: to this rank's TP peer
+        send_splits = counts_SE[s].view(P, L).sum(1).tolist()
+        recv_splits = recv_PSL[:, s].sum(1).tolist()
         x_QD = all_to_all_rows(x_RD, recv_splits, send_splits, self.group)
-        to_expert_order_Q = segment_permutation(recv_counts_PL).to(x_TD.device)
+        peer_rows = recv_PSL.sum((0, 2)).tolist()
+        if self.split is not None:
+            x_QD = gather_rows(x_QD, peer_rows, self.split.group)  # (peer, source, local expert) segments
+        counts_XL = recv_PSL.transpose(0, 1).reshape(S * P, L)
+        to_expert = segment_permutation(counts_XL).to(x_TD.device)
+        to_source = segment_permutation(counts_XL.t()).to(x_TD.device)
         sent_rows = sum(send_splits) - send_splits[self.ep_rank]
         state = _A2AState(
             routing,
+            rows_R,
             send_splits,
             recv_splits,
-            recv_counts_PL,
-            to_expert_order_Q,
+            peer_rows,
+            to_expert,
+            to_source,
             sent_rows * x_TD.shape[1] * x_TD.element_size(),
         )
-        return x_QD[to_expert_order_Q], recv_counts_PL.sum(0).to(x_TD.device), state
+        return reorder_rows(x_QD, to_expert, to_source), counts_XL.sum(0).to(x_TD.device), state
 
     def combine(self, y_QD: torch.Tensor, state: _A2AState) -> torch.Tensor:
-        to_source_order_Q = segment_permutation(state.recv_counts_PL.t()).to(y_QD.device)
-        y_RD = all_to_all_rows(y_QD[to_source_order_Q], state.send_splits, state.recv_splits, self.group)
+        y_XD = reorder_rows(y_QD, state.to_source_order, state.to_expert_order)
+        if self.split is not None:  # partial outputs of every peer's rows, summed on the peer that received them
+            y_XD = reduce_scatter_rows(y_XD, state.peer_rows, self.split.group)
+        y_RD = all_to_all_rows(y_XD, state.send_splits, state.recv_splits, self.group)
         r = state.routing
-        return self.permutation.unpermute(y_RD, r.rows_R, r.weight_A, r.num_tokens)
+        return self.permutation.unpermute(y_RD, state.rows_R, r.weight_A, r.num_tokens)

@@ -16,13 +16,14 @@ this rank's tokens, get their gradients summed over TP.
                 re-enters the region (f), out_proj row-parallel          → 2 all-reduces: B·S·(R+2N), B·S·D
     dense FFN   w1/w3 column-parallel, w2 row-parallel                   → 1 all-reduce (B·S·D)
     MoE         every expert's hidden dimension split (expert tensor parallelism); the router is replicated
-                inside the region. Tokens never move between TP ranks: TP peers hold the same tokens and route
-                them identically, each sends them through its own EP group (same tp_rank, see mesh.py) to the
-                ranks holding the same hidden slice of the chosen experts, so the all-to-all carries B·S·K·D
-                per TP rank; the combined partial outputs are summed when they leave the region (B·S·D, not
-                B·S·K·D). The router weights re-enter the region (f), so their gradient is the full one, and
-                the router's input gradient, identical on every TP rank, is scaled by 1/tp because the region
-                entry sums the ranks' input gradients.
+                inside the region: TP peers route the same tokens identically. With expert parallelism each TP
+                rank dispatches only its 1/tp slice of the tokens through its own EP group (same tp_rank, see
+                mesh.py), so the all-to-all carries B·S·K·D/tp per rank; the TP peers' received rows are
+                all-gathered and the partial expert outputs reduce-scattered inside the TP group (dispatch.py,
+                `TokenSplit`). Each rank's combined output holds its slice's tokens, and the sum where it leaves
+                the region assembles them (B·S·D). The router weights re-enter the region (f), so their
+                gradient is the full one, and the router's input gradient, identical on every TP rank, is
+                scaled by 1/tp because the region entry sums the ranks' input gradients.
     vocabulary  embedding rows and LM-head rows split; cross-entropy from the logit shards
                 (`vocab_parallel_lm_loss`): max, sum of exponentials and the target's logit are all-reduced
                 (3 · B·S floats), the (B·S, V) logits are never gathered.
@@ -58,6 +59,7 @@ from moe_dist.parallel.comm import (
     reduce_from_region,
     scatter_sequence,
 )
+from moe_dist.parallel.dispatch import AllToAllDispatcher, TokenSplit
 from moe_dist.parallel.mesh import Mesh
 
 # ------------------------------------------------------------------------------------------ shard math
@@ -178,6 +180,8 @@ def _moe(moe: MoE, mesh: Mesh, b: _Boundaries) -> None:
     _shard_param(experts, "w13", 2, mesh, parts=2)  # (E, D, 2F) = [w1 | w3]: each half's F split
     _shard_param(experts, "w2", 1, mesh)  # (E, F, D)
     _region(moe, b)
+    if isinstance(moe.dispatcher, AllToAllDispatcher):
+        moe.dispatcher = moe.dispatcher.with_split(TokenSplit(mesh.tp_group, mesh.tp, mesh.tp_rank))
     group, scale = mesh.tp_group, 1.0 / mesh.tp
     moe.router.register_forward_pre_hook(lambda m, args: (_ScaleGrad.apply(args[0], scale),))
 
