@@ -2,7 +2,7 @@
 
 Each rank builds the same 4-expert MoE layer (`layer_config(dtype)`: fp32 at d_model 8, or bf16 at d_model 32),
 keeps its expert shard behind the all-to-all dispatcher (the real `apply_ep`), runs forward and backward on its
-own tokens for every scenario and dtype, and saves its outputs and gradients as
+own tokens for every scenario and dtype (and runs the uneven TP row collectives), and saves its outputs and gradients as
 OUT_DIR/<scenario>_<dtype>_rank<R>.safetensors for the test to compare against one process. One world serves
 every case: its start-up costs more than all the cases together.
 """
@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 from moe_dist.config import load_config
 from moe_dist.layers.moe import MoE
 from moe_dist.models.decoder import build_model, materialize
+from moe_dist.parallel.comm import gather_rows, reduce_scatter_rows
 from moe_dist.parallel.expert_parallel import apply_ep
 from moe_dist.parallel.mesh import init_distributed
 
@@ -88,11 +89,35 @@ def run_case(out_dir: Path, mesh, scenario: str, dtype: str) -> None:
     )
 
 
+ROW_SIZES = {"uneven": [3, 1], "one_empty": [0, 2], "all_empty": [0, 0]}
+
+
+def row_inputs(sizes: list[int], rank: int) -> torch.Tensor:
+    """Rank r's rows for the uneven TP row collectives: values that name (rank, row, column)."""
+    n = sizes[rank]
+    return 100.0 * rank + 10.0 * torch.arange(n).view(n, 1) + torch.arange(4.0).view(1, 4)
+
+
+def run_row_collectives(out_dir: Path, rank: int) -> None:
+    """gather_rows and reduce_scatter_rows over the world (as a TP group) with uneven and empty blocks, with the
+    gradients of a weighted sum of their outputs."""
+    for case, sizes in ROW_SIZES.items():
+        x = row_inputs(sizes, rank).requires_grad_()
+        gathered = gather_rows(x, sizes, dist.group.WORLD)
+        ((gathered * (rank + 1.0)).sum()).backward()
+        y = torch.arange(sum(sizes) * 4.0).view(-1, 4).mul(rank + 1.0).requires_grad_()
+        scattered = reduce_scatter_rows(y, sizes, dist.group.WORLD)
+        (scattered * 2.0).sum().backward()
+        tensors = {"gathered": gathered.detach(), "x_grad": x.grad, "scattered": scattered.detach(), "y_grad": y.grad}
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / f"rows_{case}_rank{rank}.safetensors"))
+
+
 def main(out_dir: str) -> None:
     mesh = init_distributed(_config("fp32"), timeout_s=60)
     for dtype in DTYPES:
         for scenario in SCENARIOS:
             run_case(Path(out_dir), mesh, scenario, dtype)
+    run_row_collectives(Path(out_dir), mesh.rank)
     dist.barrier()
     dist.destroy_process_group()
 

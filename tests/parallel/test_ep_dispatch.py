@@ -75,3 +75,21 @@ def test_all_to_all_dispatch_matches_one_process(results, scenario, dtype):
         # experts 0 and 1 received no token anywhere: rank 0's expert gradients exist and are exactly zero
         assert all(torch.count_nonzero(got[0][f"{n}_grad"]) == 0 for n in ("w13", "w2"))
         assert torch.count_nonzero(got[1]["w13_grad"]) > 0
+
+
+@pytest.mark.parametrize("case", ["uneven", "one_empty", "all_empty"])
+def test_uneven_row_collectives_and_their_gradients(results, case):
+    """gather_rows: every rank gets all blocks in rank order; its backward sums each rank's block of the output
+    gradients over ranks (rank r weighted its output by r + 1: 1 + 2 = 3). reduce_scatter_rows: rank r gets block r
+    of the sum over ranks (rank r's input is arange · (r + 1)); its backward hands every rank the gradient 2."""
+    worker = _worker_module()
+    sizes = worker.ROW_SIZES[case]
+    everyone = torch.cat([worker.row_inputs(sizes, r) for r in range(2)])
+    summed = torch.arange(sum(sizes) * 4.0).view(-1, 4) * (1.0 + 2.0)
+    for rank in range(2):
+        got = load_file(str(results / f"rows_{case}_rank{rank}.safetensors"))
+        assert torch.equal(got["gathered"], everyone)
+        assert torch.equal(got["x_grad"], torch.full((sizes[rank], 4), 3.0))
+        start = sum(sizes[:rank])
+        assert torch.equal(got["scattered"], summed[start : start + sizes[rank]])
+        assert torch.equal(got["y_grad"], torch.full((sum(sizes), 4), 2.0))
