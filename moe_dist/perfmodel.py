@@ -16,8 +16,10 @@ The per-step list of collectives mirrors what a training step of this repository
   against benchmarks/comm_report.py): an all-reduce of the activations (tokens · d_model) leaving each sub-block
   forward and entering it backward, one forward for the embedding and one backward for the LM head; per Mamba
   layer an all-reduce of x_proj's (Δ, B, C) forward and backward; per MoE layer one of the router weights
-  backward; 3 of one float per token for the vocabulary-parallel loss. Every TP rank sends the whole
-  micro-batch through its EP all-to-all (no sequence parallelism: tokens are replicated over TP);
+  backward; 3 of one float per token for the vocabulary-parallel loss. With expert parallelism each TP rank
+  sends 1/tp of the micro-batch's rows through its EP all-to-all (the count all-to-all carries all tp slices'
+  counts), and per MoE layer the received rows are all-gathered in the TP group and the partial expert outputs
+  reduce-scattered, forward and again backward;
 - per step (ZeRO-1, as DeepSpeed does it here): all-reduce of the dense gradients over dp and of the expert
   gradients over the expert-data-parallel group (dp / ep), then all-gather of the updated parameters over the
   same groups, plus a few scalar all-reduces (gradient norm, metrics). ZeRO-2 reduces every micro-batch.
@@ -231,10 +233,13 @@ def step_calls(cfg: JobConfig, layout: Layout, ranks_per_node: int, cost: ModelC
         if n > 1 and count > 0:
             calls.append(Call(kind, label, n, g, float(payload), float(count)))
 
-    # Expert parallelism: the micro-batch's rows, k assignments each (the same on every TP rank).
-    rows_bytes = tokens_mb * moe.top_k * cost.d_model * act
-    add("all_to_all", "moe_counts", "ep", moe.num_experts * 8, micro * cost.n_moe_layers)
+    # Expert parallelism: the micro-batch's rows, k assignments each, 1/tp of them from each TP rank.
+    rows_bytes = tokens_mb * moe.top_k * cost.d_model * act / layout.tp
+    add("all_to_all", "moe_counts", "ep", moe.num_experts * layout.tp * 8, micro * cost.n_moe_layers)
     add("all_to_all", "moe_rows", "ep", rows_bytes, 4 * micro * cost.n_moe_layers)
+    if layout.ep > 1:  # the TP peers' received rows, gathered and reduce-scattered (tp · rows_bytes in all)
+        add("all_gather", "moe_tp_rows", "tp", rows_bytes * layout.tp, 2 * micro * cost.n_moe_layers)
+        add("reduce_scatter", "moe_tp_rows", "tp", rows_bytes * layout.tp, 2 * micro * cost.n_moe_layers)
     # Tensor parallelism (no sequence parallelism): all-reduces at the region boundaries, see the docstring.
     add("all_reduce", "tp_act", "tp", tokens_mb * cost.d_model * act, micro * (4 * cost.n_layers + 2))
     add("all_reduce", "tp_ssm", "tp", tokens_mb * cost.ssm_proj_width * act, 2 * micro * cost.n_mamba_layers)

@@ -67,3 +67,31 @@ def test_send_splits_follow_expert_ownership():
     splits = routing.tokens_per_expert_E.view(P, L).sum(1)  # the dispatcher's send splits
     assert torch.equal(torch.bincount(owner, minlength=P), splits)
     assert int(splits.sum()) == len(routing.rows_R) == 40 - int(stats.dropped) and int(stats.dropped) > 0
+
+
+@pytest.mark.parametrize("tp", [2, 3])
+def test_token_split_partitions_the_kept_rows_by_token_slice(tp):
+    """Under TP each peer dispatches the kept rows of its contiguous token slice only: the peers' rows are a
+    partition of the router's kept rows, each in expert order, and their per-(slice, expert) counts are what the
+    count all-to-all carries."""
+    from moe_dist.parallel.dispatch import AllToAllDispatcher, TokenSplit
+
+    torch.manual_seed(0)
+    cfg = MoEConfig(num_experts=8, top_k=2, capacity_factor=1.0)
+    router = Router(16, cfg, init_std=1.0)
+    router.init_weights()
+    T = 21
+    routing, _ = router(torch.randn(T, 16))
+    expert_of_a = torch.empty(2 * T, dtype=torch.long)
+    expert_of_a[routing.rows_R] = torch.repeat_interleave(torch.arange(8), routing.tokens_per_expert_E)
+    parts = []
+    for s in range(tp):
+        d = AllToAllDispatcher(None, 2, 0, 8, permutation=None, split=TokenSplit(None, tp, s))
+        rows, counts_SE = d._own_rows(routing)
+        tokens = rows % T
+        assert bool(((tokens * tp // T) == s).all())  # only this peer's slice
+        assert torch.equal(expert_of_a[rows], torch.sort(expert_of_a[rows]).values)  # still in expert order
+        assert torch.equal(torch.bincount(expert_of_a[rows], minlength=8), counts_SE[s])
+        parts.append(rows)
+    assert torch.equal(torch.sort(torch.cat(parts)).values, torch.sort(routing.rows_R).values)
+    assert torch.equal(counts_SE.sum(0), routing.tokens_per_expert_E)
