@@ -159,34 +159,6 @@ def _reduce_scatter_along(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -
     return out.movedim(0, dim)
 
 
-class _GatherSequence(torch.autograd.Function):
-    """Enter a sequence-parallel TP region: all-gather the ranks' sequence slices along `dim`; backward sums the
-    ranks' partial gradients and keeps this rank's slice (reduce-scatter)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.dim, ctx.group = dim, group
-        return _all_gather_along(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _reduce_scatter_along(grad, ctx.dim, ctx.group), None, None
-
-
-class _ScatterSequence(torch.autograd.Function):
-    """Leave a sequence-parallel TP region: sum the partial outputs and keep this rank's sequence slice
-    (reduce-scatter); backward all-gathers the slices' gradients."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.dim, ctx.group = dim, group
-        return _reduce_scatter_along(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _all_gather_along(grad, ctx.dim, ctx.group), None, None
-
-
 def _segment_index(sizes: list[int], width: int, device: torch.device) -> torch.Tensor:
     """Where the rows of consecutive segments of `sizes` rows sit when segment i starts at row i·width."""
     return torch.cat([torch.arange(i * width, i * width + n, device=device) for i, n in enumerate(sizes)])
@@ -214,46 +186,40 @@ def _reduce_scatter_rows(x: torch.Tensor, sizes: list[int], group: dist.ProcessG
     return out[: sizes[dist.get_rank(group)]]
 
 
-class _GatherRows(torch.autograd.Function):
-    """Uneven all-gather: rank i of `group` gives sizes[i] rows, every rank gets all of them in rank order (padded
-    to the largest block on the wire: equal-size collectives exist on every backend). Backward: each rank's block
-    of the gradient summed over the group."""
+class _Transposed(torch.autograd.Function):
+    """A linear collective `fwd(x, *args)` whose gradient is the collective `bwd(grad, *args)`: all-gather and
+    reduce-scatter are each other's transpose (along the sequence, or of uneven row blocks)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, sizes: list[int], group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.sizes, ctx.group = sizes, group
-        return _gather_rows(x, sizes, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _reduce_scatter_rows(grad, ctx.sizes, ctx.group), None, None
-
-
-class _ReduceScatterRows(torch.autograd.Function):
-    """The transpose of `_GatherRows`: x holds a block of sizes[i] rows for every rank i; rank i gets its block
-    summed over the group. Backward: the blocks' gradients all-gathered."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, sizes: list[int], group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.sizes, ctx.group = sizes, group
-        return _reduce_scatter_rows(x, sizes, group)
+    def forward(ctx, x: torch.Tensor, fwd, bwd, *args) -> torch.Tensor:
+        ctx.bwd, ctx.args = bwd, args
+        return fwd(x, *args)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _gather_rows(grad.contiguous(), ctx.sizes, ctx.group), None, None
+        return ctx.bwd(grad.contiguous(), *ctx.args), None, None, *(None for _ in ctx.args)
 
 
 def gather_rows(x: torch.Tensor, sizes: list[int], group: dist.ProcessGroup) -> torch.Tensor:
-    return _GatherRows.apply(x, sizes, group)
+    """Uneven all-gather: rank i of `group` gives sizes[i] rows, every rank gets all of them in rank order (padded
+    to the largest block on the wire: equal-size collectives exist on every backend). Backward: each rank's block
+    of the gradient summed over the group."""
+    return _Transposed.apply(x, _gather_rows, _reduce_scatter_rows, sizes, group)
 
 
 def reduce_scatter_rows(x: torch.Tensor, sizes: list[int], group: dist.ProcessGroup) -> torch.Tensor:
-    return _ReduceScatterRows.apply(x, sizes, group)
+    """The transpose of `gather_rows`: x holds a block of sizes[i] rows for every rank i; rank i gets its block
+    summed over the group. Backward: the blocks' gradients all-gathered."""
+    return _Transposed.apply(x, _reduce_scatter_rows, _gather_rows, sizes, group)
 
 
 def gather_sequence(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
-    return _GatherSequence.apply(x, dim, group)
+    """Enter a sequence-parallel TP region: all-gather the ranks' sequence slices along `dim`; backward sums the
+    ranks' partial gradients and keeps this rank's slice (reduce-scatter)."""
+    return _Transposed.apply(x, _all_gather_along, _reduce_scatter_along, dim, group)
 
 
 def scatter_sequence(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
-    return _ScatterSequence.apply(x, dim, group)
+    """Leave a sequence-parallel TP region: sum the partial outputs and keep this rank's sequence slice
+    (reduce-scatter); backward all-gathers the slices' gradients."""
+    return _Transposed.apply(x, _reduce_scatter_along, _all_gather_along, dim, group)
