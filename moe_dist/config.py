@@ -86,13 +86,22 @@ class ParallelConfig:
 
 
 @dataclass
+class MixtureComponent:
+    paths: list[str] = field(default_factory=list)  # shard-set sidecars (PREFIX.json) or globs of them
+    weight: float = 1.0  # relative probability that a sequence is drawn from this component
+
+
+@dataclass
 class DataConfig:
     source: Literal["stdlib", "text", "memmap"] = (
         "stdlib"  # embedded stdlib sources, text files, or prepare_data output
     )
-    paths: list[str] = field(default_factory=list)  # files or globs for "text"; the .bin file for "memmap"
+    paths: list[str] = field(default_factory=list)  # files or globs for "text"; shard-set sidecars for "memmap"
     val_fraction: float = 0.05  # held-out fraction of the token stream for validation
     max_bytes: Optional[int] = 8_000_000  # cap on bytes read for "stdlib"/"text" (null = all)
+    tokenizer: str = "bytes"  # "bytes", or the tokenizer.json / directory the memmap data was prepared with
+    mixture: list[MixtureComponent] = field(default_factory=list)  # "memmap": weighted components instead of paths
+    document_masking: bool = False  # packed documents: attention, RoPE and Mamba state restart at each document
 
 
 @dataclass

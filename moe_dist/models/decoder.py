@@ -174,8 +174,10 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy in fp32; logits (B, S, V), targets (B, S)."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    """Mean next-token cross-entropy in fp32 over the targets that are not -100 (prompt tokens, document starts);
+    logits (B, S, V), targets (B, S). A micro-batch without any target has loss 0 (not NaN)."""
+    per_token = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none")  # 0 at -100
+    return per_token.sum() / (targets != -100).sum().clamp(min=1)
 
 
 def sample_next(
