@@ -73,6 +73,7 @@ def selective_scan_ref(
     z: Optional[torch.Tensor] = None,
     delta_bias: Optional[torch.Tensor] = None,
     delta_softplus: bool = False,
+    reset: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Mamba-1 selective scan, one timestep at a time (argument layout of mamba_ssm's `selective_scan_fn`).
 
@@ -81,6 +82,7 @@ def selective_scan_ref(
 
     With Δ = softplus(delta + delta_bias) (each step optional), per channel d and state n:
         h_t = exp(Δ_t A) h_{t-1} + Δ_t B_t u_t,   y_t = <h_t, C_t> + D u_t,   y_t *= silu(z_t).
+    `reset` (batch, seqlen) bool: where True, h_{t-1} is taken as 0 (a packed document starts at t).
     Math runs in fp32, or fp64 when the inputs are fp64 (so tests can compare tightly).
     """
     out_dtype = u.dtype
@@ -98,6 +100,8 @@ def selective_scan_ref(
     h = u.new_zeros(batch, dim, A.shape[1])  # (B, D, N)
     ys = []
     for t in range(seqlen):
+        if reset is not None:
+            h = h * (~reset[:, t]).to(compute)[:, None, None]
         h = deltaA[:, :, t] * h + deltaB_u[:, :, t]
         ys.append(torch.einsum("bdn,bn->bd", h, C[:, :, t]))  # (B, D)
     y = torch.stack(ys, dim=2)  # (B, D, L)
