@@ -31,6 +31,7 @@ class AttentionConfig:
     impl: Literal["auto", "torch", "triton"] = (
         "auto"  # attention: auto/torch = SDPA (flash/cuDNN on CUDA), triton = ours
     )
+    mask: Literal["causal", "prefix"] = "causal"  # prefix = prefix-LM: a document's prompt tokens see each other
 
 
 @dataclass
@@ -283,6 +284,10 @@ def _check(cond: bool, message: str) -> None:
 def validate(cfg: JobConfig) -> None:
     """Cross-field checks that do not depend on the world size (see `check_layout` for those)."""
     m, a, mb, moe, t = cfg.model, cfg.model.attention, cfg.model.mamba, cfg.model.moe, cfg.train
+    _check(
+        a.mask == "causal" or cfg.data.document_masking,
+        "model.attention.mask: 'prefix' needs data.document_masking=true (the prompt is found per document)",
+    )
     for name in ("vocab_size", "d_model", "n_layers", "d_ff"):
         _check(getattr(m, name) > 0, f"model.{name}: must be positive, got {getattr(m, name)}")
     _check(

@@ -20,12 +20,14 @@ from moe_dist.layers.impl import Kernel, resolve
 from moe_dist.layers.rope import apply_rope, document_positions, rope_cos_sin
 
 
-def document_mask(document_ids: torch.Tensor, prefix: Optional[torch.Tensor] = None) -> torch.Tensor:
+def document_mask(
+    document_ids: torch.Tensor, prefix: Optional[torch.Tensor] = None, window: Optional[int] = None
+) -> torch.Tensor:
     """(B, S) document index (and optional (B, S) bool prefix: the prompt tokens of prefix-LM) → (B, 1, S, S) bool,
     True where query i may see key j: same document, and j <= i, or both i and j in the prefix (bidirectional
-    among a document's prompt tokens, as in UniLM)."""
+    among a document's prompt tokens, as in UniLM); with a sliding `window`, also j > i - window."""
     S = document_ids.shape[1]
-    causal = torch.ones(S, S, dtype=torch.bool, device=document_ids.device).tril()
+    causal = _window_mask(S, S, 0, window, document_ids.device)
     same = document_ids[:, :, None] == document_ids[:, None, :]  # (B, S, S)
     if prefix is not None:
         causal = causal | (prefix[:, :, None] & prefix[:, None, :])
@@ -135,14 +137,18 @@ class Attention(nn.Module):
         k = self.wk(x).view(B, S, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, S, Dh)
         v = self.wv(x).view(B, S, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, S, Dh)
         if document_ids is not None:
-            if cache is not None or self.sliding_window is not None:
-                raise ValueError("attention: document_ids are for training without a KV cache or sliding window")
+            if cache is not None:
+                raise ValueError("attention: document_ids are for training, without a KV cache")
             if self.rope:
                 cos, sin = rope_cos_sin(S, self.head_dim, self.rope_theta, x.device)
                 p = document_positions(document_ids)  # (B, S)
                 cos, sin = cos[p][:, None], sin[p][:, None]  # (B, 1, S, Dh)
                 q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            out = self.kernel(q, k, v, causal=True, document_ids=document_ids, prefix=prefix)  # (B, Hq, S, Dh)
+            if self.sliding_window is None or S <= self.sliding_window:
+                out = self.kernel(q, k, v, causal=True, document_ids=document_ids, prefix=prefix)  # (B, Hq, S, Dh)
+            else:  # a sliding window (imported Mistral-style models) takes SDPA with the explicit mask
+                mask = document_mask(document_ids, prefix, self.sliding_window)
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
             return self.wo(out.transpose(1, 2).reshape(B, S, -1))
         if self.rope:
             cos, sin = rope_cos_sin(pos + S, self.head_dim, self.rope_theta, x.device)

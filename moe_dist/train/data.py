@@ -228,6 +228,11 @@ class Batch:
             targets[self.document_ids[:, 1:] != self.document_ids[:, :-1]] = IGNORE
         return targets
 
+    def prefix(self) -> Optional[torch.Tensor]:
+        """(B, S) bool, True at input positions holding prompt tokens (tokens that are no target): the part of each
+        fine-tuning document that prefix-LM attention lets see itself bidirectionally. None without a loss mask."""
+        return None if self.loss_mask is None else ~self.loss_mask[:, :-1]
+
     def rows(self, lo: int, hi: int) -> Batch:
         cut = lambda t: None if t is None else t[lo:hi]
         return Batch(self.tokens[lo:hi], cut(self.document_ids), cut(self.loss_mask))

@@ -57,6 +57,8 @@ def maybe_compile(model, cfg: JobConfig):
 def _forward_loss(engine, cfg: JobConfig, batch: Batch, mesh: Mesh):
     targets = batch.targets().to(mesh.device)
     extra = {} if batch.document_ids is None else {"document_ids": batch.document_ids[:, :-1].to(mesh.device)}
+    if cfg.model.attention.mask == "prefix" and batch.loss_mask is not None:
+        extra["prefix"] = batch.prefix().to(mesh.device)
     out = engine(batch.tokens[:, :-1].to(mesh.device), **extra)
     lm = lm_loss(out.logits, targets) if mesh.tp == 1 else vocab_parallel_lm_loss(out.logits, targets, mesh)
     moe = cfg.model.moe

@@ -202,3 +202,43 @@ def test_document_ids_and_targets_of_packed_documents(tmp_path):
     # No target predicts a document's first token from the previous document's EOS.
     assert targets[5] == -100 and targets[9] == -100 and targets[4] == 0 and targets[6] == ord("y")
     assert sum(t == -100 for t in targets) == 2
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def test_fine_tuning_data_masks_the_prompt(tmp_path, jsonl):
+    path, _ = jsonl
+    assert _run("--input", path, "--output", tmp_path / "bpe", "--train-tokenizer", "--vocab-size", 300).returncode == 0
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
+    records = [
+        {"prompt": "alpha beta?", "completion": " gamma delta."},
+        {"messages": [{"role": "user", "content": "mu?"}, {"role": "assistant", "content": "eta theta."}]},
+    ]
+    (tmp_path / "ft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    r = _run("--input", tmp_path / "ft.jsonl", "--sft", "--tokenizer", tmp_path, "--output", tmp_path / "ft")
+    assert r.returncode == 0, r.stderr
+    meta = json.loads((tmp_path / "ft.json").read_text())
+    assert meta["loss_mask"] and meta["shards"][0]["mask"] == "ft.00000.mask"
+    tok = load_tokenizer(str(tmp_path))
+    tokens, _, mask = _all(open_shards(tmp_path / "ft.json")[0])
+    ends = np.flatnonzero(tokens == tok.eos_id) + 1
+    (t0, t1), (m0, m1) = np.split(tokens, ends[:-1]), np.split(mask, ends[:-1])
+    # The loss mask covers the completion and its EOS, never the prompt; the chat prompt ends with the template's
+    # generation prompt.
+    assert tok.decode(t0[~m0].tolist()) == "alpha beta?" and tok.decode(t0[m0][:-1].tolist()) == " gamma delta."
+    assert tok.decode(t1[~m1].tolist()) == "<|user|>mu?\n<|assistant|>"
+    assert tok.decode(t1[m1][:-1].tolist()) == "eta theta.\n" and m1[-1] and t1[-1] == tok.eos_id
+    # Training targets: only completion tokens; prefix-LM's prompt = the inputs that are prompt tokens.
+    ds = TokenDataset(open_shards(tmp_path / "ft.json")[0], len(t0) - 1, seed=0, document_masking=True)
+    (batch,) = ds.eval_batches(1, 1, 0, 1)  # exactly the first document
+    targets = batch.targets()[0]
+    assert (targets != -100).sum() == m0[1:].sum() and torch.equal(batch.prefix()[0], torch.from_numpy(~m0[:-1]))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"messages": [{"role": "user", "content": "no reply"}]}) + "\n")
+    r = _run("--input", bad, "--sft", "--tokenizer", tmp_path, "--output", tmp_path / "bad")
+    assert r.returncode == 2 and "bad.jsonl:1: the last message must be the assistant's" in r.stderr

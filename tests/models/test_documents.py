@@ -135,3 +135,34 @@ def test_sdpa_document_and_prefix_masks_match_explicit_reference():
         assert torch.allclose(out, _masked_softmax_reference(q, k, v, allowed), atol=1e-12)
     # A prompt token sees the later prompt tokens of its document, never a completion token or another document.
     assert allowed[0, 0, 2] and not allowed[0, 0, 3] and not allowed[0, 7, 3] and allowed[0, 8, 11]
+
+
+def test_prefix_lm_is_bidirectional_in_attention_only():
+    """With a prefix, an early prompt token's output depends on later prompt tokens through attention layers,
+    never through Mamba layers (they stay causal), and never on the completion."""
+    docs = torch.zeros(1, 12, dtype=torch.long)
+    prefix = torch.zeros(1, 12, dtype=torch.bool)
+    prefix[0, :6] = True
+    tokens = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(0))
+    later_prompt, completion = tokens.clone(), tokens.clone()
+    later_prompt[0, 4] = (later_prompt[0, 4] + 1) % 64
+    completion[0, 8] = (completion[0, 8] + 1) % 64
+    for pattern, bidirectional in (("A", True), ("M", False)):
+        m = _model(mixer_pattern=pattern)
+        with torch.no_grad():
+            base, moved, tail = (
+                m(t, document_ids=docs, prefix=prefix).logits[0] for t in (tokens, later_prompt, completion)
+            )
+        assert ((moved[:4] - base[:4]).abs().max() > 1e-4) == bidirectional, pattern
+        assert (tail[:8] - base[:8]).abs().max() < 1e-6, pattern
+
+
+def test_prefix_mask_needs_document_masking():
+    from moe_dist.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"^model\.attention\.mask: 'prefix' needs data\.document_masking=true"):
+        load_config(None, ["model.attention.mask=prefix"])
+    assert (
+        load_config(None, ["model.attention.mask=prefix", "data.document_masking=true"]).model.attention.mask
+        == "prefix"
+    )
