@@ -173,25 +173,30 @@ class Stream:
                 out.append(Piece(p.tokens, p.doc_ends, p.mask, p.lo + lo - s, p.lo + hi - s))
         return Stream(out)
 
-    def gather(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
-        """Stream positions (any shape) → (tokens int64, document numbers int64, loss mask bool or None), each of
-        the same shape. Document numbers are equal exactly for tokens of the same document."""
+    def gather(
+        self, positions: np.ndarray, documents: bool = True
+    ) -> tuple[np.ndarray, Optional[np.ndarray], Optional[np.ndarray]]:
+        """Stream positions (any shape) → (tokens int64, document numbers int64 or None without `documents`, loss
+        mask bool or None), each of the same shape. Document numbers are equal exactly for tokens of the same
+        document; without `documents` the index is not read at all."""
         flat = positions.reshape(-1)
         which = np.searchsorted(self.starts, flat, side="right") - 1
         tokens = np.empty(flat.shape, dtype=np.int64)
-        docs = np.empty(flat.shape, dtype=np.int64)
+        docs = np.empty(flat.shape, dtype=np.int64) if documents else None
         mask = np.ones(flat.shape, dtype=bool) if self.has_mask else None
         for i in np.unique(which):
             sel = which == i
             p = self.pieces[i]
             local = flat[sel] - self.starts[i] + p.lo
             tokens[sel] = p.tokens[local]
-            # Same dtype as the index: mixing uint64 with int64 would make numpy compare in float64.
-            docs[sel] = self.doc_base[i] + np.searchsorted(p.doc_ends, local.astype(p.doc_ends.dtype), side="right")
+            if documents:  # same dtype as the index: mixing uint64 with int64 would make numpy compare in float64
+                ends = p.doc_ends
+                docs[sel] = self.doc_base[i] + np.searchsorted(ends, local.astype(ends.dtype), side="right")
             if mask is not None:
                 mask[sel] = p.mask[local] != 0 if p.mask is not None else True
         shape = positions.shape
-        return tokens.reshape(shape), docs.reshape(shape), None if mask is None else mask.reshape(shape)
+        reshape = lambda t: None if t is None else t.reshape(shape)
+        return tokens.reshape(shape), reshape(docs), reshape(mask)
 
 
 def array_stream(tokens: np.ndarray, separator: int) -> Stream:

@@ -266,7 +266,7 @@ class TokenDataset:
 
     def _windows(self, starts: np.ndarray) -> Batch:
         idx = starts[:, None] + np.arange(self.seq_len + 1)  # (B, S+1)
-        tokens, docs, mask = self.stream.gather(idx)
+        tokens, docs, mask = self.stream.gather(idx, documents=self.document_masking)
         doc_ids = torch.from_numpy(docs - docs[:, :1]) if self.document_masking else None
         return Batch(torch.from_numpy(tokens), doc_ids, None if mask is None else torch.from_numpy(mask))
 

@@ -184,6 +184,7 @@ def train(cfg: JobConfig, run_dir: Path, resume: bool = False) -> list[dict]:
         "source": cfg.data.source,
         "train_tokens": int(len(train_tokens)),
         "tokenizer": tokenizer_identity(cfg.data.tokenizer),
+        "mixture_weights": weights,
     }
 
     import deepspeed  # here, after the input checks: importing it takes seconds
