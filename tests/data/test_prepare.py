@@ -242,3 +242,42 @@ def test_fine_tuning_data_masks_the_prompt(tmp_path, jsonl):
     bad.write_text(json.dumps({"messages": [{"role": "user", "content": "no reply"}]}) + "\n")
     r = _run("--input", bad, "--sft", "--tokenizer", tmp_path, "--output", tmp_path / "bad")
     assert r.returncode == 2 and "bad.jsonl:1: the last message must be the assistant's" in r.stderr
+
+
+def test_a_killed_run_leaves_the_previous_set_as_it_was(tmp_path, jsonl):
+    """SIGKILL while shards are being written: the previous shard set under the prefix is still the one read,
+    byte for byte, and nothing of the new run is visible under the final names."""
+    import os
+    import signal
+    import time
+
+    path, _ = jsonl
+    assert _run("--input", path, "--output", tmp_path / "x").returncode == 0
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    big = tmp_path / "big.jsonl"
+    big.write_text("".join(json.dumps({"text": d}) + "\n" for d in _docs(20000, seed=1)))
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(PREPARE),
+            "--input",
+            str(big),
+            "--output",
+            str(tmp_path / "x"),
+            "--force",
+            "--shard-tokens",
+            "2000",
+        ],  # fmt: skip
+        cwd=REPO,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob(".x.staging.*/x.00001.bin")):  # two shards written: the run is mid-way
+        assert proc.poll() is None and time.monotonic() < deadline, "prepare_data.py ended before it could be killed"
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    after = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file() and p.name != "big.jsonl"}
+    assert after == before
+    stream, meta = open_shards(tmp_path / "x.json")
+    assert meta["num_documents"] == 300 and len(stream) == meta["num_tokens"]
