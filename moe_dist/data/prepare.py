@@ -166,22 +166,27 @@ def _render_chat(tok: Tokenizer, messages: list[dict]) -> tuple[str, str]:
 
 
 def encode_chunk(chunk: list, tok: Optional[Tokenizer] = None) -> list[tuple[np.ndarray, Optional[np.ndarray]]]:
-    """Documents → [(ids + EOS, loss mask or None)], one per document, in order."""
+    """Documents → [(ids + EOS, loss mask or None)], one per document, in order. A document is encoded with the
+    tokenizer's special tokens (BOS where it adds one) and ends with exactly one EOS."""
     tok = tok or _WORKER["tok"]
     out = []
     plain = [d for d in chunk if not isinstance(d, tuple)]
     if tok.json is None:  # bytes: a text file's bytes are its tokens exactly (no UTF-8 round trip)
         ids_list = [np.frombuffer(d if isinstance(d, bytes) else d.encode(), np.uint8).astype(np.int64) for d in plain]
     else:
-        ids_list = tok.encode_batch([d if isinstance(d, str) else d.decode("utf-8", errors="replace") for d in plain])
+        texts = [d if isinstance(d, str) else d.decode("utf-8", errors="replace") for d in plain]
+        ids_list = tok.encode_batch(texts, special=True)  # a document starts as the model expects (BOS)
     encoded = iter(ids_list)
     eos = np.array([tok.eos_id], dtype=np.int64)
     for doc in chunk:
         if not isinstance(doc, tuple):
-            out.append((np.concatenate([next(encoded), eos]), None))
+            ids = next(encoded)
+            out.append((ids if len(ids) and ids[-1] == tok.eos_id else np.concatenate([ids, eos]), None))
             continue
         prompt, completion = doc[1:] if doc[0] == "pc" else _render_chat(tok, doc[1])
-        p, c = tok.encode_batch([prompt, completion])
+        (p,) = tok.encode_batch([prompt], special=True)  # BOS (where the tokenizer adds one) starts the prompt
+        p = p[:-1] if len(p) and p[-1] == tok.eos_id else p  # a post-processor's EOS belongs after the completion
+        (c,) = tok.encode_batch([completion])
         mask = np.concatenate([np.zeros(len(p), np.uint8), np.ones(len(c) + 1, np.uint8)])
         out.append((np.concatenate([p, c, eos]), mask))
     return out

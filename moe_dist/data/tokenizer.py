@@ -53,11 +53,12 @@ class Tokenizer:
             self._backend = HFTokenizer.from_str(self.json)
         return self._backend
 
-    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
-        """Texts → token ids (no special tokens added; the caller appends EOS)."""
+    def encode_batch(self, texts: list[str], special: bool = False) -> list[np.ndarray]:
+        """Texts → token ids; with `special`, the tokenizer's post-processor adds what it adds to a sequence
+        (e.g. Llama/Mixtral's BOS; nothing for GPT-2-style byte-level BPE). The caller appends EOS."""
         if self.json is None:
             return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8).astype(np.int64) for t in texts]
-        encodings = self.backend.encode_batch(texts, add_special_tokens=False)
+        encodings = self.backend.encode_batch(texts, add_special_tokens=special)
         return [np.asarray(e.ids, dtype=np.int64) for e in encodings]
 
     def encode(self, text: str) -> list[int]:

@@ -281,3 +281,24 @@ def test_a_killed_run_leaves_the_previous_set_as_it_was(tmp_path, jsonl):
     assert after == before
     stream, meta = open_shards(tmp_path / "x.json")
     assert meta["num_documents"] == 300 and len(stream) == meta["num_tokens"]
+
+
+def test_documents_start_with_the_tokenizers_bos_and_end_with_one_eos(tmp_path):
+    """A Llama/Mixtral-style tokenizer (post-processor adding <s>): every document starts with BOS, as the model
+    saw in pretraining, and ends with exactly one EOS; for fine-tuning data the BOS is part of the prompt."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {w: i + 3 for i, w in enumerate(WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "bos_token": "<s>"}))
+    (tmp_path / "d.jsonl").write_text(json.dumps({"text": "alpha beta"}) + "\n" + json.dumps({"text": "mu"}) + "\n")
+    (tmp_path / "ft.jsonl").write_text(json.dumps({"prompt": "alpha", "completion": "beta gamma"}) + "\n")
+    assert _run("--input", tmp_path / "d.jsonl", "--tokenizer", tmp_path, "--output", tmp_path / "d").returncode == 0
+    assert _all(open_shards(tmp_path / "d.json")[0])[0].tolist() == [1, 3, 4, 2, 1, 14, 2]
+    r = _run("--input", tmp_path / "ft.jsonl", "--sft", "--tokenizer", tmp_path, "--output", tmp_path / "ft")
+    assert r.returncode == 0, r.stderr
+    tokens, _, mask = _all(open_shards(tmp_path / "ft.json")[0])
+    assert tokens.tolist() == [1, 3, 4, 5, 2] and mask.tolist() == [False, False, True, True, True]
