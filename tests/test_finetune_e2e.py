@@ -66,7 +66,7 @@ def test_fine_tune_an_imported_mixtral_with_its_own_tokenizer(tmp_path):
     overrides = [
         "train.steps=20", "train.seq_len=32", "train.global_batch_size=8", "train.micro_batch_size=4",
         "train.lr=0.01", "train.warmup_steps=2", "train.eval_every=0", "train.threads=1",
-        "data.source=memmap", f'data.paths=["{tmp_path / "ft.json"}"]', f"data.tokenizer={hf_dir}",
+        "data.source=memmap", f'data.paths=["{tmp_path / "ft.json"}"]',
         "data.document_masking=true", "data.val_fraction=0.2",
     ]  # fmt: skip
     _script("convert.py", "import", hf_dir, run, "--config", REPO / "configs" / "debug.json", "--set", *overrides)
@@ -79,7 +79,8 @@ def test_fine_tune_an_imported_mixtral_with_its_own_tokenizer(tmp_path):
     assert (run / "tokenizer" / "tokenizer.json").read_bytes() == (hf_dir / "tokenizer.json").read_bytes()
     meta = json.loads((run / "checkpoints" / "step_20" / "meta.json").read_text())
     assert meta["data"]["tokenizer"] == sidecar["tokenizer"]["sha256"]
-    assert json.loads((run / "config.json").read_text())["data"]["tokenizer"] == str(hf_dir)
+    # The import made the model's own tokenizer (kept in RUN_DIR/hf/) the run's data.tokenizer.
+    assert json.loads((run / "config.json").read_text())["data"]["tokenizer"] == str(run / "hf")
 
     # 4. Export; transformers loads it and generates with the tokenizer; our generate.py agrees.
     out = tmp_path / "export"
