@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,7 +67,9 @@ def existing_outputs(prefix: str | Path) -> list[Path]:
     p = Path(prefix)
     if not p.parent.is_dir():
         return []
-    found = [f for f in p.parent.iterdir() if f.name.startswith(f"{p.name}.") and f.suffix in (".bin", ".idx", ".mask")]
+    # Exactly PREFIX.NNNNN.{bin,idx,mask}: another set whose prefix extends this one ("train.v2") is not ours.
+    shard = re.compile(rf"{re.escape(p.name)}\.\d{{5}}\.(bin|idx|mask)")
+    found = [f for f in p.parent.iterdir() if shard.fullmatch(f.name)]
     return sorted(found + ([sidecar_of(p)] if sidecar_of(p).exists() else []))
 
 

@@ -302,3 +302,15 @@ def test_documents_start_with_the_tokenizers_bos_and_end_with_one_eos(tmp_path):
     assert r.returncode == 0, r.stderr
     tokens, _, mask = _all(open_shards(tmp_path / "ft.json")[0])
     assert tokens.tolist() == [1, 3, 4, 5, 2] and mask.tolist() == [False, False, True, True, True]
+
+
+def test_replacing_a_set_leaves_a_set_with_a_longer_prefix_alone(tmp_path, jsonl):
+    path, _ = jsonl
+    assert _run("--input", path, "--output", tmp_path / "x.v2", "--shard-tokens", 1000).returncode == 0
+    v2 = {p.name: p.read_bytes() for p in tmp_path.glob("x.v2*")}
+    assert _run("--input", path, "--output", tmp_path / "x", "--shard-tokens", 1000).returncode == 0
+    assert _run("--input", path, "--output", tmp_path / "x", "--shard-tokens", 4000, "--force").returncode == 0
+    assert {p.name: p.read_bytes() for p in tmp_path.glob("x.v2*")} == v2
+    meta = json.loads((tmp_path / "x.json").read_text())
+    listed = {f for s in meta["shards"] for f in (s["tokens"], s["index"])}
+    assert {p.name for p in tmp_path.glob("x.0*")} == listed  # the stale shards of the first x are gone
