@@ -183,9 +183,12 @@ def train(cfg: JobConfig, run_dir: Path, resume: bool = False) -> list[dict]:
         "seq_len": t.seq_len,
         "source": cfg.data.source,
         "train_tokens": int(len(train_tokens)),
-        "tokenizer": tokenizer_identity(cfg.data.tokenizer),
-        "mixture_weights": weights,
     }
+    # Recorded only when they differ from bytes / one stream, so checkpoints of byte-level runs stay resumable.
+    if cfg.data.tokenizer != "bytes":
+        data_identity["tokenizer"] = tokenizer_identity(cfg.data.tokenizer)
+    if cfg.data.mixture:
+        data_identity["mixture_weights"] = weights
 
     import deepspeed  # here, after the input checks: importing it takes seconds
 
