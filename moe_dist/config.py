@@ -103,6 +103,7 @@ class DataConfig:
     tokenizer: str = "bytes"  # "bytes", or the tokenizer.json / directory the memmap data was prepared with
     mixture: list[MixtureComponent] = field(default_factory=list)  # "memmap": weighted components instead of paths
     document_masking: bool = False  # packed documents: attention, RoPE and Mamba state restart at each document
+    align_to_documents: bool = False  # training windows start at a document start (fine-tuning: no cut prompts)
 
 
 @dataclass

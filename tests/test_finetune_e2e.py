@@ -67,7 +67,7 @@ def test_fine_tune_an_imported_mixtral_with_its_own_tokenizer(tmp_path):
         "train.steps=20", "train.seq_len=32", "train.global_batch_size=8", "train.micro_batch_size=4",
         "train.lr=0.01", "train.warmup_steps=2", "train.eval_every=0", "train.threads=1",
         "data.source=memmap", f'data.paths=["{tmp_path / "ft.json"}"]',
-        "data.document_masking=true", "data.val_fraction=0.2",
+        "data.document_masking=true", "data.align_to_documents=true", "data.val_fraction=0.2",
     ]  # fmt: skip
     _script("convert.py", "import", hf_dir, run, "--config", REPO / "configs" / "debug.json", "--set", *overrides)
     _script("train.py", "--config", run / "config.json", "--run-dir", run, "--resume")

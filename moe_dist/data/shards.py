@@ -202,6 +202,22 @@ class Stream:
         return tokens.reshape(shape), reshape(docs), reshape(mask)
 
 
+def document_starts(stream: Stream, positions: np.ndarray) -> np.ndarray:
+    """(n,) stream positions → (n,) stream position of the first token of the document holding each (never
+    before the start of its piece, where a split may have cut a document)."""
+    which = np.searchsorted(stream.starts, positions, side="right") - 1
+    out = np.empty_like(positions)
+    for i in np.unique(which):
+        sel = which == i
+        p = stream.pieces[i]
+        local = positions[sel] - stream.starts[i] + p.lo
+        ends = p.doc_ends
+        doc = np.searchsorted(ends, local.astype(ends.dtype), side="right")  # index of the holding document
+        start = np.where(doc > 0, np.asarray(ends[np.maximum(doc - 1, 0)], dtype=np.int64), 0)
+        out[sel] = stream.starts[i] + np.maximum(start, p.lo) - p.lo
+    return out
+
+
 def array_stream(tokens: np.ndarray, separator: int) -> Stream:
     """An in-memory stream whose documents end at each `separator` token (the text and stdlib sources)."""
     ends = np.flatnonzero(tokens == separator) + 1

@@ -23,7 +23,7 @@ import torch
 
 from moe_dist.config import DataConfig
 from moe_dist.data.prepare import resolve_paths
-from moe_dist.data.shards import Stream, array_stream, atomic_write, open_shards
+from moe_dist.data.shards import Stream, array_stream, atomic_write, document_starts, open_shards
 from moe_dist.data.tokenizer import BYTES, Tokenizer, TokenizerError, load_tokenizer
 
 VOCAB_SIZE = 256  # one token per byte value
@@ -251,6 +251,7 @@ class TokenDataset:
         seed: int,
         weights: Optional[list[float]] = None,
         document_masking: bool = False,
+        align_to_documents: bool = False,
     ):
         if seed < 0:
             raise ValueError(f"train.seed: must be non-negative to seed the data sampler, got {seed}")
@@ -259,6 +260,7 @@ class TokenDataset:
         self.seq_len = seq_len
         self.seed = seed
         self.document_masking = document_masking
+        self.align_to_documents = align_to_documents
         self.weights = None
         if weights is not None and len(weights) > 1:
             self.weights = np.asarray(weights, dtype=np.float64) / sum(weights)
@@ -277,11 +279,15 @@ class TokenDataset:
             raise ValueError(f"global_batch: step must be non-negative, got {step}")
         rng = np.random.Generator(np.random.PCG64([self.seed, step]))
         if self.weights is None:
-            return rng.integers(0, len(self.stream) - self.seq_len, size=batch_size)  # (B,), last start N-S-1
-        comp = rng.choice(len(self.weights), size=batch_size, p=self.weights)  # (B,) component of each row
-        lo = np.concatenate([[0], self.ends[:-1]])[comp]
-        span = self.ends[comp] - lo - self.seq_len  # starts within the component: its windows never leave it
-        return lo + np.floor(rng.random(batch_size) * span).astype(np.int64)
+            starts = rng.integers(0, len(self.stream) - self.seq_len, size=batch_size)  # (B,), last start N-S-1
+        else:
+            comp = rng.choice(len(self.weights), size=batch_size, p=self.weights)  # (B,) component of each row
+            lo = np.concatenate([[0], self.ends[:-1]])[comp]
+            span = self.ends[comp] - lo - self.seq_len  # starts within the component: its windows never leave it
+            starts = lo + np.floor(rng.random(batch_size) * span).astype(np.int64)
+        # Moved back to the start of the document they fall in (documents drawn in proportion to their length):
+        # the window still ends inside its component, and a fine-tuning window never opens mid-prompt.
+        return document_starts(self.stream, starts) if self.align_to_documents else starts
 
     def global_batch(self, step: int, batch_size: int) -> torch.Tensor:
         """The (batch_size, seq_len + 1) int64 tokens of optimizer step `step` (all rows; for tests and tools)."""

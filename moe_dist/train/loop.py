@@ -174,7 +174,7 @@ def train(cfg: JobConfig, run_dir: Path, resume: bool = False) -> list[dict]:
     train_tokens, val_tokens, weights = load_tokens(cfg.data, t.seq_len, cfg.model.vocab_size)
     _check_run_dir(run_dir, resume)
     masking = cfg.data.document_masking
-    data = TokenDataset(train_tokens, t.seq_len, t.seed, weights, masking)
+    data = TokenDataset(train_tokens, t.seq_len, t.seed, weights, masking, cfg.data.align_to_documents)
     val = TokenDataset(val_tokens, t.seq_len, t.seed, None, masking)
     # What makes step s see the same samples: checkpoints record it, resume insists on it.
     data_identity = {
@@ -189,6 +189,8 @@ def train(cfg: JobConfig, run_dir: Path, resume: bool = False) -> list[dict]:
         data_identity["tokenizer"] = tokenizer_identity(cfg.data.tokenizer)
     if cfg.data.mixture:
         data_identity["mixture_weights"] = weights
+    if cfg.data.align_to_documents:
+        data_identity["align_to_documents"] = True
 
     import deepspeed  # here, after the input checks: importing it takes seconds
 

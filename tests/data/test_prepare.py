@@ -314,3 +314,20 @@ def test_replacing_a_set_leaves_a_set_with_a_longer_prefix_alone(tmp_path, jsonl
     meta = json.loads((tmp_path / "x.json").read_text())
     listed = {f for s in meta["shards"] for f in (s["tokens"], s["index"])}
     assert {p.name for p in tmp_path.glob("x.0*")} == listed  # the stale shards of the first x are gone
+
+
+def test_aligned_windows_start_at_document_starts(tmp_path):
+    docs = [("x" * int(n)) for n in np.random.default_rng(0).integers(5, 80, size=60)]
+    for i, d in enumerate(docs):
+        (tmp_path / f"{i:02d}.txt").write_text(d)
+    assert _run("--input", str(tmp_path / "*.txt"), "--output", tmp_path / "p", "--shard-tokens", 500).returncode == 0
+    stream, _ = open_shards(tmp_path / "p.json")
+    tokens = _all(stream)[0]
+    starts_of_docs = set(np.concatenate([[0], np.flatnonzero(tokens == 0) + 1]).tolist())
+    plain = TokenDataset(stream, 16, seed=1)
+    aligned = TokenDataset(stream, 16, seed=1, align_to_documents=True)
+    s_plain, s_aligned = plain._starts(3, 64), aligned._starts(3, 64)
+    assert set(s_aligned.tolist()) <= starts_of_docs and not set(s_plain.tolist()) <= starts_of_docs
+    # Each aligned start is the start of the document its unaligned draw fell in.
+    assert all(a <= p and not (starts_of_docs & set(range(a + 1, p + 1))) for a, p in zip(s_aligned, s_plain))
+    assert torch.equal(aligned.global_batch(3, 64)[:, 0], torch.full((64,), ord("x")))
