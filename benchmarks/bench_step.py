@@ -98,7 +98,7 @@ def bench_step(args) -> dict:
     torch.set_num_threads(args.threads or t.threads or torch.get_num_threads())
     dtype = DTYPES[t.dtype]
     try:
-        train_tokens, _ = load_tokens(cfg.data, t.seq_len)
+        train_tokens, _, _ = load_tokens(cfg.data, t.seq_len, cfg.model.vocab_size)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     data = TokenDataset(train_tokens, t.seq_len, t.seed)

@@ -23,12 +23,74 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _keep(DOC, PFX, b, rows, cols, seqlen, CAUSAL: tl.constexpr, DOCS: tl.constexpr, PREFIX: tl.constexpr):
+    """(len(rows), len(cols)) mask of the keys each query sees: in range; with DOCS, same document; with CAUSAL,
+    j <= i, or (PREFIX) both in the document's prompt. DOC/PFX are (B, S) int32 document ids / prompt flags."""
+    keep = (rows[:, None] < seqlen) & (cols[None, :] < seqlen)
+    if DOCS:
+        doc_q = tl.load(DOC + b * seqlen + rows, mask=rows < seqlen, other=-1)
+        doc_k = tl.load(DOC + b * seqlen + cols, mask=cols < seqlen, other=-2)
+        keep = keep & (doc_q[:, None] == doc_k[None, :])
+    if CAUSAL:
+        seen = rows[:, None] >= cols[None, :]
+        if PREFIX:
+            pfx_q = tl.load(PFX + b * seqlen + rows, mask=rows < seqlen, other=0)
+            pfx_k = tl.load(PFX + b * seqlen + cols, mask=cols < seqlen, other=0)
+            seen = seen | ((pfx_q[:, None] != 0) & (pfx_k[None, :] != 0))
+        keep = keep & seen
+    return keep
+
+
+@triton.jit
+def _query_tile_span(
+    START, END, b, pid_m, seqlen, CAUSAL: tl.constexpr, DOCS: tl.constexpr, PREFIX: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """[lo, hi) of the keys a query tile can see, lo a multiple of BLOCK_N: key tiles outside are skipped.
+    Causal: up to the tile's last row; with documents, from the start of its first row's document (START, END:
+    (B, S) int32 first position / end of each token's document); a prefix can see up to its document's end."""
+    first = pid_m * BLOCK_M
+    last = tl.minimum(seqlen, first + BLOCK_M) - 1
+    lo = 0
+    hi = seqlen
+    if CAUSAL:
+        hi = last + 1
+    if DOCS:
+        lo = (tl.load(START + b * seqlen + first) // BLOCK_N) * BLOCK_N
+        if PREFIX or not CAUSAL:
+            hi = tl.load(END + b * seqlen + last)
+    return lo, hi
+
+
+@triton.jit
+def _key_tile_span(
+    START, END, b, start_n, seqlen, CAUSAL: tl.constexpr, DOCS: tl.constexpr, PREFIX: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """[lo, hi) of the queries that can see a key tile, lo a multiple of BLOCK_M (see `_query_tile_span`)."""
+    last = tl.minimum(seqlen, start_n + BLOCK_N) - 1
+    lo = 0
+    hi = seqlen
+    if CAUSAL:
+        lo = (start_n // BLOCK_M) * BLOCK_M
+    if DOCS:
+        hi = tl.load(END + b * seqlen + last)
+        if PREFIX or not CAUSAL:
+            lo = (tl.load(START + b * seqlen + start_n) // BLOCK_M) * BLOCK_M
+    return lo, hi
+
+
+@triton.jit
 def _attn_fwd_kernel(
     Q,
     K,
     V,
     O,
     LSE,
+    DOC,
+    PFX,
+    START,
+    END,
     stride_qb,
     stride_qh,
     stride_qs,
@@ -47,6 +109,8 @@ def _attn_fwd_kernel(
     head_dim,
     qk_scale,
     CAUSAL: tl.constexpr,
+    DOCS: tl.constexpr,
+    PREFIX: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -74,16 +138,14 @@ def _attn_fwd_kernel(
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    hi = tl.minimum(seqlen, (pid_m + 1) * BLOCK_M) if CAUSAL else seqlen
-    for start_n in range(0, hi, BLOCK_N):
+    lo, hi = _query_tile_span(START, END, b, pid_m, seqlen, CAUSAL, DOCS, PREFIX, BLOCK_M, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         kv_mask = (cols[:, None] < seqlen) & d_ok
         k = tl.load(k_base + cols[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)  # (BN, BD)
         v = tl.load(v_base + cols[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)  # (BN, BD)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BM, BN), base-2 scores
-        keep = cols[None, :] < seqlen
-        if CAUSAL:
-            keep = keep & (offs_m[:, None] >= cols[None, :])
+        keep = _keep(DOC, PFX, b, offs_m, cols, seqlen, CAUSAL, DOCS, PREFIX)
         s = tl.where(keep, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
@@ -145,6 +207,10 @@ def _attn_bwd_dkdv_kernel(
     DELTA,
     DK,
     DV,
+    DOC,
+    PFX,
+    START,
+    END,
     stride_qb,
     stride_qh,
     stride_qs,
@@ -171,6 +237,8 @@ def _attn_bwd_dkdv_kernel(
     qk_scale,
     sm_scale,
     CAUSAL: tl.constexpr,
+    DOCS: tl.constexpr,
+    PREFIX: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -195,14 +263,15 @@ def _attn_bwd_dkdv_kernel(
     )  # (BN, BD)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    # Under the causal mask, query tiles that end before this key tile see none of it.
-    lo = (start_n // BLOCK_M) * BLOCK_M if CAUSAL else 0
+    # Under the causal mask, query tiles that end before this key tile see none of it (nor, with documents,
+    # those after its last key's document).
+    lo, hi = _key_tile_span(START, END, b, start_n, seqlen, CAUSAL, DOCS, PREFIX, BLOCK_M, BLOCK_N)
     for j in range(0, group):
         h = hk * group + j
         q_base = Q + b * stride_qb + h * stride_qh
         do_base = DO + b * stride_dob + h * stride_doh
         row_base = (b * n_q_heads + h) * seqlen
-        for start_m in range(lo, seqlen, BLOCK_M):
+        for start_m in range(lo, hi, BLOCK_M):
             offs_m = start_m + offs_m0
             m_ok = offs_m < seqlen
             q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :], mask=m_ok[:, None] & d_ok, other=0.0)
@@ -210,9 +279,7 @@ def _attn_bwd_dkdv_kernel(
             lse = tl.load(LSE + row_base + offs_m, mask=m_ok, other=0.0)
             delta = tl.load(DELTA + row_base + offs_m, mask=m_ok, other=0.0)
             s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale  # (BN, BM) = Sᵀ in base 2
-            keep = m_ok[None, :] & (offs_n[:, None] < seqlen)
-            if CAUSAL:
-                keep = keep & (offs_m[None, :] >= offs_n[:, None])
+            keep = tl.trans(_keep(DOC, PFX, b, offs_m, offs_n, seqlen, CAUSAL, DOCS, PREFIX))
             p_t = tl.exp2(tl.where(keep, s_t - lse[None, :], float("-inf")))  # (BN, BM); masked → exactly 0
             dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION)
             dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)  # (BN, BM)
@@ -239,6 +306,10 @@ def _attn_bwd_dq_kernel(
     LSE,
     DELTA,
     DQ,
+    DOC,
+    PFX,
+    START,
+    END,
     stride_qb,
     stride_qh,
     stride_qs,
@@ -261,6 +332,8 @@ def _attn_bwd_dq_kernel(
     qk_scale,
     sm_scale,
     CAUSAL: tl.constexpr,
+    DOCS: tl.constexpr,
+    PREFIX: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -292,16 +365,14 @@ def _attn_bwd_dq_kernel(
     k_base = K + b * stride_kb + hk * stride_kh
     v_base = V + b * stride_vb + hk * stride_vh
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    hi = tl.minimum(seqlen, (pid_m + 1) * BLOCK_M) if CAUSAL else seqlen
-    for start_n in range(0, hi, BLOCK_N):
+    lo, hi = _query_tile_span(START, END, b, pid_m, seqlen, CAUSAL, DOCS, PREFIX, BLOCK_M, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n0
         kv_mask = (cols[:, None] < seqlen) & d_ok
         k = tl.load(k_base + cols[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_base + cols[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BM, BN)
-        keep = m_ok[:, None] & (cols[None, :] < seqlen)
-        if CAUSAL:
-            keep = keep & (offs_m[:, None] >= cols[None, :])
+        keep = _keep(DOC, PFX, b, offs_m, cols, seqlen, CAUSAL, DOCS, PREFIX)
         p = tl.exp2(tl.where(keep, s - lse[:, None], float("-inf")))  # masked → exactly 0
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)  # (BM, BN)
         ds = p * (dp - delta[:, None])
@@ -368,8 +439,27 @@ def _bwd_config(dtype: torch.dtype) -> tuple[dict, dict]:
     )
 
 
-def _flash_fwd(q, k, v, causal: bool, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """q (B, Hq, S, Dh), k/v (B, Hkv, S, Dh) → out (B, Hq, S, Dh) and base-2 log-sum-exp (B, Hq, S) fp32."""
+def _document_tensors(document_ids, prefix, q: torch.Tensor) -> tuple:
+    """(DOC, PFX, START, END) int32 (B, S) for the kernels: document ids, prompt flags, and the first position
+    and end of each token's document; placeholders when absent (the kernels then read none of them)."""
+    if document_ids is None:
+        dummy = torch.zeros(1, device=q.device, dtype=torch.int32)
+        return dummy, dummy, dummy, dummy
+    doc = document_ids.to(device=q.device, dtype=torch.int32).contiguous()
+    idx = torch.arange(doc.shape[1], device=q.device, dtype=torch.int32).expand_as(doc)
+    new = torch.ones_like(doc, dtype=torch.bool)
+    new[:, 1:] = doc[:, 1:] != doc[:, :-1]
+    start = torch.cummax(torch.where(new, idx, 0), dim=1).values
+    last = torch.ones_like(new)
+    last[:, :-1] = new[:, 1:]
+    end = torch.cummin(torch.where(last, idx + 1, doc.shape[1]).flip(1), dim=1).values.flip(1)
+    pfx = prefix.to(device=q.device, dtype=torch.int32).contiguous() if prefix is not None else doc
+    return doc, pfx, start.to(torch.int32).contiguous(), end.to(torch.int32).contiguous()
+
+
+def _flash_fwd(q, k, v, causal: bool, sm_scale: float, docs: tuple, has_docs: bool, prefix: bool):
+    """q (B, Hq, S, Dh), k/v (B, Hkv, S, Dh) → out (B, Hq, S, Dh) and base-2 log-sum-exp (B, Hq, S) fp32;
+    `docs` from `_document_tensors`."""
     batch, n_q_heads, seqlen, head_dim = q.shape
     # Laid out (B, S, Hq, Dh) in memory: the caller's transpose(1, 2).reshape(B, S, Hq·Dh) is then free.
     out = torch.empty(batch, seqlen, n_q_heads, head_dim, device=q.device, dtype=q.dtype).transpose(1, 2)
@@ -382,6 +472,7 @@ def _flash_fwd(q, k, v, causal: bool, sm_scale: float) -> tuple[torch.Tensor, to
         v,
         out,
         lse,
+        *docs,
         q.stride(0),
         q.stride(1),
         q.stride(2),
@@ -400,6 +491,8 @@ def _flash_fwd(q, k, v, causal: bool, sm_scale: float) -> tuple[torch.Tensor, to
         head_dim,
         sm_scale * LOG2E,
         CAUSAL=causal,
+        DOCS=has_docs,
+        PREFIX=prefix,
         PRECISION=_precision(q.dtype),
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         **cfg,
@@ -407,7 +500,7 @@ def _flash_fwd(q, k, v, causal: bool, sm_scale: float) -> tuple[torch.Tensor, to
     return out, lse
 
 
-def _flash_bwd(do, q, k, v, out, lse, causal: bool, sm_scale: float):
+def _flash_bwd(do, q, k, v, out, lse, causal: bool, sm_scale: float, docs: tuple, has_docs: bool, prefix: bool):
     """Gradients (dq, dk, dv) in the input dtypes, recomputing probabilities from the saved log-sum-exp."""
     batch, n_q_heads, seqlen, head_dim = q.shape
     n_kv_heads = k.shape[1]
@@ -445,6 +538,7 @@ def _flash_bwd(do, q, k, v, out, lse, causal: bool, sm_scale: float):
         delta,
         dk,
         dv,
+        *docs,
         q.stride(0),
         q.stride(1),
         q.stride(2),
@@ -471,6 +565,8 @@ def _flash_bwd(do, q, k, v, out, lse, causal: bool, sm_scale: float):
         sm_scale * LOG2E,
         sm_scale,
         CAUSAL=causal,
+        DOCS=has_docs,
+        PREFIX=prefix,
         PRECISION=precision,
         BLOCK_D=block_d,
         **kv_cfg,
@@ -483,6 +579,7 @@ def _flash_bwd(do, q, k, v, out, lse, causal: bool, sm_scale: float):
         lse,
         delta,
         dq,
+        *docs,
         q.stride(0),
         q.stride(1),
         q.stride(2),
@@ -505,6 +602,8 @@ def _flash_bwd(do, q, k, v, out, lse, causal: bool, sm_scale: float):
         sm_scale * LOG2E,
         sm_scale,
         CAUSAL=causal,
+        DOCS=has_docs,
+        PREFIX=prefix,
         PRECISION=precision,
         BLOCK_D=block_d,
         **q_cfg,
@@ -517,25 +616,35 @@ def _flash_bwd(do, q, k, v, out, lse, causal: bool, sm_scale: float):
 
 class _FlashAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal: bool, sm_scale: float):
+    def forward(ctx, q, k, v, causal: bool, sm_scale: float, document_ids=None, prefix=None):
         q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
-        out, lse = _flash_fwd(q, k, v, causal, sm_scale)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal, ctx.sm_scale = causal, sm_scale
+        docs = _document_tensors(document_ids, prefix, q)
+        has_docs, has_prefix = document_ids is not None, prefix is not None
+        out, lse = _flash_fwd(q, k, v, causal, sm_scale, docs, has_docs, has_prefix)
+        ctx.save_for_backward(q, k, v, out, lse, *docs)
+        ctx.causal, ctx.sm_scale, ctx.has_docs, ctx.has_prefix = causal, sm_scale, has_docs, has_prefix
         return out
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _flash_bwd(_unit_last_stride(do), q, k, v, out, lse, ctx.causal, ctx.sm_scale)
-        return dq, dk, dv, None, None
+        q, k, v, out, lse, *docs = ctx.saved_tensors
+        dq, dk, dv = _flash_bwd(
+            _unit_last_stride(do), q, k, v, out, lse, ctx.causal, ctx.sm_scale, docs, ctx.has_docs, ctx.has_prefix
+        )
+        return dq, dk, dv, None, None, None, None
 
 
 # ------------------------------------------------------------------------------------------------ public
 
 
 def flash_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True, softmax_scale: Optional[float] = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = True,
+    softmax_scale: Optional[float] = None,
+    document_ids: Optional[torch.Tensor] = None,
+    prefix: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Softmax attention, tiled with an online softmax; differentiable in q, k and v.
 
@@ -543,11 +652,20 @@ def flash_attention(
     kv_heads (query head h reads kv head h // (q_heads // kv_heads); k/v are never repeated in memory).
     head_dim 16..128 (any value; padded to a power of two inside), any seq. Dtypes: fp16, bf16 or fp32, all three
     the same; accumulation in fp32. `softmax_scale` defaults to 1/sqrt(head_dim); `causal` lets query i see keys
-    j <= i. Returns (batch, q_heads, seq, head_dim) in q's dtype (memory laid out as (batch, seq, heads, dim)).
-    Tensors must be CUDA tensors, or CPU tensors under TRITON_INTERPRET=1.
+    j <= i. Packed documents: `document_ids` (batch, seq) int, contiguous runs per document, restrict each query to
+    its own document (key tiles outside the query tile's documents are skipped); `prefix` (batch, seq) bool with
+    them lets a document's prompt tokens see each other (prefix-LM). Returns (batch, q_heads, seq, head_dim) in q's
+    dtype (memory laid out as (batch, seq, heads, dim)). Tensors must be CUDA tensors, or CPU tensors under
+    TRITON_INTERPRET=1.
     """
     _check_inputs(q, k, v)
+    if document_ids is not None and document_ids.shape != (q.shape[0], q.shape[2]):
+        raise ValueError(
+            f"flash_attention: document_ids must be (batch, seq) {tuple(q.shape[::2])}, got {tuple(document_ids.shape)}"
+        )
+    if prefix is not None and document_ids is None:
+        raise ValueError("flash_attention: prefix needs document_ids")
     sm_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if q.numel() == 0:  # an empty batch or sequence: nothing to launch
         return q * 0
-    return _FlashAttention.apply(q, k, v, bool(causal), float(sm_scale))
+    return _FlashAttention.apply(q, k, v, bool(causal), float(sm_scale), document_ids, prefix)

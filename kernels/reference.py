@@ -15,14 +15,22 @@ import torch.nn.functional as F
 
 
 def flash_attention_ref(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True, softmax_scale: Optional[float] = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = True,
+    softmax_scale: Optional[float] = None,
+    document_ids: Optional[torch.Tensor] = None,
+    prefix: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Softmax attention with grouped-query heads, written with an explicit (seq, seq) score matrix.
 
     Shapes: q (batch, q_heads, seq, head_dim); k, v (batch, kv_heads, seq, head_dim) with q_heads a multiple of
     kv_heads: query head h reads kv head h // (q_heads // kv_heads). Scores are scaled by `softmax_scale`
-    (default 1/sqrt(head_dim)); with `causal`, query i sees keys j <= i only.
-    Returns (batch, q_heads, seq, head_dim) in q's dtype; math in fp32 (fp64 for fp64 inputs).
+    (default 1/sqrt(head_dim)); with `causal`, query i sees keys j <= i only. `document_ids` (batch, seq) int:
+    query i sees only keys of its own document; `prefix` (batch, seq) bool: with `causal`, i also sees j when both
+    are prompt tokens (prefix-LM). Returns (batch, q_heads, seq, head_dim) in q's dtype; math in fp32 (fp64 for
+    fp64 inputs).
     """
     assert q.shape[1] % k.shape[1] == 0 and k.shape == v.shape and q.shape[2] == k.shape[2], (q.shape, k.shape)
     compute = torch.promote_types(q.dtype, torch.float32)
@@ -31,10 +39,15 @@ def flash_attention_ref(
     k = k.to(compute).repeat_interleave(group, dim=1)  # (B, Hq, S, Dh)
     v = v.to(compute).repeat_interleave(group, dim=1)  # (B, Hq, S, Dh)
     scores = (q.to(compute) @ k.transpose(-1, -2)) * scale  # (B, Hq, S, S)
+    seq = q.shape[2]
+    allowed = torch.ones(1, seq, seq, dtype=torch.bool, device=q.device)  # (B or 1, S, S)
     if causal:
-        seq = q.shape[2]
-        future = torch.ones(seq, seq, dtype=torch.bool, device=q.device).triu(1)
-        scores = scores.masked_fill(future, float("-inf"))
+        allowed = allowed.tril()
+        if prefix is not None:
+            allowed = allowed | (prefix[:, :, None] & prefix[:, None, :])
+    if document_ids is not None:
+        allowed = allowed & (document_ids[:, :, None] == document_ids[:, None, :])
+    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
     return (scores.softmax(dim=-1) @ v).to(q.dtype)
 
 
@@ -73,6 +86,7 @@ def selective_scan_ref(
     z: Optional[torch.Tensor] = None,
     delta_bias: Optional[torch.Tensor] = None,
     delta_softplus: bool = False,
+    reset: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Mamba-1 selective scan, one timestep at a time (argument layout of mamba_ssm's `selective_scan_fn`).
 
@@ -81,6 +95,7 @@ def selective_scan_ref(
 
     With Δ = softplus(delta + delta_bias) (each step optional), per channel d and state n:
         h_t = exp(Δ_t A) h_{t-1} + Δ_t B_t u_t,   y_t = <h_t, C_t> + D u_t,   y_t *= silu(z_t).
+    `reset` (batch, seqlen) bool: where True, h_{t-1} is taken as 0 (a packed document starts at t).
     Math runs in fp32, or fp64 when the inputs are fp64 (so tests can compare tightly).
     """
     out_dtype = u.dtype
@@ -98,6 +113,8 @@ def selective_scan_ref(
     h = u.new_zeros(batch, dim, A.shape[1])  # (B, D, N)
     ys = []
     for t in range(seqlen):
+        if reset is not None:
+            h = h * (~reset[:, t]).to(compute)[:, None, None]
         h = deltaA[:, :, t] * h + deltaB_u[:, :, t]
         ys.append(torch.einsum("bdn,bn->bd", h, C[:, :, t]))  # (B, D)
     y = torch.stack(ys, dim=2)  # (B, D, L)

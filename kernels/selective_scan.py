@@ -59,6 +59,15 @@ def _load_delta(DELTA, offs, mask, bias, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.co
 
 
 @triton.jit
+def _keep_at(KEEP, b, seqlen, t, HAS_RESET: tl.constexpr):
+    """(BL,) factor of the state carried into step t: 0.0 where a packed document starts (KEEP (B, L) fp32), else
+    1.0 (also outside the sequence, where the masked loads make it irrelevant)."""
+    if HAS_RESET:
+        return tl.load(KEEP + b * seqlen + t, mask=(t >= 0) & (t < seqlen), other=1.0)
+    return tl.full(t.shape, 1.0, tl.float32)
+
+
+@triton.jit
 def _scan_fwd_kernel(
     U,
     DELTA,
@@ -70,6 +79,7 @@ def _scan_fwd_kernel(
     BIAS,
     OUT,
     STATES,
+    KEEP,
     dim,
     seqlen,
     dstate,
@@ -78,6 +88,7 @@ def _scan_fwd_kernel(
     HAS_Z: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SOFTPLUS: tl.constexpr,
+    HAS_RESET: tl.constexpr,
     SAVE_STATES: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -117,6 +128,8 @@ def _scan_fwd_kernel(
         c_nl = tl.load(Cm + row_n[:, None] + t[None, :], mask=nl_ok, other=0.0).to(tl.float32)  # (BN, BL)
 
         decay = tl.exp(dt[:, None, :] * a_dn[:, :, None])  # (BD, BN, BL)
+        if HAS_RESET:  # a_t = 0 at a document start: the state forgets the previous document
+            decay = decay * _keep_at(KEEP, b, seqlen, t, HAS_RESET)[None, None, :]
         inject = (dt * u)[:, None, :] * b_nl[None, :, :]  # (BD, BN, BL)
         inject = tl.where(first, inject + decay * h[:, :, None], inject)
         _, hs = tl.associative_scan((decay, inject), 2, _linear_combine)  # h_t for every t of the chunk
@@ -151,6 +164,7 @@ def _scan_bwd_kernel(
     DA_PART,
     DD_PART,
     DBIAS_PART,
+    KEEP,
     dim,
     seqlen,
     dstate,
@@ -159,6 +173,7 @@ def _scan_bwd_kernel(
     HAS_Z: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SOFTPLUS: tl.constexpr,
+    HAS_RESET: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_L: tl.constexpr,
@@ -207,10 +222,14 @@ def _scan_bwd_kernel(
         b_p = tl.load(Bm + nl - 1, mask=n_ok[:, None] & tp_ok[None, :], other=0.0).to(tl.float32)
         h0 = tl.load(state_ptrs + c * dstate, mask=dn_ok, other=0.0)
         decay_p = tl.exp(dt_p[:, None, :] * a_dn[:, :, None])
+        if HAS_RESET:  # every decay a_s below is masked like the forward's: a_{t-1}, a_t, a_{t+1}
+            decay_p = decay_p * _keep_at(KEEP, b, seqlen, t - 1, HAS_RESET)[None, None, :]
         inject_p = tl.where(first, h0[:, :, None], (dt_p * u_p)[:, None, :] * b_p[None, :, :])
         _, h_prev = tl.associative_scan((decay_p, inject_p), 2, _linear_combine)  # (BD, BN, BL)
 
         decay = tl.exp(dt[:, None, :] * a_dn[:, :, None])
+        if HAS_RESET:
+            decay = decay * _keep_at(KEEP, b, seqlen, t, HAS_RESET)[None, None, :]
         ah = decay * h_prev  # a_t h_{t-1}
         h = ah + (dt * u)[:, None, :] * b_nl[None, :, :]
         y = tl.sum(h * c_nl[None, :, :], 1)  # before the skip and the gate
@@ -229,6 +248,8 @@ def _scan_bwd_kernel(
         tn_ok = (t + 1) < seqlen
         dt_n, _ = _load_delta(DELTA, dl + 1, d_ok[:, None] & tn_ok[None, :], bias, HAS_BIAS, SOFTPLUS)
         decay_n = tl.where(tn_ok[None, None, :], tl.exp(dt_n[:, None, :] * a_dn[:, :, None]), 0.0)
+        if HAS_RESET:
+            decay_n = decay_n * _keep_at(KEEP, b, seqlen, t + 1, HAS_RESET)[None, None, :]
         g = dy[:, None, :] * c_nl[None, :, :]
         g = tl.where(last, g + decay_n * lam_carry[:, :, None], g)
         _, lam = tl.associative_scan((decay_n, g), 2, _linear_combine, reverse=True)  # (BD, BN, BL)
@@ -301,13 +322,17 @@ def _blocks(dim: int, dstate: int, budget: int) -> dict:
     return dict(BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_L=block_l)
 
 
-def _flags(D, z, delta_bias, delta_softplus) -> dict:
+def _flags(D, z, delta_bias, delta_softplus, keep) -> dict:
     return dict(
-        HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None, SOFTPLUS=bool(delta_softplus)
+        HAS_D=D is not None,
+        HAS_Z=z is not None,
+        HAS_BIAS=delta_bias is not None,
+        SOFTPLUS=bool(delta_softplus),
+        HAS_RESET=keep is not None,
     )
 
 
-def _scan_fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus, save_states: bool):
+def _scan_fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus, keep, save_states: bool):
     """Contiguous inputs → out (batch, dim, seqlen) in u's dtype and chunk-start states (or None)."""
     batch, dim, seqlen = u.shape
     dstate = A.shape[1]
@@ -329,19 +354,20 @@ def _scan_fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus, save_states: 
         u if delta_bias is None else delta_bias,
         out,
         states,
+        u if keep is None else keep,
         dim,
         seqlen,
         dstate,
         n_chunks,
         SAVE_STATES=save_states,
-        **_flags(D, z, delta_bias, delta_softplus),
+        **_flags(D, z, delta_bias, delta_softplus, keep),
         **blocks,
         num_warps=4,
     )
     return out, (states if save_states else None)
 
 
-def _scan_bwd(dout, u, delta, A, B, C, D, z, delta_bias, delta_softplus, states):
+def _scan_bwd(dout, u, delta, A, B, C, D, z, delta_bias, delta_softplus, keep, states):
     """Gradients (du, ddelta, dA, dB, dC, dD, dz, ddelta_bias), each in its input's dtype (None for absent inputs)."""
     batch, dim, seqlen = u.shape
     dstate = A.shape[1]
@@ -375,11 +401,12 @@ def _scan_bwd(dout, u, delta, A, B, C, D, z, delta_bias, delta_softplus, states)
         dA_part,
         dA_part if dD_part is None else dD_part,
         dA_part if dbias_part is None else dbias_part,
+        u if keep is None else keep,
         dim,
         seqlen,
         dstate,
         n_chunks,
-        **_flags(D, z, delta_bias, delta_softplus),
+        **_flags(D, z, delta_bias, delta_softplus, keep),
         **blocks,
         num_warps=4,
     )
@@ -400,17 +427,17 @@ def _scan_bwd(dout, u, delta, A, B, C, D, z, delta_bias, delta_softplus, states)
 
 class _SelectiveScan(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, u, delta, A, B, C, D, z, delta_bias, delta_softplus: bool):
-        out, states = _scan_fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus, save_states=True)
-        ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, states)
+    def forward(ctx, u, delta, A, B, C, D, z, delta_bias, delta_softplus: bool, keep):
+        out, states = _scan_fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus, keep, save_states=True)
+        ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, keep, states)
         ctx.delta_softplus = delta_softplus
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        u, delta, A, B, C, D, z, delta_bias, states = ctx.saved_tensors
-        grads = _scan_bwd(dout.contiguous(), u, delta, A, B, C, D, z, delta_bias, ctx.delta_softplus, states)
-        return (*grads, None)
+        u, delta, A, B, C, D, z, delta_bias, keep, states = ctx.saved_tensors
+        grads = _scan_bwd(dout.contiguous(), u, delta, A, B, C, D, z, delta_bias, ctx.delta_softplus, keep, states)
+        return (*grads, None, None)
 
 
 # ------------------------------------------------------------------------------------------------ public
@@ -426,18 +453,25 @@ def selective_scan(
     z: Optional[torch.Tensor] = None,
     delta_bias: Optional[torch.Tensor] = None,
     delta_softplus: bool = False,
+    reset: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Mamba-1 selective scan (semantics of `selective_scan_ref`), differentiable in every tensor argument.
 
     Shapes: u, delta, z: (batch, dim, seqlen); A: (dim, state), state ≤ 256; B, C: (batch, state, seqlen);
-    D, delta_bias: (dim,). Dtypes: fp16, bf16 or fp32 (each tensor may differ); math in fp32.
+    D, delta_bias: (dim,); reset (batch, seqlen) bool: the state is zeroed before the steps where it is True
+    (document starts of packed sequences). Dtypes: fp16, bf16 or fp32 (each tensor may differ); math in fp32.
     Returns (batch, dim, seqlen) in u's dtype; gradients come back in each input's dtype.
     Inputs that are not contiguous are copied. Tensors must be CUDA tensors, or CPU tensors under TRITON_INTERPRET=1.
     """
     _check_inputs(u, delta, A, B, C, D, z, delta_bias)
     args = [None if t is None else t.contiguous() for t in (u, delta, A, B, C, D, z, delta_bias)]
+    if reset is not None and reset.shape != (u.shape[0], u.shape[2]):
+        raise ValueError(
+            f"selective_scan: reset must be (batch, seqlen) {(u.shape[0], u.shape[2])}, got {tuple(reset.shape)}"
+        )
+    keep = None if reset is None else (~reset.to(device=u.device, dtype=torch.bool)).float().contiguous()
     if u.numel() == 0:  # an empty batch, channel set or sequence: nothing to launch
         return u * 0
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in args):
-        return _SelectiveScan.apply(*args, bool(delta_softplus))
-    return _scan_fwd(*args, bool(delta_softplus), save_states=False)[0]
+        return _SelectiveScan.apply(*args, bool(delta_softplus), keep)
+    return _scan_fwd(*args, bool(delta_softplus), keep, save_states=False)[0]

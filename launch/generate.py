@@ -5,9 +5,10 @@ Face Mixtral/Jamba directory.
     python launch/generate.py --checkpoint HF_DIR --prompt-ids 1,415,2936 --temperature 0   # greedy
 
 Decoding keeps a KV cache per attention layer and the conv/SSM state per Mamba layer (--no-cache recomputes
-the whole sequence each step, for comparison). Tokens: bytes for our byte-level models (vocab 256); for other
-vocabularies the tokenizer files of the Hugging Face directory (or of RUN_DIR/hf/ for an imported run) when
-transformers is installed, otherwise pass --prompt-ids and read ids back. Speed goes to stderr.
+the whole sequence each step, for comparison). Tokens: the tokenizer the run was trained with (RUN_DIR/tokenizer/,
+copied there from data.tokenizer), the tokenizer files of a Hugging Face directory (or of RUN_DIR/hf/ for an
+imported run), or bytes for a byte-level model (vocab 256); otherwise pass --prompt-ids and read ids back.
+Speed goes to stderr.
 """
 
 import argparse
@@ -17,10 +18,11 @@ from pathlib import Path
 
 import torch
 
+from moe_dist.data.tokenizer import load_tokenizer
 from moe_dist.hf import HFConfigError, companion_dir, load_model
 from moe_dist.models.decoder import generate
 from moe_dist.train.checkpoint import CheckpointError
-from moe_dist.train.data import VOCAB_SIZE, decode, encode
+from moe_dist.train.data import TOKENIZER_DIR, VOCAB_SIZE, decode, encode
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -48,30 +50,54 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def tokenizer_dir(checkpoint: Path) -> Path | None:
+    """Where the model's tokenizer files are: a Hugging Face directory itself, the run's RUN_DIR/tokenizer/
+    (a run trained with data.tokenizer, given as the run directory or one of its checkpoints), or RUN_DIR/hf/
+    (a run imported from Hugging Face)."""
+    for d in (
+        checkpoint,
+        checkpoint / TOKENIZER_DIR,
+        checkpoint.parent.parent / TOKENIZER_DIR,
+        companion_dir(checkpoint),
+    ):
+        if d is not None and any((d / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+            return d
+    return None
+
+
 class Tokens:
-    """Text ↔ ids: bytes for vocab 256, else a local Hugging Face tokenizer if there is one; `text` is False
-    when neither applies (ids only)."""
+    """Text ↔ ids: the model's own tokenizer files if it has them (transformers' AutoTokenizer where there is a
+    tokenizer_config.json, which adds the model's BOS; else the tokenizer.json alone), bytes for vocab 256; `text`
+    is False when neither applies (ids only)."""
 
     def __init__(self, vocab_size: int, checkpoint: Path):
-        self.hf = None
-        self.text = vocab_size == VOCAB_SIZE
-        if self.text:
+        self.hf = self.tok = None
+        source = tokenizer_dir(checkpoint)
+        self.text = vocab_size == VOCAB_SIZE and source is None
+        if source is None:
             return
-        source = checkpoint if (checkpoint / "tokenizer_config.json").is_file() else companion_dir(checkpoint)
-        if source is None or not (source / "tokenizer_config.json").is_file():
-            return
-        try:
-            from transformers import AutoTokenizer
-        except ImportError:
-            return
-        self.hf = AutoTokenizer.from_pretrained(str(source), local_files_only=True)
-        self.text = True
+        if (source / "tokenizer_config.json").is_file():
+            try:
+                from transformers import AutoTokenizer
+
+                self.hf = AutoTokenizer.from_pretrained(str(source), local_files_only=True)
+                self.text = True
+                return
+            except ImportError:
+                pass
+        if (source / "tokenizer.json").is_file():
+            self.tok = load_tokenizer(str(source))
+            self.text = True
 
     def encode(self, text: str) -> list[int]:
-        return self.hf.encode(text) if self.hf is not None else encode(text).tolist()
+        if self.hf is not None:
+            return self.hf.encode(text)
+        return self.tok.encode(text) if self.tok is not None else encode(text).tolist()
 
     def decode(self, ids: list[int]) -> str:
-        return self.hf.decode(ids) if self.hf is not None else decode(ids)
+        if self.hf is not None:
+            return self.hf.decode(ids)
+        return self.tok.decode(ids) if self.tok is not None else decode(ids)
 
 
 def main(argv=None) -> int:

@@ -31,6 +31,7 @@ class AttentionConfig:
     impl: Literal["auto", "torch", "triton"] = (
         "auto"  # attention: auto/torch = SDPA (flash/cuDNN on CUDA), triton = ours
     )
+    mask: Literal["causal", "prefix"] = "causal"  # prefix = prefix-LM: a document's prompt tokens see each other
 
 
 @dataclass
@@ -86,13 +87,23 @@ class ParallelConfig:
 
 
 @dataclass
+class MixtureComponent:
+    paths: list[str] = field(default_factory=list)  # shard-set sidecars (PREFIX.json) or globs of them
+    weight: float = 1.0  # relative probability that a sequence is drawn from this component
+
+
+@dataclass
 class DataConfig:
     source: Literal["stdlib", "text", "memmap"] = (
         "stdlib"  # embedded stdlib sources, text files, or prepare_data output
     )
-    paths: list[str] = field(default_factory=list)  # files or globs for "text"; the .bin file for "memmap"
+    paths: list[str] = field(default_factory=list)  # files or globs for "text"; shard-set sidecars for "memmap"
     val_fraction: float = 0.05  # held-out fraction of the token stream for validation
     max_bytes: Optional[int] = 8_000_000  # cap on bytes read for "stdlib"/"text" (null = all)
+    tokenizer: str = "bytes"  # "bytes", or the tokenizer.json / directory the memmap data was prepared with
+    mixture: list[MixtureComponent] = field(default_factory=list)  # "memmap": weighted components instead of paths
+    document_masking: bool = False  # packed documents: attention, RoPE and Mamba state restart at each document
+    align_to_documents: bool = False  # training windows start at a document start (fine-tuning: no cut prompts)
 
 
 @dataclass
@@ -274,6 +285,10 @@ def _check(cond: bool, message: str) -> None:
 def validate(cfg: JobConfig) -> None:
     """Cross-field checks that do not depend on the world size (see `check_layout` for those)."""
     m, a, mb, moe, t = cfg.model, cfg.model.attention, cfg.model.mamba, cfg.model.moe, cfg.train
+    _check(
+        a.mask == "causal" or cfg.data.document_masking,
+        "model.attention.mask: 'prefix' needs data.document_masking=true (the prompt is found per document)",
+    )
     for name in ("vocab_size", "d_model", "n_layers", "d_ff"):
         _check(getattr(m, name) > 0, f"model.{name}: must be positive, got {getattr(m, name)}")
     _check(

@@ -534,10 +534,13 @@ def write_initial_checkpoint(model: Decoder, cfg: JobConfig, run_dir: str | Path
 def import_hf_to_run(hf_dir: str | Path, run_dir: str | Path, base: Optional[JobConfig] = None) -> Path:
     """Hugging Face directory → a run directory ready for `--resume`: step-0 checkpoint, config.json (the
     model section from Hugging Face, everything else from `base` or the defaults), and RUN_DIR/hf/ holding the
-    source config.json and tokenizer files, which `export_run_to_hf` carries back."""
+    source config.json and tokenizer files, which `export_run_to_hf` carries back. A memmap-data run without a
+    `data.tokenizer` of its own trains with the model's tokenizer.json (RUN_DIR/hf)."""
     hf_dir, run_dir = Path(hf_dir), Path(run_dir)
     model = load_hf_model(hf_dir)
     cfg = config_from_dict({**config_to_dict(base or JobConfig()), "model": dataclasses.asdict(model.cfg)})
+    if cfg.data.source == "memmap" and cfg.data.tokenizer == "bytes" and (hf_dir / "tokenizer.json").is_file():
+        cfg.data.tokenizer = str(run_dir.resolve() / "hf")  # train with the model's own tokenizer, kept in RUN_DIR/hf/
     final = write_initial_checkpoint(model, cfg, run_dir)
     companion = run_dir / "hf"
     companion.mkdir(exist_ok=True)
@@ -567,6 +570,10 @@ def export_run_to_hf(checkpoint: str | Path, out_dir: str | Path, dtype: Optiona
     for name in COMPANION_FILES if extra else ():
         if (extra / name).is_file():
             shutil.copyfile(extra / name, out / name)
+    trained_with = ckpt.parent.parent / "tokenizer"  # RUN_DIR/tokenizer/: the run's data.tokenizer (train/data.py)
+    for name in COMPANION_FILES if trained_with.is_dir() else ():
+        if (trained_with / name).is_file():
+            shutil.copyfile(trained_with / name, out / name)
     return out
 
 

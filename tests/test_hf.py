@@ -322,7 +322,7 @@ def test_converted_checkpoint_resumes_training(jamba, tmp_path):
     assert record["step"] == 1
 
     t = base.train
-    train_tokens, _ = load_tokens(base.data, t.seq_len)
+    train_tokens, _, _ = load_tokens(base.data, t.seq_len)
     batch = TokenDataset(train_tokens, t.seq_len, t.seed).global_batch(0, t.global_batch_size)
     with torch.no_grad():
         expected = [

@@ -17,16 +17,39 @@ from torch import nn
 
 from moe_dist.config import AttentionConfig
 from moe_dist.layers.impl import Kernel, resolve
-from moe_dist.layers.rope import apply_rope, rope_cos_sin
+from moe_dist.layers.rope import apply_rope, document_positions, rope_cos_sin
+
+
+def document_mask(
+    document_ids: torch.Tensor, prefix: Optional[torch.Tensor] = None, window: Optional[int] = None
+) -> torch.Tensor:
+    """(B, S) document index (and optional (B, S) bool prefix: the prompt tokens of prefix-LM) → (B, 1, S, S) bool,
+    True where query i may see key j: same document, and j <= i, or both i and j in the prefix (bidirectional
+    among a document's prompt tokens, as in UniLM); with a sliding `window`, also j > i - window."""
+    S = document_ids.shape[1]
+    causal = _window_mask(S, S, 0, window, document_ids.device)
+    same = document_ids[:, :, None] == document_ids[:, None, :]  # (B, S, S)
+    if prefix is not None:
+        causal = causal | (prefix[:, :, None] & prefix[:, None, :])
+    return (same & causal)[:, None]
 
 
 def _sdpa(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True, softmax_scale: Optional[float] = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = True,
+    softmax_scale: Optional[float] = None,
+    document_ids: Optional[torch.Tensor] = None,
+    prefix: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """q (B, Hq, S, Dh), k/v (B, Hkv, S, Dh) -> (B, Hq, S, Dh)."""
-    return F.scaled_dot_product_attention(
-        q, k, v, is_causal=causal, scale=softmax_scale, enable_gqa=q.shape[1] != k.shape[1]
-    )
+    """q (B, Hq, S, Dh), k/v (B, Hkv, S, Dh) -> (B, Hq, S, Dh); `document_ids` (B, S) (and `prefix` (B, S) bool)
+    restrict each query to its own document (`document_mask`), with an explicit mask."""
+    gqa = q.shape[1] != k.shape[1]
+    if document_ids is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=softmax_scale, enable_gqa=gqa)
+    mask = document_mask(document_ids, prefix)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=softmax_scale, enable_gqa=gqa)
 
 
 def _window_mask(q_len: int, k_len: int, offset: int, window: Optional[int], device: torch.device) -> torch.Tensor:
@@ -98,13 +121,35 @@ class Attention(nn.Module):
         shape = (batch, self.n_kv_heads, max_len, self.head_dim)
         return KVCache(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
 
-    def forward(self, x: torch.Tensor, cache: Optional[KVCache] = None) -> torch.Tensor:
-        """x (B, S, D) → (B, S, D). With a cache (inference), x holds the S positions after the cached ones."""
+    def forward(
+        self,
+        x: torch.Tensor,
+        cache: Optional[KVCache] = None,
+        document_ids: Optional[torch.Tensor] = None,
+        prefix: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """x (B, S, D) → (B, S, D). With a cache (inference), x holds the S positions after the cached ones.
+        `document_ids` (B, S) int (packed documents, training): a query sees only keys of its own document and
+        RoPE positions restart at each document; `prefix` (B, S) bool with them: prompt tokens see each other."""
         B, S, _ = x.shape
         pos = 0 if cache is None else cache.length
         q = self.wq(x).view(B, S, -1, self.head_dim).transpose(1, 2)  # (B, Hq, S, Dh)
         k = self.wk(x).view(B, S, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, S, Dh)
         v = self.wv(x).view(B, S, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, S, Dh)
+        if document_ids is not None:
+            if cache is not None:
+                raise ValueError("attention: document_ids are for training, without a KV cache")
+            if self.rope:
+                cos, sin = rope_cos_sin(S, self.head_dim, self.rope_theta, x.device)
+                p = document_positions(document_ids)  # (B, S)
+                cos, sin = cos[p][:, None], sin[p][:, None]  # (B, 1, S, Dh)
+                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            if self.sliding_window is None or S <= self.sliding_window:
+                out = self.kernel(q, k, v, causal=True, document_ids=document_ids, prefix=prefix)  # (B, Hq, S, Dh)
+            else:  # a sliding window (imported Mistral-style models) takes SDPA with the explicit mask
+                mask = document_mask(document_ids, prefix, self.sliding_window)
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+            return self.wo(out.transpose(1, 2).reshape(B, S, -1))
         if self.rope:
             cos, sin = rope_cos_sin(pos + S, self.head_dim, self.rope_theta, x.device)
             q, k = apply_rope(q, cos[pos:], sin[pos:]), apply_rope(k, cos[pos:], sin[pos:])

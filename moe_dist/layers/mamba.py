@@ -129,13 +129,23 @@ class Mamba(nn.Module):
             ),
         )
 
-    def forward(self, x: torch.Tensor, cache: Optional[MambaState] = None) -> torch.Tensor:
-        """x (B, L, d_model) → (B, L, d_model). With a state (inference), x continues the sequence it holds."""
+    def forward(
+        self, x: torch.Tensor, cache: Optional[MambaState] = None, document_ids: Optional[torch.Tensor] = None, **_
+    ) -> torch.Tensor:
+        """x (B, L, d_model) → (B, L, d_model). With a state (inference), x continues the sequence it holds.
+        `document_ids` (B, L) int (packed documents): the conv and the SSM state restart at each document start.
+        Other keywords (attention's prefix mask) do not apply: Mamba stays causal."""
         if cache is not None:
             return self._forward_recurrent(x, cache)
         seqlen = x.shape[1]
         x, z = self.in_proj(x).chunk(2, dim=-1)  # (B, L, Di) each
-        x = self.conv1d(x.transpose(1, 2))[..., :seqlen]  # (B, Di, L): right padding dropped → causal
+        reset = None
+        if document_ids is None:
+            x = self.conv1d(x.transpose(1, 2))[..., :seqlen]  # (B, Di, L): right padding dropped → causal
+        else:
+            x = self._document_conv(x.transpose(1, 2), document_ids)  # (B, Di, L)
+            reset = torch.zeros_like(document_ids, dtype=torch.bool)  # (B, L): True at a document start
+            reset[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
         x = F.silu(x)
 
         dt, B, C, A = self._ssm_inputs(x.transpose(1, 2))
@@ -149,8 +159,20 @@ class Mamba(nn.Module):
             z=z.transpose(1, 2),
             delta_bias=self.dt_proj.bias,
             delta_softplus=True,
+            **({} if reset is None else {"reset": reset}),
         )  # (B, Di, L)
         return self.out_proj(y.transpose(1, 2))  # (B, L, d_model)
+
+    def _document_conv(self, x: torch.Tensor, document_ids: torch.Tensor) -> torch.Tensor:
+        """The causal depthwise conv of x (B, Di, L) where tap j (input t - j) counts only when t - j is in t's
+        document. Written as K shifted products (K = d_conv, 4): nn.Conv1d has no per-position masking."""
+        K, L = self.conv1d.kernel_size[0], x.shape[-1]
+        w = self.conv1d.weight[:, 0]  # (Di, K): tap K - 1 is the current input
+        out = x * w[:, K - 1, None]
+        for j in range(1, min(K, L)):
+            same = (document_ids[:, j:] == document_ids[:, :-j])[:, None]  # (B, 1, L - j)
+            out[..., j:] = out[..., j:] + x[..., :-j] * w[:, K - 1 - j, None] * same
+        return out if self.conv1d.bias is None else out + self.conv1d.bias[:, None]
 
     def _forward_recurrent(self, x: torch.Tensor, state: MambaState) -> torch.Tensor:
         """The inference path: the conv continues from `state.conv`, the SSM from `state.ssm`, one step per

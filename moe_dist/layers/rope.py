@@ -21,3 +21,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     x1, x2 = xf.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
     return (xf * cos + rotated * sin).to(x.dtype)
+
+
+def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
+    """(B, S) int document index per token (equal within a document, documents contiguous) → (B, S) int64
+    position of each token inside its own document: RoPE restarts at 0 at every document start."""
+    idx = torch.arange(document_ids.shape[1], device=document_ids.device).expand_as(document_ids)
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    return idx - torch.cummax(torch.where(starts, idx, 0), dim=1).values

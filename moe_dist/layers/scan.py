@@ -90,7 +90,7 @@ class _SelectiveScan(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, u, delta, A, B, C, D, chunk_size: int):
+    def forward(ctx, u, delta, A, B, C, D, chunk_size: int, keep=None):
         (batch, length, dim), state = u.shape, A.shape[1]
         T = max(1, min(chunk_size, length))
         A2 = A.t() * math.log2(math.e)  # (N, D)
@@ -102,10 +102,15 @@ class _SelectiveScan(torch.autograd.Function):
         for n in {T, length % T or T}:
             a, h = (_chunk_views(buf, batch, n, state, dim) for buf in (a_buf, h_buf))
             work[n] = a, h, _scan_steps(a, h, reverse=False)  # a is not needed after the scan: may overwrite
-        chunks = _chunks(T, delta.unsqueeze(2), du.unsqueeze(2), B.unsqueeze(-1), C.unsqueeze(2), y.unsqueeze(2))
-        for c, (delta_c, du_c, B_c, C_c, y_c) in enumerate(chunks):
+        keep_t = _keep_views(keep, u)
+        chunks = _chunks(
+            T, delta.unsqueeze(2), du.unsqueeze(2), B.unsqueeze(-1), C.unsqueeze(2), y.unsqueeze(2), keep_t
+        )
+        for c, (delta_c, du_c, B_c, C_c, y_c, keep_c) in enumerate(chunks):
             a, h, scan_steps = work[delta_c.shape[1]]
             torch.mul(delta_c, A2, out=a).exp2_()
+            if keep is not None:
+                a.mul_(keep_c)  # a_t = 0 at a document start: h_t forgets the previous document
             torch.mul(du_c, B_c, out=h)
             h[:, 0].addcmul_(a[:, 0], h0[c])
             for step in scan_steps:
@@ -115,14 +120,14 @@ class _SelectiveScan(torch.autograd.Function):
             torch.matmul(C_c, h, out=y_c)
         if D is not None:
             y.addcmul_(u, D)
-        ctx.save_for_backward(u, delta, du, A, B, C, D, h0)
+        ctx.save_for_backward(u, delta, du, A, B, C, D, h0, keep)
         ctx.chunk_size = T
         return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy):
-        u, delta, du, A, B, C, D, h0 = ctx.saved_tensors
+        u, delta, du, A, B, C, D, h0, keep = ctx.saved_tensors
         (batch, length, dim), state, T = u.shape, A.shape[1], ctx.chunk_size
         A_t = A.t().contiguous()  # (N, D)
         A2 = A_t * math.log2(math.e)
@@ -141,10 +146,14 @@ class _SelectiveScan(torch.autograd.Function):
         lam_in = u.new_zeros(batch, state, dim)  # a_{t1} λ_{t1} flowing back from the chunk after this one
         d_u, d_delta, dB, dC = (torch.empty_like(t) for t in (u, u, B, C))
         dA_t = torch.zeros_like(A_t)
-        chunks = _chunks(T, u, delta, du, B, C, dy, d_u, d_delta, dB, dC)
-        for c, (u_c, delta_c, du_c, B_c, C_c, dy_c, d_u_c, d_delta_c, dB_c, dC_c) in reversed(list(enumerate(chunks))):
+        chunks = _chunks(T, u, delta, du, B, C, dy, d_u, d_delta, dB, dC, _keep_views(keep, u))
+        for c, (u_c, delta_c, du_c, B_c, C_c, dy_c, d_u_c, d_delta_c, dB_c, dC_c, keep_c) in reversed(
+            list(enumerate(chunks))
+        ):
             a, x, s, h_steps, lam_steps = work[u_c.shape[1]]
             torch.mul(delta_c.unsqueeze(2), A2, out=a).exp2_()
+            if keep is not None:  # a constant 0 at document starts: no gradient reaches Δ or A through it
+                a.mul_(keep_c)
             h = torch.mul(du_c.unsqueeze(2), B_c.unsqueeze(-1), out=x)
             h[:, 0].addcmul_(a[:, 0], h0[c])
             for step in h_steps:  # recompute the forward's states
@@ -170,7 +179,15 @@ class _SelectiveScan(torch.autograd.Function):
         if D is not None:
             d_u.addcmul_(dy, D)
             dD = torch.mul(dy, u).sum((0, 1))
-        return d_u, d_delta, dA_t.t(), dB, dC, dD, None
+        return d_u, d_delta, dA_t.t(), dB, dC, dD, None, None
+
+
+def _keep_views(keep: Optional[torch.Tensor], u: torch.Tensor) -> torch.Tensor:
+    """(B, L) keep factors → (B, L, 1, 1) to broadcast over a chunk's (state, dim); without resets, a (B, L, 1, 1)
+    expand of nothing (never read) so the chunk loop keeps one shape."""
+    if keep is None:
+        return u.new_empty(1, 1, 1, 1).expand(u.shape[0], u.shape[1], 1, 1)
+    return keep[:, :, None, None]
 
 
 def selective_scan(
@@ -184,6 +201,7 @@ def selective_scan(
     delta_bias: Optional[torch.Tensor] = None,
     delta_softplus: bool = False,
     chunk_size: int = 64,
+    reset: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Mamba-1 selective scan with the semantics and argument layout of `selective_scan_ref`.
 
@@ -191,7 +209,8 @@ def selective_scan(
     D, delta_bias: (dim,). Returns (batch, dim, seqlen) in u's dtype; math runs in fp32 (fp64 for fp64 inputs).
     `chunk_size` is the number of timesteps per chunk; it sets the size of the (batch, chunk, state, dim)
     buffers, and with it the trade between cache misses (large chunks) and Python overhead (many chunks).
-    The result does not depend on it; any seqlen works.
+    The result does not depend on it; any seqlen works. `reset` (batch, seqlen) bool: the state is zeroed before
+    the steps where it is True (document starts of packed sequences).
     """
     if chunk_size < 1:
         raise ValueError(f"selective_scan: chunk_size must be positive, got {chunk_size}")
@@ -210,7 +229,8 @@ def selective_scan(
     u_t, delta_t, B_t, C_t = (t.transpose(1, 2).contiguous() for t in (u, delta, B, C))
     D = D.to(compute) if D is not None else None
     z_t = None if z is None else z.transpose(1, 2).to(compute)  # (B, L, D)
-    y = _SelectiveScan.apply(u_t, delta_t, A.contiguous(), B_t, C_t, D, chunk_size)  # (B, L, D)
+    keep = None if reset is None else (~reset).to(compute).contiguous()  # (B, L)
+    y = _SelectiveScan.apply(u_t, delta_t, A.contiguous(), B_t, C_t, D, chunk_size, keep)  # (B, L, D)
     if z_t is not None:
         y = y * F.silu(z_t)
     return y.transpose(1, 2).to(out_dtype)

@@ -52,9 +52,9 @@ class Block(nn.Module):
             module.init_weights()
 
     def forward(
-        self, x: torch.Tensor, cache: Union[KVCache, MambaState, None] = None
+        self, x: torch.Tensor, cache: Union[KVCache, MambaState, None] = None, **documents
     ) -> tuple[torch.Tensor, RoutingStats | None]:
-        x = x + self.mixer(self.mixer_norm(x), cache)
+        x = x + self.mixer(self.mixer_norm(x), cache, **documents)
         h = self.ffn(self.ffn_norm(x))
         if isinstance(h, tuple):
             h, stats = h
@@ -119,12 +119,22 @@ class Decoder(nn.Module):
             ]
         )
 
-    def forward(self, tokens: torch.Tensor, cache: Optional[InferenceCache] = None) -> DecoderOutput:
-        """tokens (B, S) → logits (B, S, V). With a cache, tokens continue the sequences it holds (inference)."""
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        cache: Optional[InferenceCache] = None,
+        document_ids: Optional[torch.Tensor] = None,
+        prefix: Optional[torch.Tensor] = None,
+    ) -> DecoderOutput:
+        """tokens (B, S) → logits (B, S, V). With a cache, tokens continue the sequences it holds (inference).
+        Packed documents (training): `document_ids` (B, S) int, equal within a document, keep documents apart
+        in attention (mask, RoPE positions) and Mamba (conv, state); `prefix` (B, S) bool marks prompt tokens that
+        attention layers let see each other (prefix-LM)."""
+        documents = {} if document_ids is None else {"document_ids": document_ids, "prefix": prefix}
         x = self.embed(tokens)  # (B, S, D)
         stats: list[RoutingStats] = []
         for i, block in enumerate(self.blocks):
-            x, s = block(x, None if cache is None else cache.layers[i])
+            x, s = block(x, None if cache is None else cache.layers[i], **documents)
             if s is not None:
                 stats.append(s)
         if cache is not None:
@@ -174,8 +184,10 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy in fp32; logits (B, S, V), targets (B, S)."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    """Mean next-token cross-entropy in fp32 over the targets that are not -100 (prompt tokens, document starts);
+    logits (B, S, V), targets (B, S). A micro-batch without any target has loss 0 (not NaN)."""
+    per_token = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none")  # 0 at -100
+    return per_token.sum() / (targets != -100).sum().clamp(min=1)
 
 
 def sample_next(

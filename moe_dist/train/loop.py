@@ -14,7 +14,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -25,7 +24,7 @@ from moe_dist.parallel.mesh import Mesh, init_distributed, set_group_timeouts
 from moe_dist.parallel.parallelize import parallelize
 from moe_dist.parallel.tensor_parallel import vocab_parallel_lm_loss
 from moe_dist.train.checkpoint import CheckpointMismatch, check_fits, load_checkpoint, save_checkpoint
-from moe_dist.train.data import TokenDataset, load_tokens, micro_batches
+from moe_dist.train.data import Batch, TokenDataset, copy_tokenizer, load_tokens, tokenizer_identity
 from moe_dist.train.guard import NonFiniteGuard, operation
 from moe_dist.train.metrics import MetricsLogger, StepAccumulator
 from moe_dist.train.optim import build_optimizer, deepspeed_config
@@ -55,10 +54,13 @@ def maybe_compile(model, cfg: JobConfig):
     return model
 
 
-def _forward_loss(engine, cfg: JobConfig, batch: torch.Tensor, mesh: Mesh):
-    batch = batch.to(mesh.device)
-    out = engine(batch[:, :-1])
-    lm = lm_loss(out.logits, batch[:, 1:]) if mesh.tp == 1 else vocab_parallel_lm_loss(out.logits, batch[:, 1:], mesh)
+def _forward_loss(engine, cfg: JobConfig, batch: Batch, mesh: Mesh):
+    targets = batch.targets().to(mesh.device)
+    extra = {} if batch.document_ids is None else {"document_ids": batch.document_ids[:, :-1].to(mesh.device)}
+    if cfg.model.attention.mask == "prefix" and batch.loss_mask is not None:
+        extra["prefix"] = batch.prefix().to(mesh.device)
+    out = engine(batch.tokens[:, :-1].to(mesh.device), **extra)
+    lm = lm_loss(out.logits, targets) if mesh.tp == 1 else vocab_parallel_lm_loss(out.logits, targets, mesh)
     moe = cfg.model.moe
     return lm + moe.aux_loss_coef * out.aux_loss + moe.z_loss_coef * out.z_loss, lm, out
 
@@ -84,7 +86,7 @@ def _train_step(
     t, timeout = cfg.train, cfg.parallel.timeout_s
     tic = time.perf_counter()
     acc = StepAccumulator(n_moe, cfg.model.moe.num_experts, counted=mesh.tp_rank == 0)
-    batches = micro_batches(data.global_batch(step - 1, t.global_batch_size), t.micro_batch_size, mesh.dp_rank, mesh.dp)
+    batches = data.micro_batches(step - 1, t.global_batch_size, t.micro_batch_size, mesh.dp_rank, mesh.dp)
     for i, batch in enumerate(batches):
         last = i == len(batches) - 1
         with operation(f"step {step}: forward of micro-batch {i} (MoE all-to-all)", timeout):
@@ -114,17 +116,6 @@ def _check_settings(cfg: JobConfig) -> None:
     for key in ("keep_last", "max_nonfinite_steps"):
         if getattr(cfg.train, key) < 0:
             raise ConfigError(f"train.{key}: must be >= 0, got {getattr(cfg.train, key)}")
-
-
-def _check_vocab(tokens: np.ndarray, vocab_size: int, what: str) -> None:
-    """Token ids must index the embedding; a memmap of another tokenizer or dtype fails here, not mid-run."""
-    chunk = 1 << 26
-    top = max((int(tokens[i : i + chunk].max()) for i in range(0, len(tokens), chunk)), default=0)
-    if top >= vocab_size:
-        raise ValueError(
-            f"data: the {what} holds token id {top}, outside model.vocab_size={vocab_size} "
-            f"(data from another tokenizer, or a memmap read with the wrong dtype?)"
-        )
 
 
 def _check_run_dir(run_dir: Path, resume: bool) -> None:
@@ -167,6 +158,7 @@ def _checkpoint_to_resume(ckpt_root: Path, model, mesh: Mesh, data_identity: dic
 def _start_run_dir(run_dir: Path, cfg: JobConfig, start: int) -> None:
     """Rank 0, once every check passed: the resolved config, and a fresh metrics file for a fresh start."""
     (run_dir / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2) + "\n")
+    copy_tokenizer(cfg.data.tokenizer, run_dir)
     if start == 0 and (run_dir / "metrics.jsonl").exists():  # --resume found no checkpoint: the run restarts
         (run_dir / "metrics.jsonl").unlink()
 
@@ -178,12 +170,12 @@ def train(cfg: JobConfig, run_dir: Path, resume: bool = False) -> list[dict]:
     ones; start fresh when there is none. So one command line serves the first start and every restart."""
     _check_settings(cfg)
     t = cfg.train
-    train_tokens, val_tokens = load_tokens(cfg.data, t.seq_len)
-    _check_vocab(train_tokens, cfg.model.vocab_size, "training split")
-    _check_vocab(val_tokens, cfg.model.vocab_size, "validation split")
+    # The data fits the model's vocabulary and names the run's tokenizer (checked from the sidecars).
+    train_tokens, val_tokens, weights = load_tokens(cfg.data, t.seq_len, cfg.model.vocab_size)
     _check_run_dir(run_dir, resume)
-    data = TokenDataset(train_tokens, t.seq_len, t.seed)
-    val = TokenDataset(val_tokens, t.seq_len, t.seed)
+    masking = cfg.data.document_masking
+    data = TokenDataset(train_tokens, t.seq_len, t.seed, weights, masking, cfg.data.align_to_documents)
+    val = TokenDataset(val_tokens, t.seq_len, t.seed, None, masking)
     # What makes step s see the same samples: checkpoints record it, resume insists on it.
     data_identity = {
         "seed": t.seed,
@@ -192,6 +184,13 @@ def train(cfg: JobConfig, run_dir: Path, resume: bool = False) -> list[dict]:
         "source": cfg.data.source,
         "train_tokens": int(len(train_tokens)),
     }
+    # Recorded only when they differ from bytes / one stream, so checkpoints of byte-level runs stay resumable.
+    if cfg.data.tokenizer != "bytes":
+        data_identity["tokenizer"] = tokenizer_identity(cfg.data.tokenizer)
+    if cfg.data.mixture:
+        data_identity["mixture_weights"] = weights
+    if cfg.data.align_to_documents:
+        data_identity["align_to_documents"] = True
 
     import deepspeed  # here, after the input checks: importing it takes seconds
 

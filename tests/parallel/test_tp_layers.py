@@ -39,6 +39,19 @@ def test_tensor_parallel_layer_matches_single_device(tp_results, layer, variant)
             )
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_packed_documents_stay_apart_under_tp_and_sp(tp_results, variant):
+    """Dropless MoE, fp32: the sharded logits of packed documents equal the single-device ones, and changing one
+    document moves no logit of another document by more than 1e-6."""
+    for rank, results in enumerate(tp_results):
+        single, other, changed = (results[f"{variant}.documents.{k}"] for k in ("vs_single", "other", "changed"))
+        assert single["err"] <= 1e-4 * single["scale"] + 1e-12, (rank, single)
+        assert other["err"] < 1e-6, (rank, other)
+        assert changed["err"] > 1e-3, (rank, changed)  # the changed document did change
+
+
 @pytest.mark.parametrize("parts", [1, 2])
 def test_shard_and_unshard_are_inverse(parts):
     full = torch.arange(4 * 8 * 3).view(4, 8, 3)

@@ -78,6 +78,26 @@ def _run_module(ref, sharded, x, mesh, prefix: str, out: dict, sp: bool) -> None
     _compare_grads(ref, sharded, mesh, prefix, out)
 
 
+def _documents(overrides: list[str], mesh, variant: str, out: dict) -> None:
+    """Packed documents (dropless MoE, where routing is per token): the sharded model keeps them apart as the
+    single-device one does; changing one document leaves the other documents' logits unchanged."""
+    cfg = load_config(None, BASE + overrides + ["model.moe.capacity_factor=null"])
+    ref = materialize(build_model(cfg.model), "cpu", seed=0)
+    tp_model = apply_tp(copy.deepcopy(ref), mesh, cfg.parallel.sequence_parallel)
+    docs = torch.tensor([[0] * 5 + [1] * 7 + [2] * 4, [0] * 9 + [1] * 7])  # (2, 16)
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
+    changed = tokens.clone()
+    changed[0, 5:12] = (changed[0, 5:12] + 1) % cfg.model.vocab_size
+    with torch.no_grad():
+        ref_base = ref(tokens, document_ids=docs).logits
+        base, chg = (tp_model(t, document_ids=docs).logits for t in (tokens, changed))
+    other = docs != 1
+    other[1] = True
+    out[f"{variant}.documents.vs_single"] = _diff(base, shard(ref_base, 2, mesh.tp_rank, mesh.tp))
+    out[f"{variant}.documents.other"] = _diff(chg[other], base[other])
+    out[f"{variant}.documents.changed"] = _diff(chg[~other], base[~other])
+
+
 def main(path: str) -> None:
     out: dict = {}
     mesh = None
@@ -108,6 +128,7 @@ def main(path: str) -> None:
         logits_shard = shard(o_ref.logits.detach(), 2, mesh.tp_rank, mesh.tp)
         out[f"{variant}.model.logits"] = _diff(o_tp.logits.detach(), logits_shard)
         _compare_grads(ref, tp_model, mesh, f"{variant}.model", out)
+        _documents(overrides, mesh, variant, out)
     with open(f"{path}.rank{mesh.rank}", "w") as f:
         json.dump(out, f)
 

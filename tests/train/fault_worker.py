@@ -50,27 +50,24 @@ def _kill_here(where: str) -> bool:
     )
 
 
-_global_batch, _windows = TokenDataset.global_batch, TokenDataset._windows
-_micro_batches, _forward_loss = loop.micro_batches, loop._forward_loss
+_micro_batches, _starts = TokenDataset.micro_batches, TokenDataset._starts
+_forward_loss = loop._forward_loss
 _write_tensors, _publish = checkpoint._write_tensors, checkpoint._publish
 
 
-def global_batch(self, step, batch_size):
+def starts_of(self, step, batch_size):
+    out = _starts(self, step, batch_size)
+    state["starts"] = [int(s) for s in out]
+    return out
+
+
+def micro_batches(self, step, batch_size, micro_batch_size, dp_rank, dp_size):
     state.update(step=step + 1, micro=0)
-    return _global_batch(self, step, batch_size)
-
-
-def windows(self, starts):
-    state["starts"] = [int(s) for s in starts]
-    return _windows(self, starts)
-
-
-def micro_batches(global_batch, micro_batch_size, dp_rank, dp_size):
-    out = _micro_batches(global_batch, micro_batch_size, dp_rank, dp_size)
+    out = _micro_batches(self, step, batch_size, micro_batch_size, dp_rank, dp_size)
     if SAMPLES_DIR:
         starts, mb = state["starts"], micro_batch_size
         with open(Path(SAMPLES_DIR) / f"rank{RANK}.jsonl", "a") as f:
-            for m in range(dp_rank, global_batch.shape[0] // mb, dp_size):
+            for m in range(dp_rank, batch_size // mb, dp_size):
                 f.write(
                     json.dumps(
                         {"step": state["step"], "micro": m, "starts": starts[m * mb : (m + 1) * mb], "attempt": ATTEMPT}
@@ -118,8 +115,8 @@ def publish(tmp, final):
     _publish(tmp, final)
 
 
-TokenDataset.global_batch, TokenDataset._windows = global_batch, windows
-loop.micro_batches, loop._forward_loss = micro_batches, forward_loss
+TokenDataset.micro_batches, TokenDataset._starts = micro_batches, starts_of
+loop._forward_loss = forward_loss
 checkpoint._write_tensors, checkpoint._publish = write_tensors, publish
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from support import torchrun
 
-from moe_dist.train.data import sidecar_path, write_memmap
+from moe_dist.data.shards import ShardWriter, sidecar_of
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = str(REPO / "launch" / "train.py")
@@ -86,9 +86,12 @@ def existing(tmp_path_factory, debug_run):
     return run
 
 
-def _memmap(path: Path, tokens: np.ndarray, dtype: str = "uint16") -> Path:
-    write_memmap(tokens, path, dtype)
-    return path
+def _memmap(prefix: Path, tokens: np.ndarray, dtype: str = "uint16", vocab_size: int = 256) -> Path:
+    """A one-shard, one-document shard set of `tokens`; returns its sidecar."""
+    writer = ShardWriter(prefix, dtype, vocab_size, with_mask=False, shard_tokens=1 << 20)
+    writer.add(tokens)
+    writer.finish({"name": "bytes", "sha256": "bytes", "vocab_size": vocab_size, "eos_id": 0})
+    return sidecar_of(prefix)
 
 
 def _text_corpus(n: int = 5000) -> np.ndarray:
@@ -117,17 +120,15 @@ def _case_inputs(case: str, tmp: Path) -> tuple[list[str], str]:
         (tmp / "empty.txt").write_text("")
         return ["--set", "data.source=text", f'data.paths=["{tmp / "empty.txt"}"]'], "has 0 tokens"
     if case == "memmap_unknown_dtype":
-        f = _memmap(tmp / "tokens.bin", _text_corpus())
-        meta = json.loads(sidecar_path(f).read_text())
-        sidecar_path(f).write_text(json.dumps({**meta, "dtype": "float32"}))
+        f = _memmap(tmp / "tokens", _text_corpus())
+        f.write_text(json.dumps({**json.loads(f.read_text()), "dtype": "float32"}))
         return ["--set", "data.source=memmap", f'data.paths=["{f}"]'], "needs 'dtype' in ['uint16', 'uint32']"
     if case == "memmap_read_with_wrong_dtype":  # written as uint32, sidecar claims uint16
-        f = _memmap(tmp / "tokens.bin", _text_corpus(), "uint32")
-        meta = json.loads(sidecar_path(f).read_text())
-        sidecar_path(f).write_text(json.dumps({**meta, "dtype": "uint16"}))
-        return ["--set", "data.source=memmap", f'data.paths=["{f}"]'], "bytes, sidecar implies"
+        f = _memmap(tmp / "tokens", _text_corpus(), "uint32")
+        f.write_text(json.dumps({**json.loads(f.read_text()), "dtype": "uint16"}))
+        return ["--set", "data.source=memmap", f'data.paths=["{f}"]'], f"bytes, {f} implies"
     if case == "memmap_ids_beyond_vocab":  # e.g. tokens of a 50k-word tokenizer given to a byte-level model
-        f = _memmap(tmp / "tokens.bin", (np.arange(5000) * 37) % 50000)
+        f = _memmap(tmp / "tokens", (np.arange(5000) * 37) % 50000, vocab_size=50000)
         return ["--set", "data.source=memmap", f'data.paths=["{f}"]'], "outside model.vocab_size=256"
     if case == "checkpoint_of_another_model_shape":
         return ["--resume", "--set", "model.d_model=32"], "written for a different model shape"

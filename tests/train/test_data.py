@@ -10,16 +10,8 @@ import pytest
 import torch
 
 from moe_dist.config import DataConfig
-from moe_dist.train.data import (
-    DOC_SEPARATOR,
-    TokenDataset,
-    decode,
-    encode,
-    load_tokens,
-    micro_batches,
-    read_memmap,
-    write_memmap,
-)
+from moe_dist.data.shards import open_shards
+from moe_dist.train.data import DOC_SEPARATOR, TokenDataset, decode, encode, load_tokens, micro_batches
 
 REPO = Path(__file__).resolve().parents[2]
 PREPARE = REPO / "launch" / "prepare_data.py"
@@ -33,6 +25,11 @@ def corpus(tmp_path):
     for name, text in texts.items():
         (tmp_path / name).write_text(text, encoding="utf-8")
     return tmp_path
+
+
+def _all(stream) -> np.ndarray:
+    """Every token of a Stream, in order."""
+    return stream.gather(np.arange(len(stream)))[0]
 
 
 def _stream(n: int = 5000) -> np.ndarray:
@@ -78,10 +75,10 @@ def test_micro_batches_rejects_indivisible_layouts():
 
 
 def test_stdlib_source_loads_python_source():
-    train, val = load_tokens(DataConfig(source="stdlib", max_bytes=400_000), seq_len=64)
+    train, val, _ = load_tokens(DataConfig(source="stdlib", max_bytes=400_000), seq_len=64)
     assert len(train) + len(val) == 400_000
     assert len(val) == int(400_000 * 0.05)
-    text = decode(train[:200_000])
+    text = decode(_all(train)[:200_000])
     assert "def " in text and "import " in text and "class " in text
     assert chr(DOC_SEPARATOR) in text  # several files were concatenated
 
@@ -90,13 +87,13 @@ def test_text_source_globs_sorted_and_split(corpus):
     cfg = DataConfig(
         source="text", paths=[str(corpus / "*.txt"), str(corpus / "sub" / "c.txt")], val_fraction=0.1, max_bytes=None
     )
-    train, val = load_tokens(cfg, seq_len=8)
-    stream = np.concatenate([train, val])
+    train, val, _ = load_tokens(cfg, seq_len=8)
+    stream = np.concatenate([_all(train), _all(val)])
     sep = chr(DOC_SEPARATOR)
     expected = sep.join((corpus / n).read_text(encoding="utf-8") for n in ("a.txt", "b.txt", "sub/c.txt"))
     assert decode(stream) == expected
-    assert np.array_equal(val, stream[len(stream) - int(len(stream) * 0.1) :])
-    capped, _ = load_tokens(DataConfig(source="text", paths=cfg.paths, max_bytes=100), seq_len=4)
+    assert np.array_equal(_all(val), stream[len(stream) - int(len(stream) * 0.1) :])
+    capped, _, _ = load_tokens(DataConfig(source="text", paths=cfg.paths, max_bytes=100), seq_len=4)
     assert len(capped) == 100 - int(100 * 0.05)
 
 
@@ -119,73 +116,70 @@ def _prepare(*args):
 
 
 @pytest.mark.parametrize("dtype", ["uint16", "uint32"])
-def test_prepare_data_round_trip_matches_text_source(corpus, tmp_path, dtype):
-    out = tmp_path / "corpus.bin"
+def test_prepare_data_round_trip_matches_the_files(corpus, tmp_path, dtype):
+    out = tmp_path / "corpus"
     globs = [str(corpus / "*.txt"), str(corpus / "sub" / "*.txt")]
     result = _prepare("--input", *globs, "--output", str(out), "--dtype", dtype)
     assert result.returncode == 0, result.stderr
     meta = json.loads(Path(f"{out}.json").read_text())
-    assert meta == {
-        "dtype": dtype,
-        "num_tokens": out.stat().st_size // np.dtype(dtype).itemsize,
-        "vocab_size": 256,
-        "tokenizer": "bytes",
-    }
-    text_split = load_tokens(DataConfig(source="text", paths=globs, max_bytes=None), seq_len=8)
-    mm_split = load_tokens(DataConfig(source="memmap", paths=[str(out)]), seq_len=8)
-    assert mm_split[0].dtype == np.dtype(dtype)
-    for a, b in zip(text_split, mm_split):
-        assert np.array_equal(a, b)
+    assert meta["dtype"] == dtype and meta["vocab_size"] == 256 and meta["eos_id"] == 0
+    assert meta["tokenizer"]["sha256"] == "bytes" and meta["num_documents"] == 3
+    # Every document, EOS (NUL) after each: the bytes of a, b, sub/c in the order of the globs.
+    expected = "".join((corpus / n).read_text(encoding="utf-8") + "\0" for n in ("a.txt", "b.txt", "sub/c.txt"))
+    stream, _ = open_shards(f"{out}.json")
+    assert stream.pieces[0].tokens.dtype == np.dtype(dtype)
+    assert decode(_all(stream)) == expected
+    train, val, _ = load_tokens(DataConfig(source="memmap", paths=[f"{out}.json"]), seq_len=8)
+    assert np.array_equal(np.concatenate([_all(train), _all(val)]), encode(expected))
 
 
 def test_prepare_data_refuses_to_overwrite(corpus, tmp_path):
-    out = tmp_path / "corpus.bin"
+    out = tmp_path / "corpus"
     assert _prepare("--input", str(corpus / "a.txt"), "--output", str(out)).returncode == 0
-    before = out.read_bytes()
+    before = Path(f"{out}.00000.bin").read_bytes()
     refused = _prepare("--input", str(corpus / "b.txt"), "--output", str(out))
     assert refused.returncode == 2
     assert len(refused.stderr.strip().splitlines()) == 1 and "--force" in refused.stderr
-    assert out.read_bytes() == before
+    assert Path(f"{out}.00000.bin").read_bytes() == before
     forced = _prepare("--input", str(corpus / "b.txt"), "--output", str(out), "--force")
     assert forced.returncode == 0, forced.stderr
-    assert decode(read_memmap(out)) == (corpus / "b.txt").read_text(encoding="utf-8")
-    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+    assert decode(_all(open_shards(f"{out}.json")[0])) == (corpus / "b.txt").read_text(encoding="utf-8") + "\0"
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 
 def test_prepare_data_missing_input_exits_2(tmp_path):
-    result = _prepare("--input", str(tmp_path / "none*.txt"), "--output", str(tmp_path / "x.bin"))
+    result = _prepare("--input", str(tmp_path / "none*.txt"), "--output", str(tmp_path / "x"))
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [result.stderr.strip()] and "--input" in result.stderr
-    assert not (tmp_path / "x.bin").exists()
+    assert list(tmp_path.iterdir()) == []
 
 
-def test_memmap_rejects_size_mismatch(tmp_path):
-    out = tmp_path / "t.bin"
-    write_memmap(encode("hello world"), out, "uint16")
-    with pytest.raises(FileExistsError):
-        write_memmap(encode("again"), out, "uint16")
-    out.write_bytes(out.read_bytes()[:-2])
-    with pytest.raises(ValueError, match="sidecar implies"):
-        read_memmap(out)
+def test_memmap_rejects_size_mismatch(corpus, tmp_path):
+    out = tmp_path / "t"
+    assert _prepare("--input", str(corpus / "a.txt"), "--output", str(out)).returncode == 0
+    shard = Path(f"{out}.00000.bin")
+    shard.write_bytes(shard.read_bytes()[:-2])
+    with pytest.raises(ValueError, match="implies"):
+        open_shards(f"{out}.json")
 
 
 def test_eval_batches_union_is_layout_independent():
     ds = TokenDataset(_stream(3000), seq_len=16, seed=0)
-    single = ds.eval_batches(4, 3, dp_rank=0, dp_size=1)
-    ranks = [ds.eval_batches(2, 3, dp_rank=r, dp_size=2) for r in range(2)]
+    single = [b.tokens for b in ds.eval_batches(4, 3, dp_rank=0, dp_size=1)]
+    ranks = [[b.tokens for b in ds.eval_batches(2, 3, dp_rank=r, dp_size=2)] for r in range(2)]
     assert all(b.shape == (3, 17) for b in single)
     # Rank r holds global batches r, r + dp, ...
     assert all(torch.equal(ranks[b % 2][b // 2], single[b]) for b in range(4))
     # Independent of training steps, contiguous windows overlapping by one token from the stream start.
     flat = torch.cat(single)
-    assert torch.equal(flat[0], torch.from_numpy(ds.tokens[:17].astype(np.int64)))
+    assert torch.equal(flat[0], torch.from_numpy(_stream(3000)[:17].astype(np.int64)))
     assert torch.equal(flat[1:, 0], flat[:-1, -1])
 
 
 def test_eval_batches_wrap_around_a_short_stream():
     ds = TokenDataset(np.arange(41, dtype=np.int64), seq_len=10, seed=0)  # 4 windows
     (batch,) = ds.eval_batches(1, 6, dp_rank=0, dp_size=1)
-    assert batch[:, 0].tolist() == [0, 10, 20, 30, 0, 10]
+    assert batch.tokens[:, 0].tolist() == [0, 10, 20, 30, 0, 10]
 
 
 def test_decode_round_trips_and_replaces_invalid_utf8():
