@@ -363,7 +363,7 @@ def _hf_index(path: Path) -> dict[str, Path]:
 def _assign(model: Decoder, read, source: str, dtype: Optional[torch.dtype]) -> Decoder:
     """Fill a meta-built model with the tensors `read(our_name)` returns (no random init, no double allocation)."""
     state = {}
-    for name, p in model.named_parameters():
+    for name, p in [*model.named_parameters(), *model.named_buffers()]:
         t = read(name)
         if tuple(t.shape) != tuple(p.shape):
             raise HFConfigError(f"{source}: {name} has shape {tuple(t.shape)}, the config implies {tuple(p.shape)}")
@@ -517,7 +517,7 @@ def write_initial_checkpoint(model: Decoder, cfg: JobConfig, run_dir: str | Path
         raise HFConfigError(f"{root}: already holds checkpoints; choose a new run directory")
     if (run_dir / "metrics.jsonl").exists():
         raise HFConfigError(f"{run_dir}: already holds a run (metrics.jsonl); choose a new run directory")
-    tensors: dict[str, torch.Tensor] = {}
+    tensors: dict[str, torch.Tensor] = {name: b.float().cpu() for name, b in model.named_buffers()}
     for name, p in model.named_parameters():
         t = p.detach().float().cpu()
         parts = {f"{name}.{e}": w for e, w in enumerate(t.unbind(0))} if _is_experts(name) else {name: t}

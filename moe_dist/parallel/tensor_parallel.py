@@ -179,7 +179,7 @@ def _moe(moe: MoE, mesh: Mesh, b: _Boundaries) -> None:
     _shard_param(experts, "w2", 1, mesh)  # (E, F, D)
     _region(moe, b)
     group, scale = mesh.tp_group, 1.0 / mesh.tp
-    moe.router.register_forward_pre_hook(lambda m, args: (_ScaleGrad.apply(args[0], scale),))
+    moe.router.register_forward_pre_hook(lambda m, args: (_ScaleGrad.apply(args[0], scale), *args[1:]))
 
     def weights_enter(m, args, out):
         routing, stats = out

@@ -19,6 +19,7 @@ import torch
 from tqdm import tqdm
 
 from moe_dist.config import ConfigError, JobConfig, config_to_dict
+from moe_dist.layers.moe import moe_routers
 from moe_dist.models.decoder import build_model, lm_loss
 from moe_dist.parallel.comm import agree_on_error, all_reduce_sum, barrier
 from moe_dist.parallel.mesh import Mesh, init_distributed, set_group_timeouts
@@ -96,9 +97,10 @@ def _train_step(
                 engine.step()  # between boundaries DeepSpeed only counts the micro-step
         acc.add(loss, lm, out)
     with operation(f"step {step}: non-finite check and optimizer step", timeout):
-        guard.boundary_step(step)
+        skipped = guard.boundary_step(step)
     with operation(f"step {step}: metrics all-reduce", timeout):
         record = {"step": step, **acc.reduce()}
+    end_router_step(engine.module, record["moe"], update=not skipped)
     elapsed = time.perf_counter() - tic
     grad_norm = engine.get_global_grad_norm()
     record.update(
@@ -108,6 +110,17 @@ def _train_step(
         skipped_steps=guard.skipped_total,
     )
     return record
+
+
+def end_router_step(model, layers: list[dict], update: bool) -> None:
+    """Routers' once-per-optimizer-step state from the step's global expert load (all ranks and micro-batches,
+    all-reduced, so every rank sets the same values; `update` False on a skipped step); the balancing bias, when
+    used, goes into the step's record."""
+    for router, layer in zip(moe_routers(model), layers):
+        if update:
+            router.end_step(torch.tensor(layer["tokens_per_expert"], dtype=torch.float64))
+        if router.bias_E is not None:
+            layer["bias"] = router.bias_E.float().cpu().tolist()
 
 
 def _check_settings(cfg: JobConfig) -> None:
