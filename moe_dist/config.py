@@ -383,9 +383,7 @@ def _check_moe_recipes(moe: MoEConfig) -> None:
         moe.shared_d_ff is None or moe.shared_d_ff > 0,
         f"model.moe.shared_d_ff: must be positive or null, got {moe.shared_d_ff}",
     )
-    _check(
-        moe.dead_expert_window >= 1, f"model.moe.dead_expert_window: must be >= 1, got {moe.dead_expert_window}"
-    )
+    _check(moe.dead_expert_window >= 1, f"model.moe.dead_expert_window: must be >= 1, got {moe.dead_expert_window}")
 
 
 def shared_d_ff(m: ModelConfig) -> int:
