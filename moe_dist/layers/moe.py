@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_dist.config import ConfigError, MoEConfig
-from moe_dist.layers.mlp import gated_silu
+from moe_dist.layers.mlp import SharedExperts, gated_silu
 from moe_dist.layers.permutation import Permutation
 
 
@@ -340,7 +340,8 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    """Router → dispatcher.dispatch → experts → dispatcher.combine; its kernels chosen for `device`."""
+    """Router → dispatcher.dispatch → experts → dispatcher.combine (+ the shared experts on every token); its
+    kernels chosen for `device`."""
 
     def __init__(
         self,
@@ -355,6 +356,10 @@ class MoE(nn.Module):
         self.router = Router(d_model, cfg, init_std)
         self.experts = Experts(cfg.num_experts, d_model, cfg.d_ff or d_ff, init_std, n_layers, cfg.backend)
         self.dispatcher: Dispatcher = LocalDispatcher(Permutation.for_device(cfg.impl, device))
+        shared_ff = cfg.shared_d_ff or cfg.n_shared_experts * (cfg.d_ff or d_ff)
+        self.shared = (
+            SharedExperts(d_model, shared_ff, cfg.shared_gate, init_std, n_layers) if cfg.n_shared_experts else None
+        )
 
     @property
     def implementations(self) -> dict[str, str]:
@@ -365,6 +370,8 @@ class MoE(nn.Module):
     def init_weights(self) -> None:
         self.router.init_weights()
         self.experts.init_weights()
+        if self.shared is not None:
+            self.shared.init_weights()
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, RoutingStats]:
         x_TD = x.reshape(-1, x.shape[-1])
@@ -372,7 +379,10 @@ class MoE(nn.Module):
         x_RD, rows_per_expert_E, state = self.dispatcher.dispatch(x_TD, routing)
         y_RD = self.experts(x_RD, rows_per_expert_E)
         stats.sent_bytes = state.sent_bytes
-        return self.dispatcher.combine(y_RD, state).view_as(x), stats
+        out_TD = self.dispatcher.combine(y_RD, state)
+        if self.shared is not None:
+            out_TD = out_TD + self.shared(x_TD)
+        return out_TD.view_as(x), stats
 
 
 def moe_routers(model: nn.Module) -> list[Router]:

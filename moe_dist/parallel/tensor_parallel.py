@@ -15,7 +15,8 @@ this rank's tokens, get their gradients summed over TP.
                 channel, x_proj row-parallel: its (Δ, B, C) output is summed (g) and, after Jamba's inner norms,
                 re-enters the region (f), out_proj row-parallel          → 2 all-reduces: B·S·(R+2N), B·S·D
     dense FFN   w1/w3 column-parallel, w2 row-parallel                   → 1 all-reduce (B·S·D)
-    MoE         every expert's hidden dimension split (expert tensor parallelism); the router is replicated
+    MoE         every expert's hidden dimension split (expert tensor parallelism), and the shared experts' as the
+                dense FFN's (their gate replicated like the router); the router is replicated
                 inside the region. Tokens never move between TP ranks: TP peers hold the same tokens and route
                 them identically, each sends them through its own EP group (same tp_rank, see mesh.py) to the
                 ranks holding the same hidden slice of the chosen experts, so the all-to-all carries B·S·K·D
@@ -180,6 +181,13 @@ def _moe(moe: MoE, mesh: Mesh, b: _Boundaries) -> None:
     _region(moe, b)
     group, scale = mesh.tp_group, 1.0 / mesh.tp
     moe.router.register_forward_pre_hook(lambda m, args: (_ScaleGrad.apply(args[0], scale), *args[1:]))
+    if moe.shared is not None:  # sharded like the dense FFN, inside the MoE region (one all-reduce for both)
+        _shard_param(moe.shared.w1, "weight", 0, mesh)
+        _shard_param(moe.shared.w3, "weight", 0, mesh)
+        _shard_param(moe.shared.w2, "weight", 1, mesh)
+        if moe.shared.gate is not None:  # replicated, as the router: full gradient in, input gradient / tp
+            moe.shared.gate.register_forward_pre_hook(lambda m, args: (_ScaleGrad.apply(args[0], scale),))
+            moe.shared.gate.register_forward_hook(lambda m, args, out: copy_to_region(out, group))
 
     def weights_enter(m, args, out):
         routing, stats = out

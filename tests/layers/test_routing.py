@@ -226,3 +226,51 @@ def test_recipe_options_are_validated_with_the_key():
             load_config("configs/debug.json", [override])
     with pytest.raises(ConfigError, match="model.moe.top_k"):  # top-2 from one group of one expert
         load_config("configs/debug.json", ["model.moe.n_groups=4", "model.moe.topk_groups=1"])
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_shared_experts_add_a_dense_swiglu_on_every_token(gated):
+    cfg = dict(num_experts=4, top_k=2, capacity_factor=1.0)
+    plain = MoE(8, 16, MoEConfig(**cfg), 0.02, 2)
+    shared = MoE(8, 16, MoEConfig(**cfg, n_shared_experts=2, shared_gate=gated), 0.02, 2)
+    for m in (plain, shared):
+        m.to_empty(device="cpu")
+    torch.manual_seed(0)
+    shared.init_weights()
+    plain.load_state_dict({k: v for k, v in shared.state_dict().items() if not k.startswith("shared.")})
+    s = shared.shared
+    assert s.w1.weight.shape == (2 * 16, 8)  # two shared experts of the experts' width: one SwiGLU of twice it
+    x = torch.randn(2, 5, 8)
+    dense = (torch.nn.functional.silu(x @ s.w1.weight.T) * (x @ s.w3.weight.T)) @ s.w2.weight.T
+    if gated:
+        dense = dense * torch.sigmoid(x @ s.gate.weight.T)
+    torch.testing.assert_close(shared(x)[0], plain(x)[0] + dense)
+
+
+def test_shared_experts_count_as_active_parameters():
+    from moe_dist.models.decoder import param_counts
+
+    base = load_config("configs/debug.json").model
+    with_shared = load_config(
+        "configs/debug.json", ["model.moe.n_shared_experts=1", "model.moe.shared_d_ff=48", "model.moe.shared_gate=true"]
+    ).model
+    a, b = param_counts(base), param_counts(with_shared)
+    per_layer = 3 * 64 * 48 + 64  # w1, w3, w2 of d_model 64 × 48, and the gate's 64
+    assert b["params_total"] - a["params_total"] == 2 * per_layer  # debug.json's two MoE layers
+    assert b["params_active"] - a["params_active"] == 2 * per_layer
+
+
+def test_node_groups_must_be_the_nodes_of_the_ep_group():
+    from moe_dist.parallel.expert_parallel import check_node_groups
+    from moe_dist.parallel.mesh import Mesh
+
+    def mesh(rank, local_world, dp, ep, tp=1):
+        dp_rank = rank // tp
+        return Mesh(rank, dp * tp, rank % local_world, local_world, torch.device("cpu"), dp, dp_rank, ep, dp_rank % ep,
+                    None, None, f"ep_size_{ep}", tp, rank % tp)  # fmt: skip
+
+    check_node_groups(2, mesh(0, 4, dp=8, ep=8))  # EP group of 8 ranks on 2 nodes of 4
+    check_node_groups(1, mesh(5, 8, dp=8, ep=4))  # EP group {4..7}: one node
+    check_node_groups(2, mesh(3, 4, dp=4, ep=4, tp=2))  # ranks {1, 3, 5, 7}: nodes 0 and 1
+    with pytest.raises(ConfigError, match="model.moe.n_groups: group_by 'node'.*2 nodes"):
+        check_node_groups(4, mesh(0, 4, dp=8, ep=8))
