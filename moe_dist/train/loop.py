@@ -28,7 +28,7 @@ from moe_dist.parallel.tensor_parallel import vocab_parallel_lm_loss
 from moe_dist.train.checkpoint import CheckpointMismatch, check_fits, load_checkpoint, save_checkpoint
 from moe_dist.train.data import TokenDataset, load_tokens, micro_batches
 from moe_dist.train.guard import NonFiniteGuard, operation
-from moe_dist.train.metrics import MetricsLogger, StepAccumulator
+from moe_dist.train.metrics import DeadExperts, MetricsLogger, StepAccumulator
 from moe_dist.train.optim import build_optimizer, deepspeed_config
 from moe_dist.train.resume import complete_checkpoints, prune_checkpoints, select_checkpoint
 
@@ -255,10 +255,12 @@ def train(cfg: JobConfig, run_dir: Path, resume: bool = False) -> list[dict]:
         logger.log(record)
         records.append(record)
 
+    dead = DeadExperts(n_moe, cfg.model.moe.num_experts, cfg.model.moe.dead_expert_window, first_step=start)
     bar = tqdm(total=t.steps, initial=start, disable=mesh.rank != 0, desc="train", dynamic_ncols=True)
     try:
         for done in range(start + 1, t.steps + 1):  # the optimizer step being made, numbered as in metrics.jsonl
             record = _train_step(engine, cfg, data, mesh, guard, n_moe, done)
+            dead.observe(record)
             if (t.eval_every and done % t.eval_every == 0) or done == t.steps:
                 with operation(f"step {done}: evaluation", timeout):
                     record["eval_loss"] = evaluate(engine, cfg, val, mesh)
