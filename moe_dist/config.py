@@ -31,6 +31,8 @@ class AttentionConfig:
     impl: Literal["auto", "torch", "triton"] = (
         "auto"  # attention: auto/torch = SDPA (flash/cuDNN on CUDA), triton = ours
     )
+    qk_norm: Literal["none", "head", "full"] = "none"  # RMSNorm of q and k: per head (Qwen3), over all heads (OLMoE)
+    qkv_bias: bool = False  # biases in the q, k and v projections (Qwen2)
 
 
 @dataclass
@@ -404,6 +406,10 @@ def _check_tensor_parallel(cfg: JobConfig) -> None:
 
     divides(m.vocab_size, "model.vocab_size", "the vocabulary (split across tensor-parallel ranks)")
     if "A" in m.mixer_pattern:
+        _check(
+            a.qk_norm != "full",
+            "model.attention.qk_norm: 'full' (one norm over all heads) is not supported with parallel.tp > 1",
+        )
         divides(a.n_heads, "model.attention.n_heads", "query heads")
         divides(a.n_kv_heads, "model.attention.n_kv_heads", "key/value heads")
     if "M" in m.mixer_pattern:

@@ -135,6 +135,11 @@ class _ScaleGrad(torch.autograd.Function):
 def _attention(attn: Attention, mesh: Mesh, b: _Boundaries) -> None:
     for lin in (attn.wq, attn.wk, attn.wv):
         _shard_param(lin, "weight", 0, mesh)  # heads are contiguous blocks of rows
+        if lin.bias is not None:
+            _shard_param(lin, "bias", 0, mesh)
+    if attn.qk_norm == "head":  # one weight shared by every head: each rank's heads give part of its gradient
+        for norm in (attn.q_norm, attn.k_norm):
+            _sum_grad_over_tp(norm.weight, mesh.tp_group)
     _shard_param(attn.wo, "weight", 1, mesh)
     attn.n_heads //= mesh.tp
     attn.n_kv_heads //= mesh.tp

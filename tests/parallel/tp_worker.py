@@ -50,6 +50,8 @@ VARIANTS = {
         "model.moe.aux_loss_scope=sequence",
         "model.moe.n_shared_experts=1",
         "model.moe.shared_gate=true",
+        "model.attention.qk_norm=head",  # Qwen3's per-head q/k norms and Qwen2's q/k/v biases under TP too
+        "model.attention.qkv_bias=true",
     ],
 }
 
