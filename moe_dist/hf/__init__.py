@@ -1,6 +1,6 @@
-"""Hugging Face interop: Mixtral, Jamba, Qwen2-MoE, Qwen3-MoE and OLMoE checkpoint directories ↔ our Decoder, and
-↔ our training checkpoints. One module per family (its config mapping and tensor names), format.py for the
-directories, checkpoints.py for run directories.
+"""Hugging Face interop: Mixtral, Jamba, Qwen2-MoE, Qwen3-MoE, OLMoE (and dense Llama, Qwen3) checkpoint
+directories ↔ our Decoder, and ↔ our training checkpoints. One module per family (its config mapping and tensor
+names), format.py for the directories, checkpoints.py for run directories (import, export, upcycling).
 
 What our config cannot express is refused with a one-line error naming the field (RoPE scaling, activations
 other than SiLU, sliding-window layer mixes, OLMoE's clip_qkv, Jamba layouts that are not one period/offset), and
@@ -17,6 +17,7 @@ from moe_dist.hf.checkpoints import (
     load_checkpoint_model,
     load_model,
     resolve_checkpoint,
+    upcycle_to_run,
     write_initial_checkpoint,
 )
 from moe_dist.hf.common import HFConfigError
@@ -37,5 +38,6 @@ __all__ = [
     "load_model",
     "resolve_checkpoint",
     "save_hf_model",
+    "upcycle_to_run",
     "write_initial_checkpoint",
 ]

@@ -1,5 +1,6 @@
 """Our training checkpoints ↔ Hugging Face directories and models: a step-0 run directory from imported weights
-(`import_hf_to_run`), an export of a checkpoint (`export_run_to_hf`), and the loaders generate.py uses."""
+(`import_hf_to_run`) or from an upcycled dense model (`upcycle_to_run`), an export of a checkpoint
+(`export_run_to_hf`), and the loaders generate.py uses."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from moe_dist.config import JobConfig, config_from_dict, config_to_dict
 from moe_dist.hf.common import HFConfigError
 from moe_dist.hf.format import assign_tensors, is_experts, load_hf_model, save_hf_model
 from moe_dist.models.decoder import Decoder, build_model
+from moe_dist.models.upcycle import upcycle
 from moe_dist.train.checkpoint import MOMENTS, latest_checkpoint, verify_checkpoint, write_whole_checkpoint
 from moe_dist.train.optim import lr_lambda
 
@@ -142,3 +144,20 @@ def load_model(path: str | Path, dtype: Optional[torch.dtype] = torch.float32) -
     if hf_config.is_file() and "model_type" in json.loads(hf_config.read_text()):
         return load_hf_model(path, dtype)
     return load_checkpoint_model(path, dtype, dropless=True)[0]
+
+
+def upcycle_to_run(
+    src: str | Path, run_dir: str | Path, base: JobConfig, experts: int, top_k: int, noise: float = 0.0
+) -> Path:
+    """A dense model (Hugging Face Llama/Qwen3 directory, or one of our checkpoints / run directories) → a run
+    directory whose MoE layers start as `experts` copies of each dense FFN (models/upcycle.py), routing `top_k`;
+    the other model.moe settings and everything outside the model come from `base`. Ready for `--resume`."""
+    if experts < 1:
+        raise HFConfigError(f"--experts: must be positive, got {experts}")
+    if not 1 <= top_k <= experts:
+        raise HFConfigError(f"--top-k: must be in [1, --experts={experts}], got {top_k}")
+    dense = load_model(src)
+    moe = dataclasses.replace(base.model.moe, num_experts=experts, top_k=top_k)
+    model = upcycle(dense, moe, noise, seed=base.train.seed)
+    cfg = config_from_dict({**config_to_dict(base), "model": dataclasses.asdict(model.cfg)})
+    return write_initial_checkpoint(model, cfg, run_dir)

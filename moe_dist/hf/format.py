@@ -20,12 +20,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from moe_dist.config import ModelConfig
-from moe_dist.hf import jamba, mixtral, olmoe, qwen_moe
+from moe_dist.hf import dense, jamba, mixtral, olmoe, qwen_moe
 from moe_dist.hf.common import Family, HFConfigError
 from moe_dist.models.decoder import Decoder, build_model
 
 FAMILIES: dict[str, Family] = {
-    f.model_type: f for f in (mixtral.FAMILY, jamba.FAMILY, qwen_moe.QWEN2, qwen_moe.QWEN3, olmoe.FAMILY)
+    f.model_type: f
+    for f in (mixtral.FAMILY, jamba.FAMILY, qwen_moe.QWEN2, qwen_moe.QWEN3, olmoe.FAMILY, dense.LLAMA, dense.QWEN3)
 }
 _SHARD_BYTES = 5 * 2**30  # safetensors shard size of exported checkpoints (Hugging Face's default)
 
