@@ -274,3 +274,13 @@ def test_node_groups_must_be_the_nodes_of_the_ep_group():
     check_node_groups(2, mesh(3, 4, dp=4, ep=4, tp=2))  # ranks {1, 3, 5, 7}: nodes 0 and 1
     with pytest.raises(ConfigError, match="model.moe.n_groups: group_by 'node'.*2 nodes"):
         check_node_groups(4, mesh(0, 4, dp=8, ep=8))
+
+
+def test_ep_rank_groups_must_be_the_ep_ranks():
+    from moe_dist.config import check_layout
+
+    groups = ["model.moe.group_by=ep_rank", "model.moe.top_k=1", "parallel.ep=2"]
+    assert check_layout(load_config("configs/debug.json", [*groups, "model.moe.n_groups=2"]), 2) == 2
+    with pytest.raises(ConfigError, match="model.moe.n_groups: group_by 'ep_rank' needs one group per EP rank"):
+        check_layout(load_config("configs/debug.json", [*groups, "model.moe.n_groups=4"]), 2)
+    check_layout(load_config("configs/debug.json", [groups[0], "model.moe.n_groups=4", "model.moe.top_k=1"]), 1)
