@@ -1,10 +1,14 @@
-"""Convert between Hugging Face checkpoint directories (Mixtral, Jamba) and our training checkpoints.
+"""Convert between Hugging Face checkpoint directories (Mixtral, Jamba, Qwen2/3-MoE, OLMoE; dense Llama and Qwen3)
+and our training checkpoints, and upcycle dense models into MoE runs.
 
     python launch/convert.py import HF_DIR RUN_DIR [--config BASE.json] [--set KEY=VALUE ...]
         → RUN_DIR/checkpoints/step_0 (zero Adam moments) and RUN_DIR/config.json; continue training with
           python launch/train.py --config RUN_DIR/config.json --run-dir RUN_DIR --resume
     python launch/convert.py export CHECKPOINT HF_DIR [--dtype fp32|bf16|fp16]
         CHECKPOINT: RUN_DIR/checkpoints/step_N, or a run directory (its newest complete checkpoint)
+    python launch/convert.py upcycle SRC RUN_DIR --experts E --top-k K [--noise SIGMA] [--config BASE.json] [--set ...]
+        SRC: a dense Hugging Face Llama/Qwen3 directory or one of our checkpoints / run directories; every dense FFN
+        becomes E experts copied from it (plus noise: SIGMA times each weight's std), with a fresh router.
 
 The model section of an imported run comes from the Hugging Face config (dropless MoE); everything else
 (data, train, deepspeed) from --config and --set, or the defaults.
@@ -17,7 +21,7 @@ from pathlib import Path
 import torch
 
 from moe_dist.config import ConfigError, load_config
-from moe_dist.hf import HFConfigError, export_run_to_hf, import_hf_to_run
+from moe_dist.hf import HFConfigError, export_run_to_hf, import_hf_to_run, upcycle_to_run
 from moe_dist.train.checkpoint import CheckpointError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -35,6 +39,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     exp.add_argument("checkpoint", type=Path)
     exp.add_argument("hf_dir", type=Path)
     exp.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="weight dtype (default: as stored, fp32)")
+    up = sub.add_parser("upcycle", help="dense model → MoE run directory whose experts copy the dense FFNs")
+    up.add_argument("src", type=Path)
+    up.add_argument("run_dir", type=Path)
+    up.add_argument("--experts", type=int, required=True, help="experts per upcycled layer")
+    up.add_argument("--top-k", type=int, required=True, help="experts chosen per token")
+    up.add_argument("--noise", type=float, default=0.0, help="per-expert noise, in units of each weight's std")
+    up.add_argument("--config", default=None, help="job config for model.moe and everything but the model")
+    up.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="dotted overrides of --config")
     return p.parse_args(argv)
 
 
@@ -44,6 +56,13 @@ def main(argv=None) -> int:
         if args.direction == "import":
             base = load_config(args.config, args.set)
             out = import_hf_to_run(args.hf_dir, args.run_dir, base)
+            print(
+                f"wrote {out}; continue with: python launch/train.py --config {args.run_dir / 'config.json'} "
+                f"--run-dir {args.run_dir} --resume"
+            )
+        elif args.direction == "upcycle":
+            base = load_config(args.config, args.set)
+            out = upcycle_to_run(args.src, args.run_dir, base, args.experts, args.top_k, args.noise)
             print(
                 f"wrote {out}; continue with: python launch/train.py --config {args.run_dir / 'config.json'} "
                 f"--run-dir {args.run_dir} --resume"

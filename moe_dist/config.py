@@ -32,6 +32,8 @@ class AttentionConfig:
         "auto"  # attention: auto/torch = SDPA (flash/cuDNN on CUDA), triton = ours
     )
     mask: Literal["causal", "prefix"] = "causal"  # prefix = prefix-LM: a document's prompt tokens see each other
+    qk_norm: Literal["none", "head", "full"] = "none"  # RMSNorm of q and k: per head (Qwen3), over all heads (OLMoE)
+    qkv_bias: bool = False  # biases in the q, k and v projections (Qwen2)
 
 
 @dataclass
@@ -60,6 +62,19 @@ class MoEConfig:
     z_loss_coef: float = 0.001  # coefficient of the ST-MoE router z-loss
     impl: Literal["auto", "torch", "triton"] = "auto"  # token permutation: auto = Triton kernel on CUDA, PyTorch on CPU
     backend: Literal["native", "megablocks"] = "native"  # expert GEMMs: torch grouped_mm, or MegaBlocks (CUDA only)
+    score: Literal["softmax", "sigmoid"] = "softmax"  # router score: softmax over experts (Mixtral) or sigmoid each
+    route_scale: float = 1.0  # multiplier of the chosen experts' combine weights (DeepSeek-V3's routed scaling factor)
+    bias_update_rate: float = 0.0  # loss-free balancing: per-expert choice bias moved by this × sign each step; 0 = off
+    aux_loss_scope: Literal["micro_batch", "sequence", "global_batch"] = (
+        "micro_batch"  # load fractions f_i of the aux loss: per micro-batch, per sequence, or the whole step
+    )
+    n_groups: int = 1  # expert groups for group-limited routing (contiguous blocks of experts); 1 = off
+    topk_groups: int = 1  # groups a token may choose its experts from (best by the sum of their top-2 scores)
+    group_by: Literal["experts", "ep_rank", "node"] = "experts"  # what the groups must coincide with under EP
+    n_shared_experts: int = 0  # shared experts: a dense SwiGLU on every token beside the routed ones (0 = none)
+    shared_d_ff: Optional[int] = None  # hidden size of the shared SwiGLU; null = n_shared_experts × expert d_ff
+    shared_gate: bool = False  # scale the shared experts' output by sigmoid(x · w) per token (Qwen2-MoE)
+    dead_expert_window: int = 100  # telemetry: an expert is dead when no token reached it in this many steps
 
 
 @dataclass
@@ -324,6 +339,7 @@ def validate(cfg: JobConfig) -> None:
         moe.capacity_factor is None or moe.capacity_factor > 0,
         f"model.moe.capacity_factor: must be positive or null (dropless), got {moe.capacity_factor}",
     )
+    _check_moe_recipes(moe)
     _check(cfg.parallel.tp >= 1 and cfg.parallel.ep >= 1, "parallel.tp and parallel.ep must be >= 1")
     if cfg.parallel.tp > 1:
         _check_tensor_parallel(cfg)
@@ -361,6 +377,40 @@ def validate(cfg: JobConfig) -> None:
     )
 
 
+def _check_moe_recipes(moe: MoEConfig) -> None:
+    """The routing options of model.moe beyond top-k (scores, balancing, groups, shared experts)."""
+    _check(moe.route_scale > 0, f"model.moe.route_scale: must be positive, got {moe.route_scale}")
+    _check(moe.bias_update_rate >= 0, f"model.moe.bias_update_rate: must be >= 0, got {moe.bias_update_rate}")
+    _check(
+        moe.n_groups >= 1 and moe.num_experts % moe.n_groups == 0,
+        f"model.moe.n_groups: must divide model.moe.num_experts={moe.num_experts}, got {moe.n_groups}",
+    )
+    _check(
+        1 <= moe.topk_groups <= moe.n_groups,
+        f"model.moe.topk_groups: must be in [1, n_groups={moe.n_groups}], got {moe.topk_groups}",
+    )
+    reachable = moe.topk_groups * (moe.num_experts // moe.n_groups)
+    _check(
+        moe.top_k <= reachable,
+        f"model.moe.top_k: {moe.top_k} experts cannot be chosen from topk_groups={moe.topk_groups} groups of "
+        f"{moe.num_experts // moe.n_groups} experts",
+    )
+    _check(moe.n_shared_experts >= 0, f"model.moe.n_shared_experts: must be >= 0, got {moe.n_shared_experts}")
+    _check(
+        moe.shared_d_ff is None or moe.shared_d_ff > 0,
+        f"model.moe.shared_d_ff: must be positive or null, got {moe.shared_d_ff}",
+    )
+    _check(moe.dead_expert_window >= 1, f"model.moe.dead_expert_window: must be >= 1, got {moe.dead_expert_window}")
+
+
+def shared_d_ff(m: ModelConfig) -> int:
+    """Hidden size of an MoE layer's shared SwiGLU (0 without shared experts)."""
+    moe = m.moe
+    if moe.n_shared_experts == 0:
+        return 0
+    return moe.shared_d_ff or moe.n_shared_experts * (moe.d_ff or m.d_ff)
+
+
 def _check_tensor_parallel(cfg: JobConfig) -> None:
     """Every dimension tensor parallelism splits must divide evenly by parallel.tp (see parallel/tensor_parallel.py)."""
     m, tp = cfg.model, cfg.parallel.tp
@@ -371,6 +421,10 @@ def _check_tensor_parallel(cfg: JobConfig) -> None:
 
     divides(m.vocab_size, "model.vocab_size", "the vocabulary (split across tensor-parallel ranks)")
     if "A" in m.mixer_pattern:
+        _check(
+            a.qk_norm != "full",
+            "model.attention.qk_norm: 'full' (one norm over all heads) is not supported with parallel.tp > 1",
+        )
         divides(a.n_heads, "model.attention.n_heads", "query heads")
         divides(a.n_kv_heads, "model.attention.n_kv_heads", "key/value heads")
     if "M" in m.mixer_pattern:
@@ -383,6 +437,8 @@ def _check_tensor_parallel(cfg: JobConfig) -> None:
         divides(m.d_ff, "model.d_ff", "the dense FFN hidden size")
     if "E" in m.ffn_pattern:
         divides(moe.d_ff or m.d_ff, "model.moe.d_ff", "the expert hidden size")
+        if shared_d_ff(m):
+            divides(shared_d_ff(m), "model.moe.shared_d_ff", "the shared experts' hidden size")
     if cfg.parallel.sequence_parallel:
         divides(cfg.train.seq_len, "train.seq_len", "with parallel.sequence_parallel, the sequence length")
 
@@ -403,6 +459,12 @@ def check_layout(cfg: JobConfig, world_size: int) -> int:
         cfg.train.eval_batches % dp == 0,
         f"train.eval_batches: {cfg.train.eval_batches} is not divisible among {dp} data-parallel ranks",
     )
+    if ep > 1 and cfg.model.moe.group_by == "ep_rank":
+        _check(
+            cfg.model.moe.n_groups == ep,
+            f"model.moe.n_groups: group_by 'ep_rank' needs one group per EP rank, n_groups = parallel.ep = {ep}, "
+            f"got {cfg.model.moe.n_groups}",
+        )
     return dp
 
 

@@ -76,4 +76,20 @@ E2E_BASE = [
     "train.eval_batches=4",
     ONE_THREAD,
 ]
-E2E_MODES = {"capacity": [], "dropless": ["model.moe.capacity_factor=null"]}
+E2E_MODES = {
+    "capacity": [],
+    "dropless": ["model.moe.capacity_factor=null"],
+    # today's MoE recipes at once: sigmoid scores, loss-free balancing with the aux loss over the global batch,
+    # one group per EP rank, a gated shared expert (test_ep_e2e.py runs it at ep = 2, test_tp_e2e.py at tp = 2)
+    "recipes": [
+        "model.moe.top_k=1",
+        "model.moe.score=sigmoid",
+        "model.moe.route_scale=2.0",
+        "model.moe.bias_update_rate=0.01",
+        "model.moe.aux_loss_scope=global_batch",
+        "model.moe.n_groups=2",
+        "model.moe.group_by=ep_rank",
+        "model.moe.n_shared_experts=1",
+        "model.moe.shared_gate=true",
+    ],
+}

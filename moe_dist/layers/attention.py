@@ -17,6 +17,7 @@ from torch import nn
 
 from moe_dist.config import AttentionConfig
 from moe_dist.layers.impl import Kernel, resolve
+from moe_dist.layers.norm import RMSNorm
 from moe_dist.layers.rope import apply_rope, document_positions, rope_cos_sin
 
 
@@ -90,7 +91,13 @@ class KVCache:
 
 class Attention(nn.Module):
     def __init__(
-        self, d_model: int, cfg: AttentionConfig, init_std: float, n_layers: int, device: torch.device | str = "cpu"
+        self,
+        d_model: int,
+        cfg: AttentionConfig,
+        init_std: float,
+        n_layers: int,
+        device: torch.device | str = "cpu",
+        norm_eps: float = 1e-5,
     ):
         super().__init__()
         self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.n_kv_heads
@@ -99,9 +106,15 @@ class Attention(nn.Module):
         if cfg.sliding_window is not None and cfg.sliding_window < 1:
             raise ValueError(f"model.attention.sliding_window: must be positive or null, got {cfg.sliding_window}")
         self.sliding_window = cfg.sliding_window
-        self.wq = nn.Linear(d_model, self.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(d_model, self.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(d_model, self.n_kv_heads * self.head_dim, bias=False)
+        self.wq = nn.Linear(d_model, self.n_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(d_model, self.n_kv_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(d_model, self.n_kv_heads * self.head_dim, bias=cfg.qkv_bias)
+        # q/k RMSNorm before RoPE: over each head's Dh (Qwen3) or over the whole projection (OLMoE)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm != "none":
+            full = cfg.qk_norm == "full"
+            self.q_norm = RMSNorm(self.head_dim * (self.n_heads if full else 1), norm_eps)
+            self.k_norm = RMSNorm(self.head_dim * (self.n_kv_heads if full else 1), norm_eps)
         self.wo = nn.Linear(self.n_heads * self.head_dim, d_model, bias=False)
         self.kernel = attention_kernel(cfg.impl, device)
         self.init_std = init_std
@@ -115,7 +128,12 @@ class Attention(nn.Module):
     def init_weights(self) -> None:
         for lin in (self.wq, self.wk, self.wv):
             nn.init.normal_(lin.weight, std=self.init_std)
+            if lin.bias is not None:
+                nn.init.zeros_(lin.bias)
         nn.init.normal_(self.wo.weight, std=self.out_std)
+        if self.qk_norm != "none":
+            self.q_norm.init_weights()
+            self.k_norm.init_weights()
 
     def new_cache(self, batch: int, max_len: int, device: torch.device, dtype: torch.dtype) -> KVCache:
         shape = (batch, self.n_kv_heads, max_len, self.head_dim)
@@ -133,9 +151,14 @@ class Attention(nn.Module):
         RoPE positions restart at each document; `prefix` (B, S) bool with them: prompt tokens see each other."""
         B, S, _ = x.shape
         pos = 0 if cache is None else cache.length
-        q = self.wq(x).view(B, S, -1, self.head_dim).transpose(1, 2)  # (B, Hq, S, Dh)
-        k = self.wk(x).view(B, S, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, S, Dh)
+        q, k = self.wq(x), self.wk(x)  # (B, S, Hq·Dh), (B, S, Hkv·Dh)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(B, S, -1, self.head_dim).transpose(1, 2)  # (B, Hq, S, Dh)
+        k = k.view(B, S, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, S, Dh)
         v = self.wv(x).view(B, S, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, S, Dh)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
         if document_ids is not None:
             if cache is not None:
                 raise ValueError("attention: document_ids are for training, without a KV cache")

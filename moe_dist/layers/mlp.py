@@ -56,3 +56,30 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class SharedExperts(nn.Module):
+    """Shared experts (DeepSeek-MoE, Qwen2-MoE): one dense SwiGLU that every token goes through beside the routed
+    experts (n shared experts of width F are one SwiGLU of width n·F), its output optionally scaled per token by
+    sigmoid(gate · x) (Qwen2-MoE's shared-expert gate). Not a SwiGLU: apply_tp shards it inside the MoE layer's
+    tensor-parallel region, where its partial output is summed with the routed experts' in one all-reduce."""
+
+    def __init__(self, d_model: int, d_ff: int, gated: bool, init_std: float, n_layers: int):
+        super().__init__()
+        self.w1 = nn.Linear(d_model, d_ff, bias=False)
+        self.w3 = nn.Linear(d_model, d_ff, bias=False)
+        self.w2 = nn.Linear(d_ff, d_model, bias=False)
+        self.gate = nn.Linear(d_model, 1, bias=False) if gated else None
+        self.init_std = init_std
+        self.out_std = init_std / math.sqrt(2 * n_layers)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        for lin, std in ((self.w1, self.init_std), (self.w3, self.init_std), (self.w2, self.out_std)):
+            nn.init.normal_(lin.weight, std=std)
+        if self.gate is not None:
+            nn.init.normal_(self.gate.weight, std=self.init_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return y if self.gate is None else y * torch.sigmoid(self.gate(x))

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_dist.config import ConfigError, MoEConfig
-from moe_dist.layers.mlp import gated_silu
+from moe_dist.layers.mlp import SharedExperts, gated_silu
 from moe_dist.layers.permutation import Permutation
 
 
@@ -40,7 +40,7 @@ class RoutingStats:
     tokens_per_expert_E: torch.Tensor  # assignments per expert before drops (float)
     dropped: torch.Tensor  # assignments dropped by capacity (scalar)
     assignments: int  # A = K·T
-    aux_loss: torch.Tensor  # E · Σ_i f_i · P_i (scalar, differentiable)
+    aux_loss: torch.Tensor  # E · Σ_i f_i · P_i (scalar, differentiable; f_i per `aux_loss_scope`)
     z_loss: torch.Tensor  # mean_t logsumexp(logits_t)² (scalar, differentiable)
     entropy: torch.Tensor  # mean router entropy over tokens (scalar)
     sent_bytes: int = 0  # bytes this rank sent to other ranks in the dispatch all-to-all (0 without EP)
@@ -54,10 +54,7 @@ class Routing:
     tokens_per_expert_E: torch.Tensor  # kept rows per expert (int64), sums to R
     weight_A: torch.Tensor  # combine weight of every assignment (fp32, differentiable)
     num_tokens: int  # T
-
-    @property
-    def top_k(self) -> int:
-        return self.weight_A.shape[0] // max(self.num_tokens, 1)
+    top_k: int  # K (explicit: a micro-batch with no tokens has no assignments to infer it from)
 
 
 def sorted_by_expert(expert_A: torch.Tensor, priority_A: Optional[torch.Tensor]) -> torch.Tensor:
@@ -69,40 +66,134 @@ def sorted_by_expert(expert_A: torch.Tensor, priority_A: Optional[torch.Tensor])
     return by_priority[torch.argsort(expert_A[by_priority], stable=True)]
 
 
+def top_k_lower_index_first(choice_TE: torch.Tensor, k: int) -> torch.Tensor:
+    """(T, K) indices of each row's k largest values, exact ties broken by the lower expert index: a stable
+    descending sort keeps equal values in index order on every device, where torch.topk leaves ties unspecified."""
+    return torch.sort(choice_TE, dim=-1, descending=True, stable=True).indices[:, :k]
+
+
+def limit_to_groups(choice_TE: torch.Tensor, n_groups: int, topk_groups: int) -> torch.Tensor:
+    """Group-limited routing (DeepSeek-V3): experts form `n_groups` contiguous blocks; a group's score is the sum
+    of its two best choice scores (its best one for single-expert groups); experts outside each token's
+    `topk_groups` best groups get -inf, so the top-k that follows picks only inside them. (T, E) → (T, E)."""
+    T, E = choice_TE.shape
+    grouped_TGS = choice_TE.view(T, n_groups, E // n_groups)
+    best_TG = grouped_TGS.topk(min(2, E // n_groups), dim=-1).values.sum(-1)  # values only: order is irrelevant
+    groups_TM = top_k_lower_index_first(best_TG, topk_groups)
+    keep_TG = torch.zeros_like(best_TG, dtype=torch.bool).scatter_(1, groups_TM, True)
+    return grouped_TGS.masked_fill(~keep_TG[..., None], float("-inf")).view(T, E)
+
+
 class Router(nn.Module):
-    """Linear gate in fp32 → softmax → top-k (renormalized) → capacity drops; returns routing and its losses."""
+    """Linear gate in fp32 → scores (softmax or sigmoid) → top-k over scores + bias (optionally within the best
+    groups) → combine weights from the scores alone → capacity drops; returns routing and its losses.
+
+    Buffers (persistent, so checkpoints carry them; never parameters, so no optimizer or gradient clipping sees
+    them), present only when their option is on, and identical on every rank (set from all-reduced counts):
+      bias_E  loss-free balancing (DeepSeek-V3, `bias_update_rate` > 0): added to the scores to choose experts,
+              never to the combine weights; `end_step` moves it by rate · sign(mean load − load) per optimizer step.
+      load_E  `aux_loss_scope` "global_batch": the load fractions f_i of the previous optimizer step over its whole
+              global batch (see `aux_loss`)."""
 
     def __init__(self, d_model: int, cfg: MoEConfig, init_std: float):
         super().__init__()
         self.cfg = cfg
         self.init_std = init_std
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, d_model))
+        if cfg.bias_update_rate > 0:
+            self.register_buffer("bias_E", torch.empty(cfg.num_experts))
+        else:
+            self.bias_E = None
+        if cfg.aux_loss_scope == "global_batch":
+            self.register_buffer("load_E", torch.empty(cfg.num_experts))
+        else:
+            self.load_E = None
 
     @torch.no_grad()
     def init_weights(self) -> None:
         nn.init.normal_(self.weight, std=self.init_std)
+        if self.bias_E is not None:
+            self.bias_E.zero_()
+        if self.load_E is not None:
+            self.load_E.fill_(1.0 / self.cfg.num_experts)  # uniform before the first step: the aux gradient is 0
 
-    def forward(self, x_TD: torch.Tensor) -> tuple[Routing, RoutingStats]:
+    @torch.no_grad()
+    def end_step(self, tokens_per_expert_E: torch.Tensor) -> None:
+        """After optimizer step: the step's global assignments per expert (all ranks, all micro-batches; the same
+        on every rank). Updates the bias by its sign (DeepSeek-V3) and the global-batch load fractions."""
+        load_E = tokens_per_expert_E.to(torch.float64)
+        if self.bias_E is not None:  # fp32 even where the module was cast (bf16): steps of 1e-3 must not round away
+            step_E = torch.sign(load_E.mean() - load_E).float() * self.cfg.bias_update_rate
+            self.bias_E = self.bias_E.float() + step_E.to(self.bias_E.device)
+        if self.load_E is not None and load_E.sum() > 0:
+            self.load_E = (load_E / load_E.sum()).float().to(self.load_E.device)
+
+    def aux_loss(self, p_TE: torch.Tensor, expert_TK: torch.Tensor, seq_len: int) -> torch.Tensor:
+        """Switch/GShard balance loss E · Σ_i f_i · P_i; P_i = mean over tokens of the normalized score p_ti,
+        f_i = fraction of assignments (before drops) to expert i, over the scope `aux_loss_scope`:
+          micro_batch  this micro-batch on this rank (T tokens);
+          sequence     each sequence alone (its S tokens), the loss averaged over the B sequences (DeepSeek-V3's
+                       complementary sequence-wise loss);
+          global_batch f_i over every token of the previous optimizer step's global batch (all data-parallel
+                       ranks, all micro-batches: `load_E`), P_i this micro-batch's. The current step's own f is
+                       not known until its last micro-batch is routed, while each micro-batch's backward runs
+                       before the next forward (an exact one would need a second forward pass); the previous
+                       step's is the same whatever the layout, so every layout equals one process with gradient
+                       accumulation. Step 1 uses uniform f, whose gradient is zero for softmax scores.
+        Zero, not NaN, for a micro-batch without tokens."""
+        T, E = p_TE.shape
+        K = expert_TK.shape[1]
+        if T == 0:
+            return p_TE.sum() * 0.0  # keeps the graph (every rank's backward reaches the router weight)
+        if self.cfg.aux_loss_scope == "sequence":
+            B = T // seq_len
+            seq_TK = torch.arange(T, device=p_TE.device).div(seq_len, rounding_mode="floor")[:, None]
+            counts_BE = torch.bincount((seq_TK * E + expert_TK).flatten(), minlength=B * E).view(B, E)
+            f_BE = counts_BE.float() / (K * seq_len)
+            return E * (f_BE * p_TE.view(B, seq_len, E).mean(dim=1)).sum(-1).mean()
+        if self.cfg.aux_loss_scope == "global_batch":
+            f_E = self.load_E.float()
+        else:
+            f_E = torch.bincount(expert_TK.flatten(), minlength=E).float() / (K * T)
+        return E * torch.sum(f_E * p_TE.mean(dim=0))
+
+    def forward(self, x_TD: torch.Tensor, seq_len: Optional[int] = None) -> tuple[Routing, RoutingStats]:
         cfg, T = self.cfg, x_TD.shape[0]
         E, K = cfg.num_experts, cfg.top_k
         logits_TE = F.linear(x_TD.float(), self.weight.float())  # router math in fp32 (DESIGN.md §5)
-        # The z-loss's logsumexp from the softmax: the top-1 probability is exp(max - lse), so lse = max - log p_max
-        # (p_max >= 1/E: no cancellation; its gradient is the softmax, as logsumexp's). Entropy = lse - Σ p·logit,
-        # with no log over (T, E). On CPU torch's exp (and so logsumexp) takes a slow path where logits - max < -87,
-        # as with spread logits; its softmax does not.
-        probs_TE = logits_TE.softmax(dim=-1)
-        top_p_TK, expert_TK = probs_TE.topk(K, dim=-1)
-        lse_T = logits_TE.gather(1, expert_TK[:, :1]).squeeze(1) - top_p_TK[:, 0].log()
-        weight_TK = top_p_TK / top_p_TK.sum(dim=-1, keepdim=True) if cfg.renormalize else top_p_TK
+        if cfg.score == "softmax":
+            # The z-loss's logsumexp from the softmax: the top probability is exp(max - lse), so lse = max - log p_max
+            # (p_max >= 1/E: no cancellation; its gradient is the softmax, as logsumexp's). Entropy = lse - Σ p·logit,
+            # with no log over (T, E). On CPU torch's exp (and so logsumexp) takes a slow path where logits - max <
+            # -87, as with spread logits; its softmax does not.
+            scores_TE = p_TE = logits_TE.softmax(dim=-1)
+            p_max_T, i_max_T = scores_TE.max(dim=-1)
+            lse_T = logits_TE.gather(1, i_max_T[:, None]).squeeze(1) - p_max_T.log()
+            entropy_T = lse_T.detach() - torch.linalg.vecdot(p_TE.detach(), logits_TE.detach())
+        else:  # independent sigmoid scores (DeepSeek-V3); the aux loss and entropy see them normalized per token
+            scores_TE = logits_TE.sigmoid()
+            p_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True)
+            lse_T = torch.logsumexp(logits_TE, dim=-1)
+            entropy_T = torch.special.entr(p_TE.detach()).sum(-1)
+
+        # Choice: scores plus the balancing bias, limited to the best groups; weights: the scores alone.
+        choice_TE = scores_TE.detach() if self.bias_E is None else scores_TE.detach() + self.bias_E.float()
+        if cfg.n_groups > 1:
+            choice_TE = limit_to_groups(choice_TE, cfg.n_groups, cfg.topk_groups)
+        expert_TK = top_k_lower_index_first(choice_TE, K)
+        top_s_TK = scores_TE.gather(1, expert_TK)
+        weight_TK = top_s_TK / top_s_TK.sum(dim=-1, keepdim=True) if cfg.renormalize else top_s_TK
+        if cfg.route_scale != 1.0:
+            weight_TK = weight_TK * cfg.route_scale
 
         # Slot-major flattening: all first choices, then all second choices, ... (GShard's priority order).
         expert_A = expert_TK.t().reshape(-1)
         weight_A = weight_TK.t().reshape(-1)
         counts_E = torch.bincount(expert_A, minlength=E)
 
-        # "probability": highest router probability first; "position": earlier tokens, first choices first,
-        # which is the slot-major assignment order itself.
-        priority_A = -top_p_TK.t().reshape(-1).detach() if cfg.drop_policy == "probability" else None
+        # "probability": highest router score first; "position": earlier tokens, first choices first, which is the
+        # slot-major assignment order itself.
+        priority_A = -top_s_TK.t().reshape(-1).detach() if cfg.drop_policy == "probability" else None
         order_A = sorted_by_expert(expert_A, priority_A)
         cap = expert_capacity(cfg, T)
         if cap is None:
@@ -113,17 +204,16 @@ class Router(nn.Module):
             rows_R = order_A[position_A < cap]
             kept_E = counts_E.clamp(max=cap)
 
-        f_E = counts_E.float() / (K * T)  # fraction of assignments per expert, before drops
-        p_E = probs_TE.mean(dim=0)
+        n = max(T, 1)  # a micro-batch without tokens: zero losses and entropy, no division by zero
         stats = RoutingStats(
             tokens_per_expert_E=counts_E.float(),
             dropped=(K * T - kept_E.sum()).float(),
             assignments=K * T,
-            aux_loss=E * torch.sum(f_E * p_E),
-            z_loss=lse_T.square().mean(),
-            entropy=(lse_T.detach() - torch.linalg.vecdot(probs_TE.detach(), logits_TE.detach())).mean(),
+            aux_loss=self.aux_loss(p_TE, expert_TK, seq_len or T),
+            z_loss=lse_T.square().sum() / n,
+            entropy=entropy_T.sum() / n,
         )
-        return Routing(rows_R=rows_R, tokens_per_expert_E=kept_E, weight_A=weight_A, num_tokens=T), stats
+        return Routing(rows_R=rows_R, tokens_per_expert_E=kept_E, weight_A=weight_A, num_tokens=T, top_k=K), stats
 
 
 @dataclass
@@ -250,7 +340,8 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    """Router → dispatcher.dispatch → experts → dispatcher.combine; its kernels chosen for `device`."""
+    """Router → dispatcher.dispatch → experts → dispatcher.combine (+ the shared experts on every token); its
+    kernels chosen for `device`."""
 
     def __init__(
         self,
@@ -265,6 +356,10 @@ class MoE(nn.Module):
         self.router = Router(d_model, cfg, init_std)
         self.experts = Experts(cfg.num_experts, d_model, cfg.d_ff or d_ff, init_std, n_layers, cfg.backend)
         self.dispatcher: Dispatcher = LocalDispatcher(Permutation.for_device(cfg.impl, device))
+        shared_ff = cfg.shared_d_ff or cfg.n_shared_experts * (cfg.d_ff or d_ff)
+        self.shared = (
+            SharedExperts(d_model, shared_ff, cfg.shared_gate, init_std, n_layers) if cfg.n_shared_experts else None
+        )
 
     @property
     def implementations(self) -> dict[str, str]:
@@ -275,11 +370,21 @@ class MoE(nn.Module):
     def init_weights(self) -> None:
         self.router.init_weights()
         self.experts.init_weights()
+        if self.shared is not None:
+            self.shared.init_weights()
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, RoutingStats]:
         x_TD = x.reshape(-1, x.shape[-1])
-        routing, stats = self.router(x_TD)
+        routing, stats = self.router(x_TD, x.shape[-2] if x.ndim >= 3 else None)
         x_RD, rows_per_expert_E, state = self.dispatcher.dispatch(x_TD, routing)
         y_RD = self.experts(x_RD, rows_per_expert_E)
         stats.sent_bytes = state.sent_bytes
-        return self.dispatcher.combine(y_RD, state).view_as(x), stats
+        out_TD = self.dispatcher.combine(y_RD, state)
+        if self.shared is not None:
+            out_TD = out_TD + self.shared(x_TD)
+        return out_TD.view_as(x), stats
+
+
+def moe_routers(model: nn.Module) -> list[Router]:
+    """Every MoE layer's router, in layer order (the order of the model's routing statistics)."""
+    return [m.router for m in model.modules() if isinstance(m, MoE)]

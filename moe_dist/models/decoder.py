@@ -36,7 +36,7 @@ class Block(nn.Module):
         super().__init__()
         self.mixer_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mixer = (
-            Attention(cfg.d_model, cfg.attention, cfg.init_std, cfg.n_layers, device)
+            Attention(cfg.d_model, cfg.attention, cfg.init_std, cfg.n_layers, device, cfg.norm_eps)
             if mixer == "A"
             else Mamba(cfg.d_model, cfg.mamba, cfg.norm_eps, cfg.init_std, device)
         )

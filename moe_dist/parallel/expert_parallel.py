@@ -18,10 +18,23 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from moe_dist.config import ConfigError
 from moe_dist.layers.moe import MoE
 from moe_dist.parallel import private_api
 from moe_dist.parallel.dispatch import AllToAllDispatcher
-from moe_dist.parallel.mesh import Mesh
+from moe_dist.parallel.mesh import Mesh, layout_groups
+
+
+def check_node_groups(n_groups: int, mesh: Mesh) -> None:
+    """`model.moe.group_by` "node": the expert groups must be the nodes the EP group spans (ranks of a node are
+    consecutive, so each node holds a contiguous block of experts), bounding the nodes a token is sent to."""
+    ep_ranks = next(g for g in layout_groups(mesh.dp, mesh.ep, mesh.tp)["ep"] if mesh.rank in g)
+    nodes = len({r // mesh.local_world_size for r in ep_ranks})
+    if n_groups != nodes:
+        raise ConfigError(
+            f"model.moe.n_groups: group_by 'node' needs one group per node of the expert-parallel group "
+            f"({nodes} nodes of {mesh.local_world_size} ranks), got {n_groups}"
+        )
 
 
 def apply_ep(model: nn.Module, mesh: Mesh) -> nn.Module:
@@ -32,6 +45,8 @@ def apply_ep(model: nn.Module, mesh: Mesh) -> nn.Module:
     for module in model.modules():
         if not isinstance(module, MoE):
             continue
+        if module.router.cfg.group_by == "node":
+            check_node_groups(module.router.cfg.n_groups, mesh)
         experts = module.experts
         num_experts = experts.w13.shape[0]
         local = num_experts // mesh.ep

@@ -15,8 +15,9 @@ this rank's tokens, get their gradients summed over TP.
                 channel, x_proj row-parallel: its (Δ, B, C) output is summed (g) and, after Jamba's inner norms,
                 re-enters the region (f), out_proj row-parallel          → 2 all-reduces: B·S·(R+2N), B·S·D
     dense FFN   w1/w3 column-parallel, w2 row-parallel                   → 1 all-reduce (B·S·D)
-    MoE         every expert's hidden dimension split (expert tensor parallelism); the router is replicated
-                inside the region: TP peers route the same tokens identically. With expert parallelism each TP
+    MoE         every expert's hidden dimension split (expert tensor parallelism), and the shared experts' as the
+                dense FFN's (their gate replicated like the router); the router is replicated inside the
+                region: TP peers route the same tokens identically. With expert parallelism each TP
                 rank dispatches only its 1/tp slice of the tokens through its own EP group (same tp_rank, see
                 mesh.py), so the all-to-all carries B·S·K·D/tp per rank; the TP peers' received rows are
                 all-gathered and the partial expert outputs reduce-scattered inside the TP group (dispatch.py,
@@ -136,6 +137,11 @@ class _ScaleGrad(torch.autograd.Function):
 def _attention(attn: Attention, mesh: Mesh, b: _Boundaries) -> None:
     for lin in (attn.wq, attn.wk, attn.wv):
         _shard_param(lin, "weight", 0, mesh)  # heads are contiguous blocks of rows
+        if lin.bias is not None:
+            _shard_param(lin, "bias", 0, mesh)
+    if attn.qk_norm == "head":  # one weight shared by every head: each rank's heads give part of its gradient
+        for norm in (attn.q_norm, attn.k_norm):
+            _sum_grad_over_tp(norm.weight, mesh.tp_group)
     _shard_param(attn.wo, "weight", 1, mesh)
     attn.n_heads //= mesh.tp
     attn.n_kv_heads //= mesh.tp
@@ -183,7 +189,14 @@ def _moe(moe: MoE, mesh: Mesh, b: _Boundaries) -> None:
     if isinstance(moe.dispatcher, AllToAllDispatcher):
         moe.dispatcher = moe.dispatcher.with_split(TokenSplit(mesh.tp_group, mesh.tp, mesh.tp_rank))
     group, scale = mesh.tp_group, 1.0 / mesh.tp
-    moe.router.register_forward_pre_hook(lambda m, args: (_ScaleGrad.apply(args[0], scale),))
+    moe.router.register_forward_pre_hook(lambda m, args: (_ScaleGrad.apply(args[0], scale), *args[1:]))
+    if moe.shared is not None:  # sharded like the dense FFN, inside the MoE region (one all-reduce for both)
+        _shard_param(moe.shared.w1, "weight", 0, mesh)
+        _shard_param(moe.shared.w3, "weight", 0, mesh)
+        _shard_param(moe.shared.w2, "weight", 1, mesh)
+        if moe.shared.gate is not None:  # replicated, as the router: full gradient in, input gradient / tp
+            moe.shared.gate.register_forward_pre_hook(lambda m, args: (_ScaleGrad.apply(args[0], scale),))
+            moe.shared.gate.register_forward_hook(lambda m, args, out: copy_to_region(out, group))
 
     def weights_enter(m, args, out):
         routing, stats = out

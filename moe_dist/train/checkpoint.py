@@ -95,6 +95,13 @@ def _stored(model: nn.Module, mesh: Mesh) -> list[_Stored]:
     return out
 
 
+def _buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Persistent buffers by global name (the routers' balancing state): replicated and identical on every rank,
+    so rank 0 writes them and every rank reads them; no optimizer moments."""
+    params = {name for name, _ in model.named_parameters()}
+    return {name: t for name, t in model.state_dict(keep_vars=True).items() if name not in params}
+
+
 def _inner_optimizer(engine):
     return getattr(engine.optimizer, "optimizer", engine.optimizer)
 
@@ -190,6 +197,8 @@ def save_checkpoint(
             parts = value.unbind(0) if st.stacked else [value]
             for name, v in zip(st.names, parts):
                 tensors[name if key == "param" else f"{key}.{name}"] = v.detach().float().cpu().contiguous()
+    if mesh.rank == 0:
+        tensors.update({name: b.detach().float().cpu().contiguous() for name, b in _buffers(model).items()})
     if tensors:
         _write_tensors(tensors, tmp / f"rank{mesh.rank:05d}.safetensors")
     barrier()
@@ -311,7 +320,8 @@ def _expected(model: nn.Module, mesh: Mesh) -> tuple[dict[str, tuple], set[str]]
         else:
             every.update(st.names)
     local.update({f"{k}.{n}": shape for n, shape in list(local.items()) for k in MOMENTS})
-    return local, every | {f"{k}.{n}" for n in every for k in MOMENTS}
+    buffers = {name: tuple(b.shape) for name, b in _buffers(model).items()}
+    return local | buffers, every | {f"{k}.{n}" for n in every for k in MOMENTS} | set(buffers)
 
 
 def check_fits(path: Path, meta: dict, index: dict, model: nn.Module, mesh: Mesh, data_identity: dict) -> None:
@@ -389,6 +399,9 @@ def load_checkpoint(engine, model: nn.Module, scheduler, path: Path, meta: dict,
             state = _inner_optimizer(engine).state[p]
             for k in MOMENTS:
                 state[k].copy_(values[k])
+    with torch.no_grad():
+        for name, b in _buffers(model).items():
+            b.copy_(read(name).to(b.dtype))
     # The schedule is a function of the step alone (skipped steps included, see guard.py); its state is not
     # loaded because the number of parameter groups depends on the layout (expert groups exist only with EP).
     step = int(meta["step"])

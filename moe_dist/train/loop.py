@@ -18,6 +18,7 @@ import torch
 from tqdm import tqdm
 
 from moe_dist.config import ConfigError, JobConfig, config_to_dict
+from moe_dist.layers.moe import moe_routers
 from moe_dist.models.decoder import build_model, lm_loss
 from moe_dist.parallel.comm import agree_on_error, all_reduce_sum, barrier
 from moe_dist.parallel.mesh import Mesh, init_distributed, set_group_timeouts
@@ -26,7 +27,7 @@ from moe_dist.parallel.tensor_parallel import vocab_parallel_lm_loss
 from moe_dist.train.checkpoint import CheckpointMismatch, check_fits, load_checkpoint, save_checkpoint
 from moe_dist.train.data import Batch, TokenDataset, copy_tokenizer, load_tokens, tokenizer_identity
 from moe_dist.train.guard import NonFiniteGuard, operation
-from moe_dist.train.metrics import MetricsLogger, StepAccumulator
+from moe_dist.train.metrics import DeadExperts, MetricsLogger, StepAccumulator
 from moe_dist.train.optim import build_optimizer, deepspeed_config
 from moe_dist.train.resume import complete_checkpoints, prune_checkpoints, select_checkpoint
 
@@ -98,9 +99,10 @@ def _train_step(
                 engine.step()  # between boundaries DeepSpeed only counts the micro-step
         acc.add(loss, lm, out)
     with operation(f"step {step}: non-finite check and optimizer step", timeout):
-        guard.boundary_step(step)
+        skipped = guard.boundary_step(step)
     with operation(f"step {step}: metrics all-reduce", timeout):
         record = {"step": step, **acc.reduce()}
+    end_router_step(engine.module, record["moe"], update=not skipped)
     elapsed = time.perf_counter() - tic
     grad_norm = engine.get_global_grad_norm()
     record.update(
@@ -110,6 +112,17 @@ def _train_step(
         skipped_steps=guard.skipped_total,
     )
     return record
+
+
+def end_router_step(model, layers: list[dict], update: bool) -> None:
+    """Routers' once-per-optimizer-step state from the step's global expert load (all ranks and micro-batches,
+    all-reduced, so every rank sets the same values; `update` False on a skipped step); the balancing bias, when
+    used, goes into the step's record."""
+    for router, layer in zip(moe_routers(model), layers):
+        if update:
+            router.end_step(torch.tensor(layer["tokens_per_expert"], dtype=torch.float64))
+        if router.bias_E is not None:
+            layer["bias"] = router.bias_E.float().cpu().tolist()
 
 
 def _check_settings(cfg: JobConfig) -> None:
@@ -241,10 +254,12 @@ def train(cfg: JobConfig, run_dir: Path, resume: bool = False) -> list[dict]:
         logger.log(record)
         records.append(record)
 
+    dead = DeadExperts(n_moe, cfg.model.moe.num_experts, cfg.model.moe.dead_expert_window, first_step=start)
     bar = tqdm(total=t.steps, initial=start, disable=mesh.rank != 0, desc="train", dynamic_ncols=True)
     try:
         for done in range(start + 1, t.steps + 1):  # the optimizer step being made, numbered as in metrics.jsonl
             record = _train_step(engine, cfg, data, mesh, guard, n_moe, done)
+            dead.observe(record)
             if (t.eval_every and done % t.eval_every == 0) or done == t.steps:
                 with operation(f"step {done}: evaluation", timeout):
                     record["eval_loss"] = evaluate(engine, cfg, val, mesh)

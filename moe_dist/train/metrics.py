@@ -93,6 +93,7 @@ class StepAccumulator:
                     "dropped_per_expert": [int(round(v)) for v in dpe.tolist()],
                     "drop_fraction": dropped / assigned,
                     "max_over_mean_load": tpe.max().item() / mean if mean > 0 else 0.0,
+                    "load_cv": tpe.std(correction=0).item() / mean if mean > 0 else 0.0,  # std / mean over experts
                     "router_entropy": entropy / n,
                     "a2a_bytes_per_rank": sent / n,  # mean bytes one rank sends per dispatch all-to-all
                 }
@@ -100,6 +101,24 @@ class StepAccumulator:
             off += 2 * E + _LAYER_EXTRA
         out["moe"] = layers
         return out
+
+
+class DeadExperts:
+    """Per MoE layer, the experts that received no token in the last `window` optimizer steps (so none during the
+    first `window` - 1 steps of a run or after a resume: history starts at `first_step`). `observe` adds
+    `dead_experts` (count) and `dead_expert_ids` to each layer of a step record."""
+
+    def __init__(self, n_moe_layers: int, num_experts: int, window: int, first_step: int):
+        self.window = window
+        self.last_seen_LE = np.full((n_moe_layers, num_experts), first_step, dtype=np.int64)
+
+    def observe(self, record: dict) -> None:
+        step = record["step"]
+        for last_E, layer in zip(self.last_seen_LE, record["moe"]):
+            last_E[np.asarray(layer["tokens_per_expert"]) > 0] = step
+            dead = np.flatnonzero(step - last_E >= self.window)
+            layer["dead_experts"] = len(dead)
+            layer["dead_expert_ids"] = dead.tolist()
 
 
 # ----------------------------------------------------------------------------------------------- images
@@ -193,7 +212,11 @@ def custom_scalars_layout(n_moe_layers: int) -> dict:
         tag = f"moe/layer{i}"
         layout[f"moe layer {i}"] = {
             "token share per expert": ["Multiline", [rf"{tag}/expert\d+_token_share"]],
-            "drop fraction and imbalance": ["Multiline", [f"{tag}/drop_fraction", f"{tag}/max_over_mean_load"]],
+            "drop fraction and imbalance": [
+                "Multiline",
+                [f"{tag}/drop_fraction", f"{tag}/max_over_mean_load", f"{tag}/load_cv", f"{tag}/dead_experts"],
+            ],
+            "balancing bias per expert": ["Multiline", [rf"{tag}/expert\d+_bias"]],
             "router entropy": ["Multiline", [f"{tag}/router_entropy"]],
         }
     return layout
@@ -274,6 +297,8 @@ class MetricsLogger:
             for key, value in layer.items():
                 if _numeric(value):
                     self.tb.add_scalar(f"{tag}/{key}", value, step)
+            for e, v in enumerate(layer.get("bias", [])):  # loss-free balancing bias, when used
+                self.tb.add_scalar(f"{tag}/expert{e}_bias", v, step)
             if self._periodic(self.histogram_every, step):
                 self.tb.add_histogram(f"{tag}/tokens_per_expert", tpe, step)
         if layers and self._periodic(self.image_every, step):

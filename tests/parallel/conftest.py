@@ -32,6 +32,7 @@ def _same_trajectory(got: list[dict], ref: list[dict], first_step: int = 1) -> N
         assert len(g["moe"]) == len(r["moe"]) == 2, g["step"]  # configs/debug.json's two MoE layers
         for lg, lr in zip(g["moe"], r["moe"]):
             assert lg["tokens_per_expert"] == lr["tokens_per_expert"]  # global expert load, not rank 0's
+            assert lg.get("bias") == lr.get("bias")  # loss-free balancing bias: from the same global counts
 
 
 def _same_final_state(got_dir: Path, ref_dir: Path, atol_of_scale: float) -> dict[str, torch.Tensor]:

@@ -22,7 +22,7 @@ from moe_dist.parallel.expert_parallel import apply_ep
 from moe_dist.parallel.mesh import init_distributed
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-SCENARIOS = ["all_to_other_rank", "rank_routes_nothing_locally"]
+SCENARIOS = ["all_to_other_rank", "rank_routes_nothing_locally", "rank_has_no_tokens"]
 
 
 def layer_config(dtype: str) -> list:
@@ -46,6 +46,11 @@ def scenario_inputs(scenario: str, rank: int, d_model: int = 8) -> torch.Tensor:
     if scenario == "all_to_other_rank":
         # rank 0's tokens all prefer experts 2, 3 (held by rank 1); rank 1's too: rank 0 receives nothing,
         # experts 0 and 1 get no token at all.
+        x[:, 2], x[:, 3] = 3.0, 2.0 + 0.1 * torch.arange(6)
+    elif scenario == "rank_has_no_tokens":
+        # rank 1's micro-batch is empty: it routes nothing but still takes part in both all-to-alls
+        if rank == 1:
+            return torch.zeros(0, d_model)
         x[:, 2], x[:, 3] = 3.0, 2.0 + 0.1 * torch.arange(6)
     elif scenario == "rank_routes_nothing_locally":
         # rank r sends everything to the other rank's experts

@@ -56,7 +56,7 @@ def _reference(scenario: str, dtype: str):
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("scenario", ["all_to_other_rank", "rank_routes_nothing_locally"])
+@pytest.mark.parametrize("scenario", ["all_to_other_rank", "rank_routes_nothing_locally", "rank_has_no_tokens"])
 def test_all_to_all_dispatch_matches_one_process(results, scenario, dtype):
     got = [load_file(str(results / f"{scenario}_{dtype}_rank{rank}.safetensors")) for rank in range(2)]
     per_rank, expert_grads = _reference(scenario, dtype)
@@ -71,6 +71,9 @@ def test_all_to_all_dispatch_matches_one_process(results, scenario, dtype):
             torch.testing.assert_close(
                 got[rank][f"{name}_grad"], shard, rtol=rtol, atol=atol, msg=f"{name} rank {rank}"
             )
+    if scenario == "rank_has_no_tokens":
+        assert got[1]["out"].shape == (0, 8 if dtype == "fp32" else 32)
+        assert torch.count_nonzero(got[1]["router_grad"]) == 0 and torch.count_nonzero(got[1]["w13_grad"]) > 0
     if scenario == "all_to_other_rank":
         # experts 0 and 1 received no token anywhere: rank 0's expert gradients exist and are exactly zero
         assert all(torch.count_nonzero(got[0][f"{n}_grad"]) == 0 for n in ("w13", "w2"))

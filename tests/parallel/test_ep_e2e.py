@@ -21,6 +21,7 @@ LAYOUTS = {  # (world, ep, mode, zero stage): launcher
     (2, 2, "dropless", 2): "deepspeed",
     (4, 2, "capacity", 2): "torchrun",
     (4, 4, "dropless", 1): "torchrun",
+    (2, 2, "recipes", 1): "torchrun",  # support.E2E_MODES: sigmoid, bias, global-batch aux, groups = EP ranks, shared
 }
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
@@ -66,6 +67,8 @@ def test_ep_run_equals_one_process(runs, reference, metrics, same_trajectory, sa
     _check_against_reference(
         runs[layout], reference(layout[2]), layout[1], 1, metrics, same_trajectory, same_final_state
     )
+    if layout[2] == "recipes":  # the bias moved, identically in both runs (conftest compares it every step)
+        assert all(any(layer["bias"]) for r in train_records(metrics(runs[layout])) for layer in r["moe"])
 
 
 @pytest.mark.parametrize(
@@ -74,8 +77,9 @@ def test_ep_run_equals_one_process(runs, reference, metrics, same_trajectory, sa
         ((2, 2, "dropless", 2), "dropless", 1, 1),  # ep=2 -> ep=1 (one process)
         ("ref", "capacity", 2, 2),  # ep=1 -> ep=2
         ((4, 4, "dropless", 1), "dropless", 2, 2),  # ep=4 -> ep=2
+        ((2, 2, "recipes", 1), "recipes", 1, 1),  # the balancing bias and global load travel in the checkpoint
     ],
-    ids=["ep2-to-ep1", "ep1-to-ep2", "ep4-to-ep2"],
+    ids=["ep2-to-ep1", "ep1-to-ep2", "ep4-to-ep2", "ep2-to-ep1-recipes"],
 )
 def test_checkpoint_reshards_across_ep_sizes(
     tmp_path,

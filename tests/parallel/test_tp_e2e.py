@@ -9,14 +9,22 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from support import E2E_BASE, E2E_CONFIG, E2E_SAVE, train_records
+from support import E2E_BASE, E2E_CONFIG, E2E_MODES, E2E_SAVE, train_records
 
 LAYOUTS = {  # dp-ep-tp: world size, overrides
     "dp1-ep1-tp2": (2, ["parallel.tp=2"]),
     "dp2-ep2-tp2": (4, ["parallel.tp=2", "parallel.ep=2"]),
     "dp2-ep1-tp2": (4, ["parallel.tp=2", "deepspeed.zero_stage=2"]),
     "dp2-ep2-tp2-sequence-parallel": (4, ["parallel.tp=2", "parallel.ep=2", "parallel.sequence_parallel=true"]),
+    "dp1-ep1-tp2-recipes": (2, ["parallel.tp=2", *E2E_MODES["recipes"]]),
 }
+
+
+def _mode(layout: str) -> str:
+    """The single-process reference a layout is compared with (support.E2E_MODES)."""
+    return "recipes" if layout.endswith("-recipes") else "capacity"
+
+
 # fp32, of each tensor's largest magnitude. TP splits sums (heads, channels, expert hidden units) into partial sums,
 # so rounding differs; Adam amplifies it where gradients are tiny (a rarely routed expert's w2: worst seen 0.9e-4
 # of the scale after these 6 steps, 1.0e-4 after 8, while losses agree to 1e-7).
@@ -60,8 +68,8 @@ def _resume(run_train, src, dst, world: int, *overrides: str, from_step: int) ->
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_tp_run_equals_one_process(runs, reference, metrics, same_trajectory, same_final_state, layout):
-    same_trajectory(metrics(runs[layout]), metrics(reference("capacity")))
-    same_final_state(runs[layout], reference("capacity"), ATOL_OF_SCALE)  # every tensor whole, once, by global name
+    same_trajectory(metrics(runs[layout]), metrics(reference(_mode(layout))))
+    same_final_state(runs[layout], reference(_mode(layout)), ATOL_OF_SCALE)  # every tensor whole, once, by global name
 
 
 def test_checkpoint_reshards_tp2_to_tp1_to_tp2(

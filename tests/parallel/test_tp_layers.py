@@ -13,8 +13,9 @@ from moe_dist.parallel.tensor_parallel import shard, unshard
 
 WORKER = Path(__file__).with_name("tp_worker.py")
 LAYERS = ["attention", "mamba", "swiglu", "moe", "model"]
-# Jamba's inner norms with an untied head; plain Mamba with a tied head; the first with sequence parallelism
-VARIANTS = ["norms_untied", "plain_tied", "sp_norms_untied"]
+# Jamba's inner norms with an untied head; plain Mamba with a tied head; the first with sequence parallelism; the
+# MoE recipes (sigmoid scores, bias, groups, sequence aux loss, gated shared experts)
+VARIANTS = ["norms_untied", "plain_tied", "sp_norms_untied", "moe_recipes"]
 
 
 @pytest.fixture(scope="module")

@@ -42,6 +42,17 @@ VARIANTS = {
         "model.tie_embeddings=false",
         "parallel.sequence_parallel=true",
     ],
+    "moe_recipes": [  # sigmoid scores, bias, groups, sequence aux loss and gated shared experts under TP
+        "model.mamba.inner_norms=false",
+        "model.moe.score=sigmoid",
+        "model.moe.bias_update_rate=0.01",
+        "model.moe.n_groups=2",
+        "model.moe.aux_loss_scope=sequence",
+        "model.moe.n_shared_experts=1",
+        "model.moe.shared_gate=true",
+        "model.attention.qk_norm=head",  # Qwen3's per-head q/k norms and Qwen2's q/k/v biases under TP too
+        "model.attention.qkv_bias=true",
+    ],
 }
 
 

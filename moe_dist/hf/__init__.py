@@ -1,0 +1,43 @@
+"""Hugging Face interop: Mixtral, Jamba, Qwen2-MoE, Qwen3-MoE, OLMoE (and dense Llama, Qwen3) checkpoint
+directories ↔ our Decoder, and ↔ our training checkpoints. One module per family (its config mapping and tensor
+names), format.py for the directories, checkpoints.py for run directories (import, export, upcycling).
+
+What our config cannot express is refused with a one-line error naming the field (RoPE scaling, activations
+other than SiLU, sliding-window layer mixes, OLMoE's clip_qkv, Jamba layouts that are not one period/offset), and
+so is a model the format cannot hold (sigmoid scores, expert groups, a loss-free balancing bias). Training
+hyper-parameters of the Hugging Face config (router_aux_loss_coef, jitter noise) are not mapped: ours stay at
+their defaults.
+"""
+
+from moe_dist.hf.checkpoints import (
+    COMPANION_FILES,
+    companion_dir,
+    export_run_to_hf,
+    import_hf_to_run,
+    load_checkpoint_model,
+    load_model,
+    resolve_checkpoint,
+    upcycle_to_run,
+    write_initial_checkpoint,
+)
+from moe_dist.hf.common import HFConfigError
+from moe_dist.hf.format import FAMILIES, config_from_hf, config_to_hf, family_of, load_hf_model, save_hf_model
+
+__all__ = [
+    "COMPANION_FILES",
+    "FAMILIES",
+    "HFConfigError",
+    "companion_dir",
+    "config_from_hf",
+    "config_to_hf",
+    "export_run_to_hf",
+    "family_of",
+    "import_hf_to_run",
+    "load_checkpoint_model",
+    "load_hf_model",
+    "load_model",
+    "resolve_checkpoint",
+    "save_hf_model",
+    "upcycle_to_run",
+    "write_initial_checkpoint",
+]

@@ -1,0 +1,140 @@
+"""What every Hugging Face family module shares: the error type, config helpers, and the `Family` record that
+format.py dispatches on."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from moe_dist.config import ConfigError, ModelConfig, config_from_dict
+
+
+class HFConfigError(ValueError):
+    """A Hugging Face config or checkpoint our model cannot represent; the message names the field or file."""
+
+
+@dataclass(frozen=True)
+class Family:
+    """One Hugging Face architecture: its config mapping both ways and its tensor names."""
+
+    model_type: str  # config.json "model_type"
+    architecture: str  # config.json "architectures"[0]
+    from_hf: Callable[[dict], ModelConfig]  # config.json → our model config (HFConfigError naming the field)
+    unfit: Callable[[ModelConfig], list[str]]  # why `cfg` is not expressible in this family ([] = it is)
+    to_hf: Callable[[ModelConfig, dict], None]  # write this family's keys into a config.json dict
+    names: Callable[[str, int], list[str]]  # our parameter name → its Hugging Face name(s) (one per expert)
+
+
+def get(hf: dict, key: str, default):
+    value = hf.get(key)
+    return default if value is None else value
+
+
+def tile(letters: list[str]) -> str:
+    """The shortest pattern that tiles `letters` (what ModelConfig's *_pattern fields hold)."""
+    n = len(letters)
+    for p in range(1, n + 1):
+        if n % p == 0 and all(letters[i] == letters[i % p] for i in range(n)):
+            return "".join(letters[:p])
+    raise AssertionError("unreachable: the full list tiles itself")
+
+
+def rope_theta(hf: dict, default: float = 1e6) -> float:
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or {}
+    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if kind != "default":
+        raise HFConfigError(f"rope_parameters.rope_type: {kind!r} RoPE scaling is not supported (only 'default')")
+    return float(params.get("rope_theta") or hf.get("rope_theta") or default)
+
+
+def check_silu(hf: dict) -> None:
+    if get(hf, "hidden_act", "silu") != "silu":
+        raise HFConfigError(
+            f"hidden_act: only 'silu' (SwiGLU experts, Mamba's SiLU) is supported, got {hf['hidden_act']!r}"
+        )
+
+
+def refuse(hf: dict, key: str, allowed, why: str) -> None:
+    """HFConfigError naming `key` when the config sets it to something other than the `allowed` values."""
+    if key in hf and hf[key] not in allowed:
+        raise HFConfigError(f"{key}: {hf[key]!r} is not supported ({why})")
+
+
+def validated(cfg: ModelConfig) -> ModelConfig:
+    """`cfg` after our config's own checks (heads dividing, positive sizes), as a one-line HFConfigError."""
+    try:
+        return config_from_dict({"model": dataclasses.asdict(cfg)}).model
+    except ConfigError as e:
+        raise HFConfigError(f"config.json maps to an invalid model config: {e}") from None
+
+
+def period_offset(letters: list[str], letter: str) -> Optional[tuple[int, int]]:
+    """(period, offset) with `letter` exactly at the layers i % period == offset, or None if no such pair."""
+    n = len(letters)
+    where = [c == letter for c in letters]
+    for period in range(1, n + 2):
+        for offset in range(period):
+            if all(where[i] == (i % period == offset) for i in range(n)):
+                return period, offset
+    return None
+
+
+def reasons(checks: list[tuple[bool, str]]) -> list[str]:
+    return [why for bad, why in checks if bad]
+
+
+def router_unfit(cfg: ModelConfig) -> list[str]:
+    """Routing no Hugging Face family here expresses (each routes by softmax top-k over all experts)."""
+    moe = cfg.moe
+    return reasons(
+        [
+            (moe.score != "softmax", "moe.score must be 'softmax'"),
+            (moe.route_scale != 1.0, "moe.route_scale must be 1"),
+            (moe.n_groups != 1, "moe.n_groups must be 1"),
+            (moe.bias_update_rate > 0, "moe.bias_update_rate must be 0 (the format has no expert-choice bias)"),
+        ]
+    )
+
+
+def attention_names(
+    name: str,
+    num_experts: int,
+    *,
+    moe: str,
+    router: str,
+    experts: dict[str, str],
+    dense: str = "mlp",
+) -> list[str]:
+    """Tensor names of the attention-only families (Mixtral, Qwen2/3-MoE, OLMoE): `moe` is the MoE block's prefix
+    in a layer, `router` its gate's name, `experts` our w1/w3/w2 → their per-expert projection names; dense FFN
+    layers are `dense`.{gate,up,down}_proj, shared experts `moe`.shared_expert(_gate). For the fused w13: all
+    gate names, then all up names (the halves of its last dim)."""
+    top = {
+        "embed.weight": "model.embed_tokens.weight",
+        "head.weight": "lm_head.weight",
+        "norm.weight": "model.norm.weight",
+    }
+    if name in top:
+        return [top[name]]
+    _, layer, rest = name.split(".", 2)  # blocks.<i>.<rest>
+    prefix = f"model.layers.{layer}."
+    proj = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+    simple = {
+        "mixer_norm.weight": "input_layernorm.weight",
+        "ffn_norm.weight": "post_attention_layernorm.weight",
+        "ffn.router.weight": f"{moe}.{router}.weight",
+        "mixer.q_norm.weight": "self_attn.q_norm.weight",
+        "mixer.k_norm.weight": "self_attn.k_norm.weight",
+        "ffn.shared.gate.weight": f"{moe}.shared_expert_gate.weight",
+        **{f"mixer.w{x}.{p}": f"self_attn.{x}_proj.{p}" for x in "qkvo" for p in ("weight", "bias")},
+        **{f"ffn.{ours}.weight": f"{dense}.{theirs}.weight" for ours, theirs in proj.items()},
+        **{f"ffn.shared.{ours}.weight": f"{moe}.shared_expert.{theirs}.weight" for ours, theirs in proj.items()},
+    }
+    if rest in simple:
+        return [prefix + simple[rest]]
+    if rest.startswith("ffn.experts."):
+        which = {"w13": [experts["w1"], experts["w3"]], "w2": [experts["w2"]]}[rest.rsplit(".", 1)[1]]
+        return [f"{prefix}{moe}.experts.{e}.{w}.weight" for w in which for e in range(num_experts)]
+    raise HFConfigError(f"{name}: no Hugging Face counterpart")
