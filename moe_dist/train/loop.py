@@ -18,8 +18,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from moe_dist.config import ConfigError, JobConfig, config_to_dict
+from moe_dist.config import ConfigError, JobConfig, check_layout, config_to_dict
 from moe_dist.models.decoder import build_model, lm_loss
+from moe_dist.models.recompute import apply_activation_checkpointing
 from moe_dist.parallel.comm import agree_on_error, all_reduce_sum, barrier
 from moe_dist.parallel.mesh import Mesh, init_distributed, set_group_timeouts
 from moe_dist.parallel.parallelize import parallelize
@@ -177,6 +178,8 @@ def train(cfg: JobConfig, run_dir: Path, resume: bool = False) -> list[dict]:
     With `resume`, continue from the newest checkpoint in the run directory that verifies, falling back to older
     ones; start fresh when there is none. So one command line serves the first start and every restart."""
     _check_settings(cfg)
+    # The layout against the launcher's world size before anything is read, joined or written (one line, exit 2).
+    check_layout(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     t = cfg.train
     train_tokens, val_tokens = load_tokens(cfg.data, t.seq_len)
     _check_vocab(train_tokens, cfg.model.vocab_size, "training split")
@@ -204,7 +207,8 @@ def train(cfg: JobConfig, run_dir: Path, resume: bool = False) -> list[dict]:
         if mesh.rank == 0:
             tqdm.write(line, file=sys.stderr)
 
-    model = maybe_compile(parallelize(build_model(cfg.model, mesh.device), mesh, cfg), cfg)
+    model = parallelize(build_model(cfg.model, mesh.device), mesh, cfg)
+    model = maybe_compile(apply_activation_checkpointing(model, t), cfg)  # recompute: models/recompute.py
     ckpt_root = run_dir / "checkpoints"
     found = _checkpoint_to_resume(ckpt_root, model, mesh, data_identity, timeout, say) if resume else None
 
