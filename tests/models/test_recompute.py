@@ -36,7 +36,7 @@ def _train(setting: str, steps: int = 3, micro: int = 2, *extra: str) -> list[di
             batch = torch.randint(0, 256, (2, 33), generator=gen)
             out = model(batch[:, :-1])
             moe = cfg.model.moe
-            loss = (lm_loss(out.logits, batch[:, 1:]) + moe.aux_loss_coef * out.aux_loss + moe.z_loss_coef * out.z_loss)
+            loss = lm_loss(out.logits, batch[:, 1:]) + moe.aux_loss_coef * out.aux_loss + moe.z_loss_coef * out.z_loss
             (loss / micro).backward()
             rec["loss"] += loss.item()
             rec["aux"] += out.aux_loss.item()
