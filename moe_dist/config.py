@@ -397,6 +397,12 @@ def check_layout(cfg: JobConfig, world_size: int) -> int:
     dp = world_size // tp
     _check(dp % ep == 0, f"parallel.ep: {ep} must divide the data-parallel degree {dp} (world {world_size} / tp {tp})")
     ranks = f"{dp} data-parallel ranks (world size {world_size} / parallel.tp={tp})"
+    # The engine's, checked here (at start-up) rather than in validate(): tools that build no engine (bench) take it.
+    _check(
+        cfg.train.dtype == "fp32" or cfg.train.grad_accum_dtype == "bf16" or cfg.deepspeed.zero_stage == 2,
+        "deepspeed.zero_stage: bf16 training with fp32 gradient accumulation (train.grad_accum_dtype, the default) "
+        "needs ZeRO stage 2; set deepspeed.zero_stage=2, or train.grad_accum_dtype=bf16 to accumulate in bf16",
+    )
     micro = cfg.train.global_batch_size // cfg.train.micro_batch_size
     _check(
         micro % dp == 0,
