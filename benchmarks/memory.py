@@ -1,0 +1,138 @@
+"""Measured memory on the CPU, to hold the memory plan (moe_dist/memory.py) and activation checkpointing honest.
+
+    python benchmarks/memory.py activations --config C [--set K=V ...] [--settings none,full,...]
+        one process, one micro-batch forward + backward per checkpointing setting: the peak resident memory above
+        the level just before the forward (activations + gradients + transients), the bytes autograd saved, and
+        the plan's figure for the same; JSON per setting on stdout.
+    torchrun --nproc_per_node N benchmarks/memory.py train --config C --run-dir D [--set ...]
+        a real training run (launch/train.py's `train`); each rank writes D/memory_rankR.json: its peak resident
+        memory above its level before the run started (after imports), beside the plan for its layout.
+
+Peaks are the kernel's high-water mark of this process (VmHWM), reset through /proc/self/clear_refs before the
+measured region, so they count every allocation torch made, its allocator's slack included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+GB = 1e9
+
+
+def rss_bytes(field: str = "VmRSS") -> int:
+    """VmRSS (now) or VmHWM (peak since the last reset) of this process, in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def reset_peak() -> None:
+    Path("/proc/self/clear_refs").write_text("5")  # Linux: VmHWM := VmRSS
+
+
+SETTINGS = {
+    "none": [],
+    "full": ["train.activation_checkpointing=full"],
+    "moe_experts": ["train.activation_checkpointing=selective", 'train.checkpoint_parts=["moe_experts"]'],
+}
+
+
+def activations(args) -> None:
+    from moe_dist.config import load_config
+    from moe_dist.memory import memory_plan
+    from moe_dist.models.decoder import build_model, lm_loss, materialize
+    from moe_dist.models.recompute import apply_activation_checkpointing
+
+    settings = args.settings.split(",")
+    if len(settings) > 1:  # one fresh process each: freed memory stays resident and would hide the next peak
+        for setting in settings:
+            cmd = [sys.executable, __file__, "activations", "--config", args.config, "--settings", setting]
+            subprocess.run([*cmd, "--set", *args.set] if args.set else cmd, check=True)
+        return
+    torch.set_num_threads(1)
+    for setting in settings:
+        cfg = load_config(args.config, [*args.set, *SETTINGS[setting]])
+        t = cfg.train
+        model = apply_activation_checkpointing(materialize(build_model(cfg.model), "cpu", t.seed), t)
+        batch = torch.randint(0, cfg.model.vocab_size, (t.micro_batch_size, t.seq_len + 1))
+        saved = 0
+
+        def pack(x):
+            nonlocal saved
+            saved += x.numel() * x.element_size()
+            return x
+
+        gc.collect()
+        reset_peak()
+        base = rss_bytes()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+            out = model(batch[:, :-1])
+            loss = lm_loss(out.logits, batch[:, 1:]) + out.aux_loss
+        loss.backward()
+        peak = rss_bytes("VmHWM") - base
+        plan = memory_plan(cfg, world_size=1)
+        print(
+            json.dumps(
+                {
+                    "setting": setting,
+                    "seq_len": t.seq_len,
+                    "micro_batch_size": t.micro_batch_size,
+                    "measured_peak_gb": peak / GB,
+                    "saved_by_autograd_gb": saved / GB,
+                    "planned_activations_gb": plan["memory_per_rank_gb"]["activations"],
+                    "planned_grads_gb": plan["memory_per_rank_gb"]["grads"],
+                }
+            ),
+            flush=True,
+        )
+        del model, out, loss
+        gc.collect()
+
+
+def train_run(args) -> None:
+    import deepspeed  # noqa: F401  (imported before the baseline: its import is not the run's memory)
+
+    from moe_dist.config import load_config
+    from moe_dist.memory import memory_plan
+    from moe_dist.train.loop import train
+
+    cfg = load_config(args.config, args.set)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    gc.collect()
+    reset_peak()
+    base = rss_bytes()
+    train(cfg, args.run_dir)
+    peak = rss_bytes("VmHWM") - base
+    rank = int(os.environ.get("RANK", "0"))
+    plan = memory_plan(cfg, world_size=world)
+    out = {"rank": rank, "world_size": world, "measured_peak_gb": peak / GB, "plan": plan}
+    (args.run_dir / f"memory_rank{rank}.json").write_text(json.dumps(out))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("what", choices=["activations", "train"])
+    p.add_argument("--config", required=True)
+    p.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE")
+    p.add_argument("--settings", default="none,full,moe_experts", help="activations: checkpointing settings")
+    p.add_argument("--run-dir", type=Path, default=None)
+    args = p.parse_args(argv)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    if args.what == "activations":
+        activations(args)
+    else:
+        train_run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
