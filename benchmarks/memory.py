@@ -4,6 +4,8 @@
         one process, one micro-batch forward + backward per checkpointing setting: the peak resident memory above
         the level just before the forward (activations + gradients + transients), the bytes autograd saved, and
         the plan's figure for the same; JSON per setting on stdout.
+    torchrun --nproc_per_node N benchmarks/memory.py init --config C [--set ...] [--whole-then-slice]
+        building the model: each rank's peak resident memory while it builds its shard, against the shard's size
     torchrun --nproc_per_node N benchmarks/memory.py train --config C --run-dir D [--set ...]
         a real training run (launch/train.py's `train`); each rank writes D/memory_rankR.json: its peak resident
         memory above its level before the run started (after imports), beside the plan for its layout.
@@ -118,19 +120,55 @@ def train_run(args) -> None:
     (args.run_dir / f"memory_rank{rank}.json").write_text(json.dumps(out))
 
 
+def init_run(args) -> None:
+    """Peak resident memory of building this rank's shard (parallelize: EP and TP on meta, shard-wise init), or with
+    --whole-then-slice the former way (materialize the local model whole, then slice it for TP), above the level
+    after the process group exists; against the bytes of the shard it ends with."""
+    from moe_dist.config import load_config
+    from moe_dist.models.decoder import build_model, materialize
+    from moe_dist.parallel.expert_parallel import apply_ep
+    from moe_dist.parallel.mesh import init_distributed
+    from moe_dist.parallel.parallelize import parallelize
+    from moe_dist.parallel.tensor_parallel import apply_tp
+
+    cfg = load_config(args.config, args.set)
+    mesh = init_distributed(cfg)
+    total = sum(p.numel() * 4 for p in build_model(cfg.model, "meta").parameters())
+    gc.collect()
+    reset_peak()
+    base = rss_bytes()
+    if args.whole_then_slice:
+        model = apply_tp(materialize(apply_ep(build_model(cfg.model), mesh), "cpu", cfg.train.seed), mesh)
+    else:
+        model = parallelize(build_model(cfg.model, mesh.device), mesh, cfg)
+    peak = rss_bytes("VmHWM") - base
+    shard = sum(p.numel() * p.element_size() for p in model.parameters())
+    print(
+        json.dumps(
+            {
+                "rank": mesh.rank,
+                "layout": {"dp": mesh.dp, "ep": mesh.ep, "tp": mesh.tp},
+                "method": "whole_then_slice" if args.whole_then_slice else "shard_wise",
+                "model_gb": total / GB,
+                "shard_gb": shard / GB,
+                "peak_above_start_gb": peak / GB,
+            }
+        ),
+        flush=True,
+    )
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["activations", "train"])
+    p.add_argument("what", choices=["activations", "train", "init"])
     p.add_argument("--config", required=True)
     p.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE")
     p.add_argument("--settings", default="none,full,moe_experts", help="activations: checkpointing settings")
     p.add_argument("--run-dir", type=Path, default=None)
+    p.add_argument("--whole-then-slice", action="store_true", help="init: the former way, for comparison")
     args = p.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    if args.what == "activations":
-        activations(args)
-    else:
-        train_run(args)
+    {"activations": activations, "train": train_run, "init": init_run}[args.what](args)
     return 0
 
 
