@@ -8,10 +8,13 @@
         building the model: each rank's peak resident memory while it builds its shard, against the shard's size
     torchrun --nproc_per_node N benchmarks/memory.py train --config C --run-dir D [--set ...]
         a real training run (launch/train.py's `train`); each rank writes D/memory_rankR.json: its peak resident
-        memory above its level before the run started (after imports), beside the plan for its layout.
+        memory above its level before the run started (after imports) up to the first checkpoint save, beside the
+        plan for its layout.
 
 Peaks are the kernel's high-water mark of this process (VmHWM), reset through /proc/self/clear_refs before the
-measured region, so they count every allocation torch made, its allocator's slack included.
+measured region, so they count every allocation torch made, its allocator's slack included. Run with
+MALLOC_MMAP_THRESHOLD_=1048576: glibc otherwise raises its mmap threshold after the first large free and serves
+later blocks from a heap it does not give back, so the peak depends on the order of frees (+20% seen).
 """
 
 from __future__ import annotations
@@ -103,17 +106,26 @@ def activations(args) -> None:
 def train_run(args) -> None:
     import deepspeed  # noqa: F401  (imported before the baseline: its import is not the run's memory)
 
+    import moe_dist.train.loop as loop
     from moe_dist.config import load_config
     from moe_dist.memory import memory_plan
     from moe_dist.train.loop import train
 
     cfg = load_config(args.config, args.set)
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    peaks: list[int] = []
+    save = loop.save_checkpoint
+
+    def save_after_noting_the_peak(*a, **kw):  # the plan is of training: the peak up to the first save
+        peaks.append(rss_bytes("VmHWM"))
+        return save(*a, **kw)
+
+    loop.save_checkpoint = save_after_noting_the_peak
     gc.collect()
     reset_peak()
     base = rss_bytes()
     train(cfg, args.run_dir)
-    peak = rss_bytes("VmHWM") - base
+    peak = (peaks[0] if peaks else rss_bytes("VmHWM")) - base
     rank = int(os.environ.get("RANK", "0"))
     plan = memory_plan(cfg, world_size=world)
     out = {"rank": rank, "world_size": world, "measured_peak_gb": peak / GB, "plan": plan}

@@ -49,7 +49,8 @@ def materialize_shards(model: nn.Module, template: nn.Module, mesh: Mesh, seed: 
                 meta = owner._parameters[leaf]
                 dim = getattr(meta, "tp_dim", None)
                 local = full if dim is None else shard(full, dim, mesh.tp_rank, mesh.tp, meta.tp_parts)
-                p = nn.Parameter(local.to(mesh.device, copy=True), requires_grad=meta.requires_grad)
+                # A slice is a fresh tensor and a whole one outlives the template's storage here: no further copy.
+                p = nn.Parameter(local.to(mesh.device), requires_grad=meta.requires_grad)
                 p.__dict__.update(vars(meta))
                 owner._parameters[leaf] = p
             whole.to_empty(device="meta")  # frees the unit's unsharded CPU tensors
