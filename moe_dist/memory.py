@@ -9,8 +9,9 @@ Counted from the meta model (no storage) and the config's layout at the given wo
     optimizer    fp32 master weights and Adam's two moments, partitioned over dp (dense) and edp = dp/ep (experts)
     activations  what autograd keeps for the backward of one micro-batch, per layer kind (below), with the
                  configured recompute
-    transient    the largest buffer that lives only briefly: the logits with their log-softmax and gradient, the
-                 MoE all-to-all send/receive rows, DeepSpeed's reduce bucket
+    transient    the largest buffer that lives only briefly: the logits with their log-softmax and gradient, one
+                 sublayer's backward (the gradients of its interior; under recompute also the recomputed interior),
+                 the MoE all-to-all send/receive rows, DeepSpeed's reduce bucket
 
 Activation bytes per token (T = micro_batch_size · seq_len tokens on this rank; a = activation bytes, 4 fp32 or 2
 bf16; widths are this rank's: Hq, Hkv, Di, F, V divided by tp). They were read off the tensors autograd saves for
@@ -93,26 +94,33 @@ def activation_bytes(cfg: JobConfig, tp: int = 1) -> dict[str, float]:
     norm_full = 3 * D * a / sp + 4  # norm input, norm output, the first linear's copy of it, rstd
     norm_kept = 2 * D * a / sp + 4  # the recomputed sublayer's input and the norm's input stay
     out = {"attention": 0.0, "mamba": 0.0, "mlp": 0.0, "moe": 0.0}
+    largest = 0.0  # the largest one sublayer's interior: its backward's working set (and its recompute)
     for mixer, ffn in layer_kinds(m):
         if mixer == "A":
             inner = (2 * hq + 2 * hkv) * hd * a + 4 * hq
             out["attention"] += norm_kept if "attention" in parts else norm_full + inner
+            largest = max(largest, inner)
         else:
             inner = (11 * di + r + 4 * n + di * n / m.mamba.chunk_size) * a
             if m.mamba.inner_norms:
                 inner += 2 * (r + 2 * n) * a + 12
             out["mamba"] += norm_kept if "mamba" in parts else norm_full + inner
+            largest = max(largest, inner)
         if ffn == "D":
             out["mlp"] += norm_kept if "mlp" in parts else norm_full + 4 * f_dense * a
+            largest = max(largest, 4 * f_dense * a)
         else:
             router = 8 * E + 12 + (D * 4 if a == 2 else 0)  # the router's fp32 copy of its input under bf16
             rows = K * cf * (2 * D * a if "moe_experts" in parts else (2 * D + 4 * f_moe) * a)
             out["moe"] += norm_full + router + rows
+            largest = max(largest, K * cf * 4 * f_moe * a)
     v = m.vocab_size // tp
     out["head"] = norm_full + 4 * v + 16
     per_token = {k: val * T for k, val in out.items()}
     transient = {
         "logits": 3 * 4 * v * T,  # fp32 logits, log-softmax and its gradient at the start of the backward
+        # One sublayer's backward: its interior (recomputed first, under recompute) and the gradients of it.
+        "layer_backward": (2 if parts else 1) * largest * T,
         "all_to_all": (2 * K * cf * T * D * a) if cfg.parallel.ep > 1 and "E" in m.ffn_pattern else 0.0,
     }
     return {**per_token, "total": sum(per_token.values()), "transient": transient}
