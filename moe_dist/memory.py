@@ -9,6 +9,8 @@ Counted from the meta model (no storage) and the config's layout at the given wo
     optimizer    fp32 master weights and Adam's two moments, partitioned over dp (dense) and edp = dp/ep (experts)
     activations  what autograd keeps for the backward of one micro-batch, per layer kind (below), with the
                  configured recompute
+    total        params + optimizer + the larger of the backward phase (accumulating gradients, activations, the
+                 largest backward buffer; ZeRO 2's reduce bucket) and the boundary phase (all gradients, the bucket)
     transient    the largest buffer that lives only briefly: the logits with their log-softmax and gradient, one
                  sublayer's backward (the gradients of its interior; under recompute also the recomputed interior),
                  the MoE all-to-all send/receive rows, DeepSpeed's reduce bucket
@@ -136,16 +138,28 @@ def memory_plan(cfg: JobConfig, world_size: int) -> dict:
     stage = cfg.deepspeed.zero_stage
     shards = (dense / dp + expert / edp) if stage >= 1 else dense + expert
     params = (dense + expert) * w
+    # Gradients held while micro-batches accumulate, and those that exist only at the accumulation boundary.
     if stage == 2:
-        grads = shards * 4
+        accumulating, at_boundary = shards * 4, 0.0  # the fp32 partition; in-flight grads live in the bucket
     else:
-        grads = (dense + expert) * w + (shards * 4 if stage == 1 else 0)  # stage 1: p.grad, then its partition
+        accumulating = (dense + expert) * w  # p.grad of every local parameter
+        at_boundary = shards * 4 if stage == 1 else 0.0  # stage 1: the reduced fp32 partition
+    grads = accumulating + at_boundary
     optimizer = shards * 12 if stage >= 1 else (dense + expert) * 8  # ZeRO: fp32 master + m + v; 0: torch's m + v
     act = activation_bytes(cfg, tp)
     transient = dict(act["transient"])
-    transient["reduce_bucket"] = min(_REDUCE_BUCKET, dense + expert) * (w + 4 if stage == 2 else 4)
+    # The bucket holds copies of gradients in the parameter dtype, plus their fp32 casts when bf16 is reduced in fp32.
+    widen = 4 if w == 2 and cfg.train.grad_accum_dtype == "fp32" else 0
+    transient["reduce_bucket"] = min(_REDUCE_BUCKET, dense + expert) * (w + widen)
     largest = max(transient.values())
-    total = params + grads + optimizer + act["total"] + largest
+    # The peak is the larger of two phases, on top of parameters and optimizer state: the last micro-batch's
+    # backward (gradients accumulating, every activation, the largest backward/logit/all-to-all buffer; ZeRO 2 also
+    # fills its reduce bucket then) and the accumulation boundary (activations freed; stage 1 reduces into its
+    # partition through the bucket).
+    backward = accumulating + act["total"] + max(v for k, v in transient.items() if k != "reduce_bucket")
+    backward += transient["reduce_bucket"] if stage == 2 else 0.0
+    boundary = grads + (transient["reduce_bucket"] if stage < 2 else 0.0)
+    total = params + optimizer + max(backward, boundary)
     return {
         "layout": {"world_size": world_size, "dp": dp, "tp": tp, "ep": ep, "edp": edp, "zero_stage": stage},
         "params_local": {"dense": dense, "expert": expert},
