@@ -57,8 +57,11 @@ class AllToAllDispatcher:
         P, L = self.ep, self.num_local
         x_RD = self.permutation.permute(x_TD, routing.rows_R, routing.top_k)
         send_counts_PL = routing.tokens_per_expert_E.view(P, L)
-        recv_counts_PL = all_to_all_equal(send_counts_PL, self.group).cpu()  # row s: what rank s sends here
-        send_splits = send_counts_PL.sum(1).tolist()
+        recv_counts_PL = all_to_all_equal(send_counts_PL, self.group)  # row s: what rank s sends here
+        # The uneven all-to-all needs both split lists on the host: one device-to-host transfer for the two.
+        send_recv_2PL = torch.stack([send_counts_PL, recv_counts_PL]).cpu()
+        recv_counts_PL = send_recv_2PL[1]
+        send_splits = send_recv_2PL[0].sum(1).tolist()
         recv_splits = recv_counts_PL.sum(1).tolist()
         x_QD = all_to_all_rows(x_RD, recv_splits, send_splits, self.group)
         to_expert_order_Q = segment_permutation(recv_counts_PL).to(x_TD.device)

@@ -57,7 +57,8 @@ def maybe_compile(model, cfg: JobConfig):
 
 
 def _forward_loss(engine, cfg: JobConfig, batch: torch.Tensor, mesh: Mesh):
-    batch = batch.to(mesh.device)
+    if mesh.device.type == "cuda":  # from pinned host memory, without waiting for the copy
+        batch = batch.pin_memory().to(mesh.device, non_blocking=True)
     out = engine(batch[:, :-1])
     lm = lm_loss(out.logits, batch[:, 1:]) if mesh.tp == 1 else vocab_parallel_lm_loss(out.logits, batch[:, 1:], mesh)
     moe = cfg.model.moe
