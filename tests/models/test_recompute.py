@@ -66,8 +66,8 @@ def test_recompute_equals_no_recompute_step_by_step(one_thread, mode):
 
 
 def _saved_bytes(setting: str) -> int:
-    """Bytes autograd keeps for the backward of one forward (saved-tensor hooks see every saved tensor; under
-    a non-reentrant checkpoint only the region's inputs are saved)."""
+    """Bytes autograd saves through saved-tensor hooks in one forward: everything outside the recomputed regions
+    (a non-reentrant checkpoint keeps its region's inputs itself and saves nothing of the interior)."""
     model, _ = _model(setting)
     total = 0
 
