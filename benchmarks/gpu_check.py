@@ -328,6 +328,7 @@ def part_train(args, budget: Budget) -> tuple[str, str]:
     from moe_dist.config import load_config
 
     base = [*(TINY if args.dry_run else WIDE), f"train.steps={args.steps}", "train.dtype=bf16", "train.save_every=0"]
+    base.append("deepspeed.zero_stage=2")  # bf16 accumulates gradients in fp32 (train.grad_accum_dtype): ZeRO 2
     t = load_config(REPO / CONFIG, base).train
     tokens = t.global_batch_size * t.seq_len
     kernels = "torch" if args.dry_run else "triton"  # --dry-run: no Triton on the CPU

@@ -35,7 +35,17 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="continue from the newest checkpoint in --run-dir that verifies (else the one before); start "
         "fresh when there is none, so a restart can repeat the first command line",
     )
-    p.add_argument("--dry-run", action="store_true", help="build on the meta device and print parameter counts")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="build on the meta device; print parameter counts and the per-rank memory plan (docs/memory.md)",
+    )
+    p.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        help="--dry-run: plan for this many ranks (default: parallel.tp * parallel.ep, the smallest the layout takes)",
+    )
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # set by `deepspeed`
     return p.parse_args(argv)
 
@@ -48,9 +58,26 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.dry_run:
+        from moe_dist.memory import memory_plan
         from moe_dist.models.decoder import param_counts
 
-        print(json.dumps(param_counts(cfg.model)))
+        world = args.world_size or cfg.parallel.tp * cfg.parallel.ep
+        try:
+            plan = memory_plan(cfg, world)
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        lay, mem = plan["layout"], plan["memory_per_rank_gb"]
+        print(
+            f"layout: world {world} = dp {lay['dp']} x tp {lay['tp']}, ep {lay['ep']}, ZeRO {lay['zero_stage']}, "
+            f"activation checkpointing {cfg.train.activation_checkpointing}"
+        )
+        print("per rank (GB): " + ", ".join(f"{k} {v:.2f}" for k, v in mem.items()))
+        print(
+            "activations by part (GB): " + ", ".join(f"{k} {v:.2f}" for k, v in plan["activations_by_part_gb"].items())
+        )
+        print("largest transients (GB): " + ", ".join(f"{k} {v:.2f}" for k, v in plan["transient_gb"].items()))
+        print(json.dumps({**param_counts(cfg.model), "memory_per_rank_gb": mem}))
         return 0
     from moe_dist.train.checkpoint import CheckpointError
     from moe_dist.train.guard import TrainingError

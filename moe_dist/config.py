@@ -144,6 +144,13 @@ class TrainConfig:
     keep_last: int = 0  # checkpoints kept: after each save all but the newest N are deleted (0 = keep all)
     max_nonfinite_steps: int = 5  # stop after this many optimizer steps in a row skipped for NaN/Inf (0 = never)
     compile: bool = False  # torch.compile norms, attention and dense FFNs in place (MoE and Mamba stay eager)
+    activation_checkpointing: Literal["none", "full", "selective"] = (
+        "none"  # recompute activations in the backward: full = every part below, selective = train.checkpoint_parts
+    )
+    checkpoint_parts: list[str] = field(default_factory=list)  # for selective: attention, mamba, moe_experts, mlp
+    grad_accum_dtype: Literal["fp32", "bf16"] = (
+        "fp32"  # with dtype bf16: gradients accumulate over micro-batches and are reduced in this dtype
+    )
 
 
 @dataclass
@@ -370,6 +377,16 @@ def validate(cfg: JobConfig) -> None:
         f"got {t.global_batch_size}",
     )
     _check(len(t.betas) == 2, f"train.betas: expected two numbers, got {t.betas}")
+    parts = {"attention", "mamba", "moe_experts", "mlp"}
+    _check(
+        set(t.checkpoint_parts) <= parts,
+        f"train.checkpoint_parts: expected a subset of {sorted(parts)}, got {t.checkpoint_parts}",
+    )
+    _check(
+        t.activation_checkpointing == "selective" or not t.checkpoint_parts,
+        f"train.checkpoint_parts: only used with train.activation_checkpointing='selective', "
+        f"not {t.activation_checkpointing!r}",
+    )
     _check(0.0 < cfg.data.val_fraction < 1.0, f"data.val_fraction: must be in (0, 1), got {cfg.data.val_fraction}")
     _check(
         cfg.data.source == "stdlib" or bool(cfg.data.paths),
@@ -444,20 +461,28 @@ def _check_tensor_parallel(cfg: JobConfig) -> None:
 
 
 def check_layout(cfg: JobConfig, world_size: int) -> int:
-    """Validate the parallel layout against the world size; return the data-parallel degree."""
+    """Validate the parallel layout against the world size; return the data-parallel degree. Each error is one
+    line naming the key, its value and the world size (the launcher's WORLD_SIZE, checked before start-up)."""
     tp, ep = cfg.parallel.tp, cfg.parallel.ep
     _check(world_size % tp == 0, f"parallel.tp: {tp} does not divide the world size {world_size}")
     dp = world_size // tp
     _check(dp % ep == 0, f"parallel.ep: {ep} must divide the data-parallel degree {dp} (world {world_size} / tp {tp})")
+    ranks = f"{dp} data-parallel ranks (world size {world_size} / parallel.tp={tp})"
+    # The engine's, checked here (at start-up) rather than in validate(): tools that build no engine (bench) take it.
+    _check(
+        cfg.train.dtype == "fp32" or cfg.train.grad_accum_dtype == "bf16" or cfg.deepspeed.zero_stage == 2,
+        "deepspeed.zero_stage: bf16 training with fp32 gradient accumulation (train.grad_accum_dtype, the default) "
+        "needs ZeRO stage 2; set deepspeed.zero_stage=2, or train.grad_accum_dtype=bf16 to accumulate in bf16",
+    )
     micro = cfg.train.global_batch_size // cfg.train.micro_batch_size
     _check(
         micro % dp == 0,
         f"train.global_batch_size: {cfg.train.global_batch_size} sequences = {micro} micro-batches of "
-        f"{cfg.train.micro_batch_size}, not divisible among {dp} data-parallel ranks",
+        f"train.micro_batch_size={cfg.train.micro_batch_size}, not divisible among {ranks}",
     )
     _check(
         cfg.train.eval_batches % dp == 0,
-        f"train.eval_batches: {cfg.train.eval_batches} is not divisible among {dp} data-parallel ranks",
+        f"train.eval_batches: {cfg.train.eval_batches} is not divisible among {ranks}",
     )
     if ep > 1 and cfg.model.moe.group_by == "ep_rank":
         _check(

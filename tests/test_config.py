@@ -208,3 +208,43 @@ def test_dry_run_reports_published_parameter_counts(name, total, active):
     counts = json.loads(proc.stdout.strip().splitlines()[-1])
     tol = 0.05e9 if name.startswith("mixtral") else 0.5e9
     assert abs(counts["params_total"] - total) < tol and abs(counts["params_active"] - active) < tol, counts
+
+
+# The README's main command starts one process per GPU: the default job must divide for 1, 2, 4 and 8 of them
+# (1, 2 and 4 are launched in test_launchers.py); the full-size configs for one and many 8-GPU nodes.
+@pytest.mark.parametrize(
+    "name, worlds",
+    [("mixtral_small", (1, 2, 4, 8)), ("mixtral_8x7b", (8, 64, 256)), ("jamba_v0.1", (8, 64, 256))],
+)
+def test_shipped_layouts_divide_for_their_world_sizes(name, worlds):
+    from moe_dist.config import grad_accum_steps
+
+    cfg = load_config(REPO / f"configs/{name}.json")
+    for world in worlds:
+        dp = check_layout(cfg, world)
+        assert dp * cfg.parallel.tp == world
+        accum = grad_accum_steps(cfg, dp)
+        assert accum >= 1 and accum * dp * cfg.train.micro_batch_size == cfg.train.global_batch_size, world
+        assert cfg.train.eval_batches % dp == 0
+        assert cfg.model.moe.num_experts % cfg.parallel.ep == 0 and dp % cfg.parallel.ep == 0
+    if name != "mixtral_small":  # expert parallel inside an 8-GPU node: ep·tp ranks are consecutive
+        assert cfg.parallel.ep * cfg.parallel.tp == 8
+
+
+def test_layout_that_does_not_divide_fails_before_start_up(tmp_path, monkeypatch, capsys):
+    """WORLD_SIZE as a launcher sets it: one line naming the key, the value and the world size, exit 2, and the
+    run directory is not even created."""
+    import runpy
+
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    main = runpy.run_path(str(REPO / "launch/train.py"))["main"]
+    run = tmp_path / "run"
+    assert main(["--config", str(REPO / "configs/mixtral_small.json"), "--run-dir", str(run)]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert errors == [
+        "error: train.global_batch_size: 16 sequences = 8 micro-batches of train.micro_batch_size=2, not divisible "
+        "among 3 data-parallel ranks (world size 3 / parallel.tp=1)"
+    ]
+    assert not run.exists()
+    with pytest.raises(ConfigError, match=r"^train.eval_batches: 6 is not divisible among 4 data-parallel ranks"):
+        check_layout(load_config(REPO / "configs/mixtral_small.json", ["train.eval_batches=6"]), 4)

@@ -134,7 +134,7 @@ def test_step_schedule_matches_an_instrumented_training_step():
 def test_tensor_parallel_schedule_matches_the_measured_one():
     # benchmarks/comm_report.py measured, for configs/mixtral_small.json at tp=2 (3 attention + 3 Mamba layers, 6 MoE
     # FFNs, one 8x128-token micro-batch, fp32): 28,504,064 bytes of TP all-reduces per rank per micro-batch.
-    cfg = load_config(CONFIGS / "mixtral_small.json")
+    cfg = load_config(CONFIGS / "mixtral_small.json", ["train.micro_batch_size=8"])  # the measured micro-batch
     calls = pm.step_calls(cfg, pm.Layout(dp=1, ep=1, tp=2), ranks_per_node=2)
     tp = [c for c in calls if c.label.startswith("tp_")]
     assert all(c.kind == "all_reduce" and c.group_size == 2 for c in tp)
@@ -151,7 +151,7 @@ def test_group_placement_follows_mesh_rank_order():
 
 
 def test_mixtral_cost_and_memory():
-    cfg = load_config(CONFIGS / "mixtral_8x7b.json", [])
+    cfg = load_config(CONFIGS / "mixtral_8x7b.json", ["deepspeed.zero_stage=1"])  # full-size gradients per rank
     cost = pm.model_cost(cfg)
     assert cost.dense_params + cost.expert_params == 46_702_792_704  # README's parameter count
     active = cost.dense_params + cost.expert_params * 2 / 8

@@ -11,7 +11,7 @@ per Mamba layer), so each new token costs one position's work; without the cache
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -98,14 +98,27 @@ class Decoder(nn.Module):
                 found.update(module.implementations)
         return found
 
+    def init_units(self) -> list[tuple[str, Callable[[nn.Module], None]]]:
+        """(submodule path, its initializer) in the order `init_weights` draws from the RNG. Shard-aware
+        materialization (parallel/parallelize.py) initializes one unit at a time in this order, so values do not
+        depend on whether the model is built whole or unit by unit."""
+
+        def normal(module: nn.Module) -> None:
+            nn.init.normal_(module.weight, std=self.cfg.init_std)
+
+        units: list[tuple[str, Callable[[nn.Module], None]]] = [("embed", normal)]
+        if self.head is not None:
+            units.append(("head", normal))
+        for i in range(len(self.blocks)):
+            for part in ("mixer_norm", "mixer", "ffn_norm", "ffn"):
+                units.append((f"blocks.{i}.{part}", lambda module: module.init_weights()))
+        units.append(("norm", lambda module: module.init_weights()))
+        return units
+
     @torch.no_grad()
     def init_weights(self) -> None:
-        nn.init.normal_(self.embed.weight, std=self.cfg.init_std)
-        if self.head is not None:
-            nn.init.normal_(self.head.weight, std=self.cfg.init_std)
-        for block in self.blocks:
-            block.init_weights()
-        self.norm.init_weights()
+        for path, init in self.init_units():
+            init(self.get_submodule(path))
 
     def new_cache(self, batch: int, max_len: int) -> InferenceCache:
         """An empty cache for `batch` sequences of up to `max_len` positions, on the model's device and dtype."""

@@ -88,27 +88,36 @@ class AllToAllDispatcher:
     def with_split(self, split: TokenSplit) -> "AllToAllDispatcher":
         return AllToAllDispatcher(self.group, self.ep, self.ep_rank, self.num_experts, self.permutation, split)
 
-    def _own_rows(self, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
-        """(this rank's kept rows in expert order, kept rows per (slice, expert) (S, E) on the host)."""
+    def _slice_counts(self, routing: Routing) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Kept rows per (token slice, expert) (S, E), on the routing's device, and the kept rows' order by slice
+        (None without a token split)."""
         E, counts_E = self.num_experts, routing.tokens_per_expert_E
         if self.split is None:
-            return routing.rows_R, counts_E.cpu().view(1, E)
+            return counts_E.view(1, E), None
         S, T, rows_R = self.split.size, max(routing.num_tokens, 1), routing.rows_R
         expert_R = torch.repeat_interleave(torch.arange(E, device=rows_R.device), counts_E, output_size=len(rows_R))
         slice_R = (rows_R % T) * S // T  # balanced contiguous token slices
-        counts_SE = torch.bincount(slice_R * E + expert_R, minlength=S * E).view(S, E).cpu()
-        start_S = torch.cumsum(counts_SE.sum(1), 0) - counts_SE.sum(1)
-        lo, n = int(start_S[self.split.rank]), int(counts_SE[self.split.rank].sum())
-        by_slice = torch.argsort(slice_R, stable=True)  # a stable sort keeps expert order inside each slice
-        return rows_R[by_slice[lo : lo + n]], counts_SE
+        counts_SE = torch.bincount(slice_R * E + expert_R, minlength=S * E).view(S, E)
+        return counts_SE, torch.argsort(slice_R, stable=True)  # a stable sort keeps expert order in each slice
+
+    def _own_rows(self, routing: Routing, by_slice: torch.Tensor | None, counts_SE: torch.Tensor) -> torch.Tensor:
+        """This rank's kept rows, in expert order: all of them, or its token slice's (`counts_SE` on the host)."""
+        if by_slice is None:
+            return routing.rows_R
+        rows_S = counts_SE.sum(1)
+        lo = int(rows_S[: self.split.rank].sum())
+        return routing.rows_R[by_slice[lo : lo + int(rows_S[self.split.rank])]]
 
     def dispatch(self, x_TD: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, _A2AState]:
         P, L = self.ep, self.num_local
         S, s = (self.split.size, self.split.rank) if self.split else (1, 0)
-        rows_R, counts_SE = self._own_rows(routing)
+        counts_SE, by_slice = self._slice_counts(routing)
+        recv_PSL = all_to_all_equal(counts_SE.view(S, P, L).transpose(0, 1), self.group)  # [source, slice, l]
+        # The uneven all-to-all needs both split lists on the host: one device-to-host transfer for the two.
+        host = torch.cat([counts_SE.flatten(), recv_PSL.flatten()]).cpu()
+        counts_SE, recv_PSL = host[: counts_SE.numel()].view(S, P * L), host[counts_SE.numel() :].view(P, S, L)
+        rows_R = self._own_rows(routing, by_slice, counts_SE)
         x_RD = self.permutation.permute(x_TD, rows_R, routing.top_k)
-        send_PSL = counts_SE.view(S, P, L).transpose(0, 1).contiguous().to(routing.tokens_per_expert_E.device)
-        recv_PSL = all_to_all_equal(send_PSL, self.group).cpu()  # [source, slice, l]: to this rank's TP peer
         send_splits = counts_SE[s].view(P, L).sum(1).tolist()
         recv_splits = recv_PSL[:, s].sum(1).tolist()
         x_QD = all_to_all_rows(x_RD, recv_splits, send_splits, self.group)

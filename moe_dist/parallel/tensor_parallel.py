@@ -29,9 +29,11 @@ this rank's tokens, get their gradients summed over TP.
                 (`vocab_parallel_lm_loss`): max, sum of exponentials and the target's logit are all-reduced
                 (3 · B·S floats), the (B·S, V) logits are never gathered.
 
-Initialization: apply_tp runs after `materialize`, slicing the full tensors every rank initialized from the
-same seed (as Megatron's CPU initialization does), so values do not depend on the layout; the price is one
-transient full copy of the local model per rank. Sharded parameters carry `tp_dim` (and `tp_parts` for
+Initialization: apply_tp runs on the meta model (shapes only; it also takes a materialized one, slicing its
+tensors). parallelize then allocates each rank's shards and fills them one init unit at a time from an unsharded
+meta template: the unit is initialized whole on the CPU from the shared seed (as Megatron's CPU initialization
+does), sliced, and freed, so values do not depend on the layout and no rank holds more than one unit unsharded.
+Sharded parameters carry `tp_dim` (and `tp_parts` for
 in_proj's two halves) for layout-independent checkpoints, and DeepSpeed's model-parallel mark
 (private_api.mark_model_parallel) so its gradient norm counts each shard once and each replicated parameter once
 (on tp_rank 0).
@@ -250,11 +252,17 @@ def apply_tp(model: nn.Module, mesh: Mesh, sequence_parallel: bool = False) -> n
             _swiglu(module, mesh, b)
         elif isinstance(module, MoE):
             _moe(module, mesh, b)
-    if sequence_parallel:
-        for norm in [model.norm, *(n for blk in model.blocks for n in (blk.mixer_norm, blk.ffn_norm))]:
-            for p in norm.parameters():
-                _sum_grad_over_tp(p, mesh.tp_group)
+    if sequence_parallel and not model.norm.weight.is_meta:  # on meta: parallelize registers them once allocated
+        sum_norm_grads_over_tp(model, mesh)
     return model
+
+
+def sum_norm_grads_over_tp(model: nn.Module, mesh: Mesh) -> None:
+    """Sequence parallelism's gradient sums for the norms outside the regions, on allocated parameters (a tensor
+    hook belongs to the Parameter object, which allocating a meta parameter replaces)."""
+    for norm in [model.norm, *(n for blk in model.blocks for n in (blk.mixer_norm, blk.ffn_norm))]:
+        for p in norm.parameters():
+            _sum_grad_over_tp(p, mesh.tp_group)
 
 
 # ------------------------------------------------------------------------------------------ loss

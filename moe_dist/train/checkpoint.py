@@ -361,11 +361,14 @@ def _ensure_optimizer_state(engine, adam_step: int) -> None:
     inner = _inner_optimizer(engine)
     flats = getattr(engine.optimizer, "single_partition_of_fp32_groups", None)
     params = flats if flats is not None else [p for g in inner.param_groups for p in g["params"]]
+    on_device = any(g.get("fused") or g.get("capturable") for g in inner.param_groups)
     for p in params:
         state = inner.state[p]
         for k in MOMENTS:
             state.setdefault(k, torch.zeros_like(p, memory_format=torch.preserve_format))
-        state["step"] = torch.tensor(float(adam_step))
+        # As torch's Adam creates it: fp32, on the parameter's device when fused/capturable (its kernels read it
+        # there; a CPU step beside CUDA parameters fails the first fused step after a resume), else on the CPU.
+        state["step"] = torch.tensor(float(adam_step), dtype=torch.float32, device=p.device if on_device else "cpu")
     _link_optimizer_state(engine)
 
 

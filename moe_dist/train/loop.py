@@ -17,9 +17,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from moe_dist.config import ConfigError, JobConfig, config_to_dict
+from moe_dist.config import ConfigError, JobConfig, check_layout, config_to_dict
 from moe_dist.layers.moe import moe_routers
 from moe_dist.models.decoder import build_model, lm_loss
+from moe_dist.models.recompute import apply_activation_checkpointing
 from moe_dist.parallel.comm import agree_on_error, all_reduce_sum, barrier
 from moe_dist.parallel.mesh import Mesh, init_distributed, set_group_timeouts
 from moe_dist.parallel.parallelize import parallelize
@@ -56,11 +57,16 @@ def maybe_compile(model, cfg: JobConfig):
 
 
 def _forward_loss(engine, cfg: JobConfig, batch: Batch, mesh: Mesh):
-    targets = batch.targets().to(mesh.device)
-    extra = {} if batch.document_ids is None else {"document_ids": batch.document_ids[:, :-1].to(mesh.device)}
+    def to_device(t: torch.Tensor) -> torch.Tensor:
+        if mesh.device.type == "cuda":  # from pinned host memory, without waiting for the copy
+            return t.pin_memory().to(mesh.device, non_blocking=True)
+        return t
+
+    targets = to_device(batch.targets())
+    extra = {} if batch.document_ids is None else {"document_ids": to_device(batch.document_ids[:, :-1])}
     if cfg.model.attention.mask == "prefix" and batch.loss_mask is not None:
-        extra["prefix"] = batch.prefix().to(mesh.device)
-    out = engine(batch.tokens[:, :-1].to(mesh.device), **extra)
+        extra["prefix"] = to_device(batch.prefix())
+    out = engine(to_device(batch.tokens[:, :-1]), **extra)
     lm = lm_loss(out.logits, targets) if mesh.tp == 1 else vocab_parallel_lm_loss(out.logits, targets, mesh)
     moe = cfg.model.moe
     return lm + moe.aux_loss_coef * out.aux_loss + moe.z_loss_coef * out.z_loss, lm, out
@@ -182,6 +188,8 @@ def train(cfg: JobConfig, run_dir: Path, resume: bool = False) -> list[dict]:
     With `resume`, continue from the newest checkpoint in the run directory that verifies, falling back to older
     ones; start fresh when there is none. So one command line serves the first start and every restart."""
     _check_settings(cfg)
+    # The layout against the launcher's world size before anything is read, joined or written (one line, exit 2).
+    check_layout(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     t = cfg.train
     # The data fits the model's vocabulary and names the run's tokenizer (checked from the sidecars).
     train_tokens, val_tokens, weights = load_tokens(cfg.data, t.seq_len, cfg.model.vocab_size)
@@ -216,7 +224,8 @@ def train(cfg: JobConfig, run_dir: Path, resume: bool = False) -> list[dict]:
         if mesh.rank == 0:
             tqdm.write(line, file=sys.stderr)
 
-    model = maybe_compile(parallelize(build_model(cfg.model, mesh.device), mesh, cfg), cfg)
+    model = parallelize(build_model(cfg.model, mesh.device), mesh, cfg)
+    model = maybe_compile(apply_activation_checkpointing(model, t), cfg)  # recompute: models/recompute.py
     ckpt_root = run_dir / "checkpoints"
     found = _checkpoint_to_resume(ckpt_root, model, mesh, data_identity, timeout, say) if resume else None
 

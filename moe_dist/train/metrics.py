@@ -30,13 +30,15 @@ def dropped_per_expert(tokens_per_expert_E: torch.Tensor, dropped: float) -> tor
     so dropped = Σ_e max(0, count_e − cap) fixes cap (for the j most loaded experts over capacity,
     cap = (their count − dropped) / j, the j that lies between the j-th and (j+1)-th largest counts)."""
     counts = tokens_per_expert_E.double()
-    if dropped <= 0:
-        return torch.zeros_like(counts)
+    # Tensor ops only, no branch on values: on a GPU this runs without waiting for the device (dropped = 0 gives
+    # cap = the largest count, so zeros).
+    dropped = torch.as_tensor(dropped, dtype=torch.float64, device=counts.device)
     top, _ = counts.sort(descending=True)
-    caps = (top.cumsum(0) - dropped) / torch.arange(1, len(top) + 1, dtype=torch.float64)
+    caps = (top.cumsum(0) - dropped) / torch.arange(1, len(top) + 1, dtype=torch.float64, device=counts.device)
     below = torch.cat([top[1:], top.new_zeros(1)])
-    fits = ((caps >= below) & (caps <= top)).nonzero()
-    cap = caps[fits[0, 0]] if len(fits) else caps[-1].clamp(min=0)
+    fits = (caps >= below) & (caps <= top)
+    first_fit = caps.gather(0, fits.int().argmax().reshape(1)).squeeze(0)  # gather: indexing would read the index
+    cap = torch.where(fits.any(), first_fit, caps[-1].clamp(min=0))
     return (counts - cap).clamp(min=0)
 
 
@@ -54,32 +56,31 @@ class StepAccumulator:
         self.total = torch.zeros(
             1 + len(SCALARS) + n_moe_layers * (2 * num_experts + _LAYER_EXTRA), dtype=torch.float64
         )
+        self.device_total: Optional[torch.Tensor] = None  # the same layout, summed where the statistics live
 
     def add(self, loss: torch.Tensor, lm: torch.Tensor, out: DecoderOutput) -> None:
+        """Sums stay on the tensors' device (no host transfer per layer or micro-batch); numbers the host already
+        knows (assignments, bytes sent) are summed on the host. `reduce` moves the device sums once per step."""
         if not self.counted:
             return
-        parts = [
-            torch.ones(1),
-            loss.detach().reshape(1),
-            lm.detach().reshape(1),
-            out.aux_loss.detach().reshape(1),
-            out.z_loss.detach().reshape(1),
-        ]
+        host = [1.0] + [0.0] * len(SCALARS)
+        dev = [loss.detach().reshape(1), lm.detach().reshape(1)]
+        dev += [out.aux_loss.detach().reshape(1), out.z_loss.detach().reshape(1)]
         for s in out.moe_stats:
-            counts, dropped = s.tokens_per_expert_E.detach().double().cpu(), s.dropped.detach().double().cpu()
-            parts += [
-                counts,
-                dropped_per_expert(counts, dropped.item()),
-                dropped.reshape(1),
-                torch.tensor([float(s.assignments)]),
-                s.entropy.detach().reshape(1),
-                torch.tensor([float(s.sent_bytes)]),
-            ]
-        self.total += torch.cat([p.double().cpu() for p in parts])
+            counts, dropped = s.tokens_per_expert_E.detach().double(), s.dropped.detach().double()
+            dev += [counts, dropped_per_expert(counts, dropped), dropped.reshape(1)]
+            dev += [dropped.new_zeros(1), s.entropy.detach().reshape(1), dropped.new_zeros(1)]
+            host += [0.0] * (2 * self.E + 1) + [float(s.assignments), 0.0, float(s.sent_bytes)]
+        vec = torch.cat([torch.zeros(1, dtype=torch.float64, device=loss.device), *(d.double() for d in dev)])
+        self.device_total = vec if self.device_total is None else self.device_total + vec
+        self.total += torch.tensor(host, dtype=torch.float64)
 
     def reduce(self) -> dict:
         """All-reduce over the world and return global averages and expert-load summaries."""
-        total = all_reduce_sum(self.total.clone())
+        total = self.total.clone()
+        if self.device_total is not None:
+            total += self.device_total.cpu()  # the step's one device-to-host transfer of metrics
+        total = all_reduce_sum(total)
         n = total[0].item()
         out = {k: total[1 + i].item() / n for i, k in enumerate(SCALARS)}
         layers, off, E = [], 1 + len(SCALARS), self.E

@@ -87,7 +87,8 @@ def test_token_split_partitions_the_kept_rows_by_token_slice(tp):
     parts = []
     for s in range(tp):
         d = AllToAllDispatcher(None, 2, 0, 8, permutation=None, split=TokenSplit(None, tp, s))
-        rows, counts_SE = d._own_rows(routing)
+        counts_SE, by_slice = d._slice_counts(routing)
+        rows = d._own_rows(routing, by_slice, counts_SE)
         tokens = rows % T
         assert bool(((tokens * tp // T) == s).all())  # only this peer's slice
         assert torch.equal(expert_of_a[rows], torch.sort(expert_of_a[rows]).values)  # still in expert order

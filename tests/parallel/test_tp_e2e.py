@@ -9,6 +9,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
+import torch
 from support import E2E_BASE, E2E_CONFIG, E2E_MODES, E2E_SAVE, train_records
 
 LAYOUTS = {  # dp-ep-tp: world size, overrides
@@ -17,6 +18,9 @@ LAYOUTS = {  # dp-ep-tp: world size, overrides
     "dp2-ep1-tp2": (4, ["parallel.tp=2", "deepspeed.zero_stage=2"]),
     "dp2-ep2-tp2-sequence-parallel": (4, ["parallel.tp=2", "parallel.ep=2", "parallel.sequence_parallel=true"]),
     "dp1-ep1-tp2-recipes": (2, ["parallel.tp=2", *E2E_MODES["recipes"]]),
+    # Activation checkpointing of every part (models/recompute.py) under EP and TP: also compared with the same
+    # layout without it, exactly (test_recompute_changes_nothing_under_ep_and_tp).
+    "dp2-ep2-tp2-recompute": (4, ["parallel.tp=2", "parallel.ep=2", "train.activation_checkpointing=full"]),
 }
 
 
@@ -70,6 +74,19 @@ def _resume(run_train, src, dst, world: int, *overrides: str, from_step: int) ->
 def test_tp_run_equals_one_process(runs, reference, metrics, same_trajectory, same_final_state, layout):
     same_trajectory(metrics(runs[layout]), metrics(reference(_mode(layout))))
     same_final_state(runs[layout], reference(_mode(layout)), ATOL_OF_SCALE)  # every tensor whole, once, by global name
+
+
+def test_recompute_changes_nothing_under_ep_and_tp(runs, metrics, checkpoint_tensors):
+    """Recompute repeats no routing and no all-to-all: every per-step figure (losses, gradient norm, tokens and
+    drops per expert, all-to-all bytes) and the final parameters and moments equal the run without it, bitwise."""
+    got, ref = train_records(metrics(runs["dp2-ep2-tp2-recompute"])), train_records(metrics(runs["dp2-ep2-tp2"]))
+    assert len(got) == len(ref) > 0
+    for g, r in zip(got, ref):
+        for key in ("loss", "lm_loss", "aux_loss", "z_loss", "grad_norm", "moe"):
+            assert g[key] == r[key], (g["step"], key)
+    final = f"checkpoints/step_{len(ref)}"
+    a, b = checkpoint_tensors(runs["dp2-ep2-tp2-recompute"] / final), checkpoint_tensors(runs["dp2-ep2-tp2"] / final)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_checkpoint_reshards_tp2_to_tp1_to_tp2(

@@ -103,3 +103,21 @@ def test_resume_reproduces_uninterrupted_losses(tmp_path, debug_run, run_train, 
 def test_torchrun_matches_deepspeed_launcher(debug_run, metrics):
     got, ref = _losses(metrics(debug_run("torchrun"))), _losses(metrics(debug_run("deepspeed")))
     assert len(got) == STEPS and got == ref
+
+
+def test_readme_main_command_runs_on_1_2_and_4_processes(tmp_path, run_train, metrics):
+    """`deepspeed [--num_gpus N] launch/train.py --config configs/mixtral_small.json` with the config's own batch,
+    layout and eval settings (only the step count cut to 2): every world size starts, trains the same steps
+    (one global batch cut into the same micro-batches) and evaluates. (8 processes: test_config.py's layout test.)"""
+    losses = {}
+    for world in (1, 2, 4):
+        run_dir = tmp_path / f"w{world}"
+        args = ["--config", "configs/mixtral_small.json", "--run-dir", str(run_dir), "--set", "train.steps=2"]
+        run_train("deepspeed", world, args)
+        records = metrics(run_dir)
+        train = train_records(records)
+        assert [r["step"] for r in train] == [1, 2] and "eval_loss" in records[-1]
+        for r in train:  # global expert load: 16 sequences × 128 tokens × top-2 per MoE layer
+            assert [sum(layer["tokens_per_expert"]) for layer in r["moe"]] == [16 * 128 * 2] * 6
+        losses[world] = [r["loss"] for r in train]
+    assert losses[2] == pytest.approx(losses[1], rel=1e-5) and losses[4] == pytest.approx(losses[1], rel=1e-5)

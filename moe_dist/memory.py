@@ -1,0 +1,176 @@
+"""The memory plan of one rank: what `launch/train.py --dry-run --world-size N` prints (docs/memory.md).
+
+Counted from the meta model (no storage) and the config's layout at the given world size:
+
+    params       this rank's parameters: dense ones split by TP where apply_tp splits them, experts by EP and TP
+    grads        ZeRO 0/1: a full-size gradient per local parameter, in the parameter dtype; ZeRO 2: the reduced
+                 fp32 partition (1/dp of the dense, 1/edp of the expert gradients) plus the micro-batch's bf16
+                 gradients until they are bucketed (bounded by the reduce bucket, under `transient`)
+    optimizer    fp32 master weights and Adam's two moments, partitioned over dp (dense) and edp = dp/ep (experts)
+    activations  what autograd keeps for the backward of one micro-batch, per layer kind (below), with the
+                 configured recompute
+    total        params + optimizer + the larger of the backward phase (accumulating gradients, activations, the
+                 largest backward buffer; ZeRO 2's reduce bucket) and the boundary phase (all gradients, the bucket)
+    transient    the largest buffer that lives only briefly: the logits with their log-softmax and gradient, one
+                 sublayer's backward (the gradients of its interior; under recompute also the recomputed interior),
+                 the MoE all-to-all send/receive rows, DeepSpeed's reduce bucket
+
+Activation bytes per token (T = micro_batch_size · seq_len tokens on this rank; a = activation bytes, 4 fp32 or 2
+bf16; widths are this rank's: Hq, Hkv, Di, F, V divided by tp). They were read off the tensors autograd saves for
+each layer kind (tests/test_memory.py holds them to within a few per cent of that count):
+
+    every sublayer   3·D·a + 4           norm input, its output, the linear's reshaped copy, rstd (fp32)
+    attention        (2·Hq + 2·Hkv)·Dh·a + 4·Hq         q, k, v, output; log-sum-exp (fp32)
+    Mamba            (11·Di + R + 4N + Di·N/chunk)·a    in_proj output, conv, x_proj (Δ, B, C), scan inputs and
+                                                        chunk states, gate, out_proj input
+    dense SwiGLU     4·F·a                              gate and up outputs, SiLU, product
+    MoE              (8·E + 12) + K·(2·D + 4·F)·a       router (fp32), rows gathered to and from the experts,
+                                                        expert gate/up, SiLU, product
+    head and loss    3·D·a + 4 + 4·V                    final norm, the log-softmax (fp32)
+
+Recompute keeps a sublayer's input (2·D·a + 4 per sublayer: norm input, norm output) and, for the MoE experts,
+their K·D input rows (2·K·D·a instead of K·(2·D + 4·F)·a). Sequence parallelism divides the norm terms by tp.
+"""
+
+from __future__ import annotations
+
+import math
+
+from moe_dist.config import JobConfig, check_layout
+from moe_dist.models.decoder import build_model, layer_kinds
+from moe_dist.models.recompute import checkpointed_parts
+
+GB = 1e9
+# Parameters apply_tp splits over tensor-parallel ranks (parallel/tensor_parallel.py), by name suffix.
+_TP_SPLIT = (
+    "wq.weight",
+    "wk.weight",
+    "wv.weight",
+    "wo.weight",
+    "in_proj.weight",
+    "conv1d.weight",
+    "conv1d.bias",
+    "x_proj.weight",
+    "dt_proj.weight",
+    "dt_proj.bias",
+    "A_log",
+    ".D",
+    "out_proj.weight",
+    "w1.weight",
+    "w2.weight",
+    "w3.weight",
+    "embed.weight",
+    "head.weight",
+)
+_REDUCE_BUCKET = 5e8  # elements: DeepSpeed's default reduce_bucket_size
+
+
+def local_param_counts(cfg: JobConfig, tp: int, ep: int) -> tuple[int, int]:
+    """(dense, expert) parameters one rank holds."""
+    dense = expert = 0
+    for name, p in build_model(cfg.model, "meta").named_parameters():
+        if ".experts." in name:
+            expert += p.numel() // (ep * tp)
+        elif tp > 1 and name.endswith(_TP_SPLIT) and not name.endswith("norm.weight"):
+            dense += p.numel() // tp
+        else:
+            dense += p.numel()
+    return dense, expert
+
+
+def activation_bytes(cfg: JobConfig, tp: int = 1) -> dict[str, float]:
+    """Bytes autograd keeps for one micro-batch on one rank, by part, and the largest transient buffers."""
+    m, t = cfg.model, cfg.train
+    a = 2 if t.dtype == "bf16" else 4
+    T = t.micro_batch_size * t.seq_len
+    parts = checkpointed_parts(t)
+    sp = tp if cfg.parallel.sequence_parallel else 1
+    D = m.d_model
+    hd = m.attention.head_dim or D // m.attention.n_heads
+    hq, hkv = m.attention.n_heads // tp, m.attention.n_kv_heads // tp
+    di = m.mamba.expand * D // tp
+    n, r = m.mamba.d_state, m.mamba.dt_rank or math.ceil(D / 16)
+    f_dense, f_moe = m.d_ff // tp, (m.moe.d_ff or m.d_ff) // tp
+    E, K = m.moe.num_experts, m.moe.top_k
+    cf = m.moe.capacity_factor or 1.0
+    norm_full = 3 * D * a / sp + 4  # norm input, norm output, the first linear's copy of it, rstd
+    norm_kept = 2 * D * a / sp + 4  # the recomputed sublayer's input and the norm's input stay
+    out = {"attention": 0.0, "mamba": 0.0, "mlp": 0.0, "moe": 0.0}
+    largest = 0.0  # the largest one sublayer's interior: its backward's working set (and its recompute)
+    for mixer, ffn in layer_kinds(m):
+        if mixer == "A":
+            inner = (2 * hq + 2 * hkv) * hd * a + 4 * hq
+            out["attention"] += norm_kept if "attention" in parts else norm_full + inner
+            largest = max(largest, inner)
+        else:
+            inner = (11 * di + r + 4 * n + di * n / m.mamba.chunk_size) * a
+            if m.mamba.inner_norms:
+                inner += 2 * (r + 2 * n) * a + 12
+            out["mamba"] += norm_kept if "mamba" in parts else norm_full + inner
+            largest = max(largest, inner)
+        if ffn == "D":
+            out["mlp"] += norm_kept if "mlp" in parts else norm_full + 4 * f_dense * a
+            largest = max(largest, 4 * f_dense * a)
+        else:
+            router = 8 * E + 12 + (D * 4 if a == 2 else 0)  # the router's fp32 copy of its input under bf16
+            rows = K * cf * (2 * D * a if "moe_experts" in parts else (2 * D + 4 * f_moe) * a)
+            out["moe"] += norm_full + router + rows
+            largest = max(largest, K * cf * 4 * f_moe * a)
+    v = m.vocab_size // tp
+    out["head"] = norm_full + 4 * v + 16
+    per_token = {k: val * T for k, val in out.items()}
+    transient = {
+        "logits": 3 * 4 * v * T,  # fp32 logits, log-softmax and its gradient at the start of the backward
+        # One sublayer's backward: its interior (recomputed first, under recompute) and the gradients of it.
+        "layer_backward": (2 if parts else 1) * largest * T,
+        "all_to_all": (2 * K * cf * T * D * a) if cfg.parallel.ep > 1 and "E" in m.ffn_pattern else 0.0,
+    }
+    return {**per_token, "total": sum(per_token.values()), "transient": transient}
+
+
+def memory_plan(cfg: JobConfig, world_size: int) -> dict:
+    """The plan for one rank at `world_size` under the config's layout (checked as at start-up)."""
+    dp = check_layout(cfg, world_size)
+    tp, ep = cfg.parallel.tp, cfg.parallel.ep
+    edp = dp // ep
+    dense, expert = local_param_counts(cfg, tp, ep)
+    w = 2 if cfg.train.dtype == "bf16" else 4
+    stage = cfg.deepspeed.zero_stage
+    shards = (dense / dp + expert / edp) if stage >= 1 else dense + expert
+    params = (dense + expert) * w
+    # Gradients held while micro-batches accumulate, and those that exist only at the accumulation boundary.
+    if stage == 2:
+        accumulating, at_boundary = shards * 4, 0.0  # the fp32 partition; in-flight grads live in the bucket
+    else:
+        accumulating = (dense + expert) * w  # p.grad of every local parameter
+        at_boundary = shards * 4 if stage == 1 else 0.0  # stage 1: the reduced fp32 partition
+    grads = accumulating + at_boundary
+    optimizer = shards * 12 if stage >= 1 else (dense + expert) * 8  # ZeRO: fp32 master + m + v; 0: torch's m + v
+    act = activation_bytes(cfg, tp)
+    transient = dict(act["transient"])
+    # The bucket holds copies of gradients in the parameter dtype, plus their fp32 casts when bf16 is reduced in fp32.
+    widen = 4 if w == 2 and cfg.train.grad_accum_dtype == "fp32" else 0
+    transient["reduce_bucket"] = min(_REDUCE_BUCKET, dense + expert) * (w + widen)
+    largest = max(transient.values())
+    # The peak is the larger of two phases, on top of parameters and optimizer state: the last micro-batch's
+    # backward (gradients accumulating, every activation, the largest backward/logit/all-to-all buffer; ZeRO 2 also
+    # fills its reduce bucket then) and the accumulation boundary (activations freed; stage 1 reduces into its
+    # partition through the bucket).
+    backward = accumulating + act["total"] + max(v for k, v in transient.items() if k != "reduce_bucket")
+    backward += transient["reduce_bucket"] if stage == 2 else 0.0
+    boundary = grads + (transient["reduce_bucket"] if stage < 2 else 0.0)
+    total = params + optimizer + max(backward, boundary)
+    return {
+        "layout": {"world_size": world_size, "dp": dp, "tp": tp, "ep": ep, "edp": edp, "zero_stage": stage},
+        "params_local": {"dense": dense, "expert": expert},
+        "activations_by_part_gb": {k: act[k] / GB for k in ("attention", "mamba", "mlp", "moe", "head")},
+        "transient_gb": {k: val / GB for k, val in transient.items()},
+        "memory_per_rank_gb": {
+            "params": params / GB,
+            "grads": grads / GB,
+            "optimizer": optimizer / GB,
+            "activations": act["total"] / GB,
+            "transient": largest / GB,
+            "total": total / GB,
+        },
+    }

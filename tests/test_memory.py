@@ -1,0 +1,87 @@
+"""The memory plan (moe_dist/memory.py, `launch/train.py --dry-run --world-size N`): its activation terms against
+what autograd really keeps for each layer kind, and the dry-run's output. (Against measured peak memory of real
+runs: benchmarks/memory.py, docs/memory.md.)"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe_dist.config import load_config
+from moe_dist.memory import activation_bytes, memory_plan
+from moe_dist.models.decoder import build_model, lm_loss, materialize
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = [
+    "model.d_model=64",
+    "model.d_ff=96",
+    "model.attention.n_heads=8",
+    "model.attention.n_kv_heads=2",
+    "model.attention.head_dim=16",
+    "model.mamba.d_state=16",
+    "model.mamba.expand=3",
+    "model.moe.num_experts=8",
+    "model.moe.top_k=2",
+    "model.moe.capacity_factor=null",
+    "model.vocab_size=512",
+    "train.seq_len=128",
+    "train.micro_batch_size=2",
+]
+
+
+def _kept_bytes(cfg) -> int:
+    """Bytes of the distinct storages autograd keeps for the backward of one micro-batch (parameters excluded)."""
+    model = materialize(build_model(cfg.model), "cpu", 0)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept: dict[int, int] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            kept[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    t = cfg.train
+    batch = torch.randint(0, cfg.model.vocab_size, (t.micro_batch_size, t.seq_len + 1))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        out = model(batch[:, :-1])
+        lm_loss(out.logits, batch[:, 1:]) + out.aux_loss
+    return sum(kept.values())
+
+
+@pytest.mark.parametrize("layers", [("A", "D"), ("M", "D"), ("A", "E"), ("M", "E")], ids=lambda p: "".join(p))
+def test_activation_terms_match_what_autograd_keeps(one_thread, layers):
+    cfg = load_config(
+        "configs/debug.json", [*SMALL, f"model.mixer_pattern={layers[0]}", f"model.ffn_pattern={layers[1]}"]
+    )
+    planned, kept = activation_bytes(cfg)["total"], _kept_bytes(cfg)
+    assert planned == pytest.approx(kept, rel=0.05), (planned, kept)
+
+
+def test_plan_of_the_shipped_big_configs_fits_an_h200_node():
+    for name in ("mixtral_8x7b", "jamba_v0.1"):
+        cfg = load_config(REPO / f"configs/{name}.json")
+        plan = memory_plan(cfg, world_size=8)
+        mem = plan["memory_per_rank_gb"]
+        assert mem["total"] + 4 <= 141, (name, mem)  # H200: 141 GB, 4 GB left for the CUDA context and NCCL
+        assert mem["total"] > mem["params"] + mem["optimizer"] + mem["activations"]
+        without = memory_plan(load_config(REPO / f"configs/{name}.json", ["train.activation_checkpointing=none"]), 8)
+        assert without["memory_per_rank_gb"]["activations"] > 2.5 * mem["activations"]
+        wider = memory_plan(cfg, world_size=64)["memory_per_rank_gb"]
+        assert wider["optimizer"] == pytest.approx(mem["optimizer"] / 8, rel=0.05)  # ZeRO over 8x the replicas
+
+
+def test_dry_run_prints_the_plan_with_json_last(tmp_path):
+    cmd = [sys.executable, str(REPO / "launch/train.py"), "--config", str(REPO / "configs/mixtral_8x7b.json")]
+    proc = subprocess.run([*cmd, "--dry-run", "--world-size", "64"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    out = json.loads(lines[-1])
+    assert out["params_total"] == 46_702_792_704 and out["params_active"] == 12_879_925_248
+    assert set(out["memory_per_rank_gb"]) >= {"params", "grads", "optimizer", "activations", "total"}
+    assert any(line.startswith("layout: world 64 = dp 64 x tp 1, ep 8") for line in lines)
+    bad = subprocess.run([*cmd, "--dry-run", "--world-size", "12"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error: parallel.ep: 8 must divide")
