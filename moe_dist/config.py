@@ -118,6 +118,9 @@ class TrainConfig:
     keep_last: int = 0  # checkpoints kept: after each save all but the newest N are deleted (0 = keep all)
     max_nonfinite_steps: int = 5  # stop after this many optimizer steps in a row skipped for NaN/Inf (0 = never)
     compile: bool = False  # torch.compile norms, attention and dense FFNs in place (MoE and Mamba stay eager)
+    async_save: bool = False  # checkpoint: snapshot to host memory, write in the background while training goes on
+    save_buffer_mb: int = 256  # checkpoint: host memory for tensors gathered and not yet written (synchronous save)
+    save_timeout_s: float = 1800.0  # checkpoint save and load: limit of every wait (writers, their collectives)
 
 
 @dataclass

@@ -122,21 +122,29 @@ def _new_groups(all_groups: list[list[int]], rank: int) -> tuple[dist.ProcessGro
     return mine
 
 
+def new_gloo_group(timeout_s: float) -> dist.ProcessGroup | None:
+    """Collective (every rank, same point): a gloo group of the whole world with its own timeout, for host-side
+    collectives that must not share the training groups' limit or stream (checkpoint saves); None alone."""
+    if not dist.is_initialized():
+        return None
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def set_group_timeouts(timeout_s: float) -> None:
+def set_group_timeouts(timeout_s: float, keep: tuple = ()) -> None:
     """Give every process group this rank belongs to the collective timeout `timeout_s`.
 
     init_process_group applies it to the world group only: groups made later by `dist.new_group` get torch's
     default (30 minutes on gloo, 10 on NCCL), and DeepSpeed makes its expert and data-parallel groups that way, so
     a stopped rank would hang an expert all-to-all for half an hour. Call again after anything that makes groups
-    (deepspeed.initialize).
+    (deepspeed.initialize). Groups in `keep` (the checkpoint group, with its own limit) are left as they are.
     """
-    private_api.set_timeout_of_every_group(timedelta(seconds=timeout_s))
+    private_api.set_timeout_of_every_group(timedelta(seconds=timeout_s), keep)
 
 
 def _torchelastic_attempt_store(timeout: timedelta) -> dist.Store | None:

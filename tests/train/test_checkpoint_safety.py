@@ -192,3 +192,13 @@ def test_latest_checkpoint_tolerates_a_corrupt_manifest(tmp_path):
     (_write_checkpoint(root, 10) / "meta.json").write_text("{garbage")
     assert latest_checkpoint(root) == root / "step_10"  # unverified by design; resume verifies
     assert [s for s, _ in complete_checkpoints(root)] == [10, 2]
+
+
+def test_a_file_from_another_run_is_rejected_before_use(tmp_path):
+    """Same step, same names and shapes, a sound safetensors file: only the manifest's sha256 tells them apart."""
+    ours, theirs = _write_checkpoint(tmp_path / "ours", 3), _write_checkpoint(tmp_path / "theirs", 3)
+    other = theirs / "rank00000.safetensors"
+    save_file({"w": torch.full((4, 3), -1.0), "exp_avg.w": torch.zeros(4, 3), "exp_avg_sq.w": torch.ones(4, 3)}, other)
+    (ours / "rank00000.safetensors").write_bytes(other.read_bytes())
+    with pytest.raises(CheckpointError, match="sha256 mismatch"):
+        verify_checkpoint(ours)
