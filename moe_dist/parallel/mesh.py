@@ -168,6 +168,36 @@ def _torchelastic_attempt_store(timeout: timedelta) -> dist.Store | None:
     return dist.PrefixStore(f"moe_dist/attempt_{attempt}", client)
 
 
+def _all_ranks_local() -> bool:
+    """Whether the launcher started every rank on this node (deepspeed: CROSS_SIZE nodes; torchrun and
+    accelerate: LOCAL_WORLD_SIZE of WORLD_SIZE)."""
+    if "CROSS_SIZE" in os.environ:
+        return os.environ["CROSS_SIZE"] == "1"
+    return os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE")) == os.environ.get("WORLD_SIZE")
+
+
+def _own_store(timeout: timedelta) -> dist.Store | None:
+    """The rendezvous store when this job's rank 0 hosts it (the deepspeed launcher, or RANK/WORLD_SIZE/MASTER_*
+    set by hand), listening on loopback when every rank is on this node, else on the launcher's MASTER_ADDR only.
+
+    torch's TCPStore server listens on every interface, and nothing authenticates its clients; binding the socket
+    ourselves and handing it over (master_listen_fd) keeps it off the other interfaces. Under torchrun the agent
+    hosts the store (_torchelastic_attempt_store) and this is not used."""
+    if "MASTER_ADDR" not in os.environ or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return None
+    host = "127.0.0.1" if _all_ranks_local() else os.environ["MASTER_ADDR"]
+    port, rank, world = int(os.environ["MASTER_PORT"]), int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if rank != 0:
+        return dist.TCPStore(host, port, world, is_master=False, timeout=timeout)
+    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(address)
+    listener.listen(1024)
+    store = dist.TCPStore(host, port, world, is_master=True, timeout=timeout, master_listen_fd=listener.detach())
+    return store
+
+
 def _unlink_deepspeed_shm(rank: int, world_size: int) -> None:
     """Remove the name of this rank's DeepSpeed shared-memory all-reduce buffer once every rank has mapped it.
 
@@ -210,7 +240,11 @@ def init_distributed(cfg: JobConfig, timeout_s: float | None = None) -> Mesh:
     if not dist.is_initialized():
         timeout = timedelta(seconds=timeout_s if timeout_s is not None else cfg.parallel.timeout_s)
         backend = "nccl" if cuda else "gloo"
-        store = dist.HashStore() if alone else _torchelastic_attempt_store(timeout)
+        store = dist.HashStore() if alone else _torchelastic_attempt_store(timeout) or _own_store(timeout)
+        if _all_ranks_local():
+            # gloo listens on the host name's address unless told otherwise (its only knob is this variable,
+            # read when each group is made): a job of one node needs no interface but loopback.
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         if store is not None:
             dist.init_process_group(
                 backend,

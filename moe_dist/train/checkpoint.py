@@ -218,6 +218,7 @@ class Checkpointer:
                 names = [stored_name(key, n) for n in st.names]
                 pieces = [(n, v) for n, v in zip(names, parts) if plan[n] == mesh.rank]
                 if not pieces:
+                    del value, parts
                     thread.release(numel * 4)
                     continue
                 ready = None
@@ -227,6 +228,7 @@ class Checkpointer:
                         ready = torch.cuda.Event()
                         ready.record()
                 thread.put(numel * 4, pieces, ready)
+                del value, parts, pieces  # the writer's references are the only ones: the buffer accounts them
 
     def _snapshot_copy(self, name: str, v: torch.Tensor) -> torch.Tensor:
         buf = self._snapshot.get(name)

@@ -8,6 +8,8 @@ FAULT, a JSON object with any of
       0 for the first), so the restarted job runs clean. "write": once half of R's tensors are in its file (in
       the writer thread, so with train.async_save while training goes on); "publish": rank 0 after meta.json is
       complete in the temporary directory, just before the rename.
+  "stall_in_save": [{"rank": R, "step": S, "seconds": T}, ...]
+      Rank R's writer sleeps T seconds before closing its tensor file of step S (a slow or hung disk).
   "nonfinite": [{"rank": R, "step": S, "what": "grad" | "loss"}, ...]
       On rank R, in the first micro-batch of optimizer step S (1-based): "grad" puts a NaN into one element
       of the embedding gradient (the loss stays finite); "loss" makes the loss NaN (the gradients stay finite).
@@ -22,6 +24,7 @@ import os
 import runpy
 import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -54,7 +57,8 @@ def _kill_here(where: str, step: int) -> bool:
 
 _global_batch, _windows = TokenDataset.global_batch, TokenDataset._windows
 _micro_batches, _forward_loss = loop.micro_batches, loop._forward_loss
-_write, _publish = checkpoint_io.TensorFileWriter.write, checkpoint._publish
+_write, _close = checkpoint_io.TensorFileWriter.write, checkpoint_io.TensorFileWriter.close
+_publish = checkpoint._publish
 
 
 def global_batch(self, step, batch_size):
@@ -105,12 +109,22 @@ def forward_loss(engine, cfg, batch, device):
     return loss, lm, out
 
 
+def _step_of(writer) -> int:
+    return int(writer.path.parent.name.split("_")[1].split(".")[0])  # .step_S.tmp/rankNNNNN.safetensors
+
+
 def write(self, name, tensor):
     _write(self, name, tensor)
-    step = int(self.path.parent.name.split("_")[1].split(".")[0])  # .step_S.tmp/rankNNNNN.safetensors
-    if self._next == len(self._specs) // 2 and _kill_here("write", step):
+    if self._next == len(self._specs) // 2 and _kill_here("write", _step_of(self)):
         self._file.flush()
         _die()
+
+
+def close(self):
+    for f in FAULT.get("stall_in_save", []):
+        if f["rank"] == RANK and f["step"] == _step_of(self):
+            time.sleep(f["seconds"])
+    return _close(self)
 
 
 def publish(tmp, final):
@@ -122,7 +136,8 @@ def publish(tmp, final):
 
 TokenDataset.global_batch, TokenDataset._windows = global_batch, windows
 loop.micro_batches, loop._forward_loss = micro_batches, forward_loss
-checkpoint_io.TensorFileWriter.write, checkpoint._publish = write, publish
+checkpoint_io.TensorFileWriter.write, checkpoint_io.TensorFileWriter.close = write, close
+checkpoint._publish = publish
 
 if __name__ == "__main__":
     sys.argv = [str(TRAIN), *sys.argv[1:]]

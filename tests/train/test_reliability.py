@@ -426,3 +426,42 @@ def test_sigstopped_rank_makes_the_others_fail_with_a_named_timeout_then_restart
         f"(timeout {timeout_s} s): {error[1][:160]}; resumed from step {resume_step} after "
         f"{resumed[0] - t_stop:.1f} s; steps recomputed: {logged - resume_step}"
     )
+
+
+def test_async_save_killed_while_writing_falls_back_and_equals_synchronous_saves(tmp_path, jobs, reference):
+    """train.async_save: rank 1 dies (SIGKILL) in its background writer halfway through its file of step 5, while
+    the training thread goes on. The unpublished step 5 is never picked: the restart resumes from step 4. Every
+    checkpoint, and every loss, equals the synchronous reference run's bit for bit: the snapshot is the state."""
+    run = tmp_path / "run"
+    fault = {"kill_in_save": [{"rank": 1, "step": 5, "where": "write", "attempt": 0}]}
+    job = jobs(2, [*BASE, "train.async_save=true", "--run-dir", str(run)], max_restarts=1, fault=fault)
+    assert job.wait() == 0, job.output()[-5000:]
+    starts = [line for _, line in job.lines if re.match(r"(resuming from |no checkpoint in )", line)]
+    assert len(starts) == 2 and "(step 4)" in starts[1], job.output()[-5000:]
+    assert [r["loss"] for r in _train(run)] == reference["losses"]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [f"step_{s}" for s in range(1, STEPS + 1)]
+    for step in range(1, STEPS + 1):
+        ours, ref = _tensors(run / f"checkpoints/step_{step}"), _tensors(reference["run"] / f"checkpoints/step_{step}")
+        assert ours.keys() == ref.keys() and all(torch.equal(ours[k], ref[k]) for k in ours), f"step {step}"
+    files = sorted(f.name for f in (run / f"checkpoints/step_{STEPS}").glob("*.safetensors"))
+    assert files == ["rank00000.safetensors", "rank00001.safetensors"]  # both ranks write a share
+
+
+def test_a_rank_stuck_writing_its_checkpoint_is_named_after_save_timeout(tmp_path, jobs):
+    """Rank 1's disk hangs (its writer sleeps 120 s before closing its file of step 2). parallel.timeout_s is far
+    longer; train.save_timeout_s=6 bounds the save: rank 0 stops with one line naming the save, the phase and
+    rank 1, exit 1, and step 2 is never published."""
+    run = tmp_path / "run"
+    fault = {"stall_in_save": [{"rank": 1, "step": 2, "seconds": 120}]}
+    args = [*BASE, "train.save_timeout_s=6", "parallel.timeout_s=300", "--run-dir", str(run)]
+    job = jobs(2, args, fault=fault)
+    t0 = time.monotonic()
+    job.wait_for(lambda: job.first(r"^error: ") is not None, "rank 0's error")
+    error = job.first(r"^error: ")
+    assert job.wait() != 0
+    assert error[1].startswith(
+        "error: checkpoint save of step 2: waiting for every rank to write its tensor file: rank 1 did not finish "
+        "within train.save_timeout_s=6"
+    ), error[1]
+    assert _complete(run) == [1]
+    print(f"\nrank 1 stuck in the save of step 2: rank 0 stopped {error[0] - t0:.1f} s after the job started")
