@@ -2,6 +2,7 @@
 or the one of an earlier commit (`--ref`), so that before/after figures come from the same script and machine.
 
     python benchmarks/ckpt_bench.py [--ref COMMIT] [--config C] [--set KEY=VALUE ...]
+    python benchmarks/ckpt_bench.py --train [--steps N] [--save-every K] [--set ...]   # what async_save hides
 
 Builds the model, its DeepSpeed engine (ZeRO from the config) and zero Adam moments, then saves a checkpoint into
 a temporary directory and loads it back. Peak memory is the kernel's high-water mark of this process (VmHWM),
@@ -72,13 +73,61 @@ def checkpoint_module(ref: str | None):
     return module
 
 
+def train_intervals(cfg_path: str, overrides: list[str], steps: int, save_every: int) -> dict:
+    """One training run in this process with train.async_save off, then one with it on: the wall time from the
+    start of one step to the start of the next (the step, its metrics and any save), mean over steps with and
+    without a save, and the final wait for the last save. Same process, same model, same data."""
+    import moe_dist.train.loop as loop
+    from moe_dist.config import load_config
+
+    out = {}
+    for mode in ("sync", "async"):
+        starts = []
+        train_step = loop._train_step
+
+        def timed(*a, _inner=train_step, _starts=starts, **k):
+            _starts.append(time.perf_counter())
+            return _inner(*a, **k)
+
+        loop._train_step = timed
+        cfg = load_config(
+            cfg_path,
+            [*overrides, f"train.steps={steps}", f"train.save_every={save_every}", "train.eval_every=0",
+             f"train.async_save={str(mode == 'async').lower()}"],
+        )  # fmt: skip
+        try:
+            loop.train(cfg, Path(tempfile.mkdtemp(prefix=f"ckpt_bench_{mode}_")))
+        finally:
+            loop._train_step = train_step
+        starts.append(time.perf_counter())  # the end of train(): after the last save is published
+        gaps = [b - a for a, b in zip(starts, starts[1:])]
+        with_save = [g for i, g in enumerate(gaps[:-1], 1) if i % save_every == 0]  # step i ended with a save
+        without = [g for i, g in enumerate(gaps[:-1], 1) if i % save_every and i > 1]  # the first step warms up
+        out[mode] = {
+            "step_without_save_s": round(sum(without) / len(without), 3),
+            "step_with_save_s": round(sum(with_save) / len(with_save), 3),
+            "last_step_and_final_save_s": round(gaps[-1], 3),
+        }
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ref", default=None, help="git commit whose moe_dist/train/checkpoint.py to measure")
     p.add_argument("--config", default=str(REPO / "configs" / "mixtral_small.json"))
     p.add_argument("--set", nargs="*", default=[], help="overrides after the default size ones")
     p.add_argument("--dir", default=None, help="where to write the checkpoint (default: a temporary directory)")
+    p.add_argument(
+        "--train",
+        action="store_true",
+        help="instead: time training steps with and without checkpoint saves, train.async_save off then on",
+    )
+    p.add_argument("--steps", type=int, default=9, help="with --train: steps per run")
+    p.add_argument("--save-every", type=int, default=2, help="with --train: save period")
     args = p.parse_args()
+    if args.train:
+        print(json.dumps(train_intervals(args.config, [*DEFAULT_SET, *args.set], args.steps, args.save_every)))
+        return
 
     import deepspeed
     import torch

@@ -270,7 +270,8 @@ def init_distributed(cfg: JobConfig, timeout_s: float | None = None) -> Mesh:
             private_api.register_expert_groups(name, _new_groups(layout["ep"], rank), _new_groups(layout["edp"], rank))
         ep_group, edp_group = private_api.expert_groups(name)
     set_group_timeouts(timeout_s if timeout_s is not None else cfg.parallel.timeout_s)
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    # torchrun and accelerate set LOCAL_WORLD_SIZE, the deepspeed launcher LOCAL_SIZE
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", world_size)))
     return Mesh(
         rank=rank,
         world_size=world_size,

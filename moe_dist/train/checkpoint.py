@@ -133,7 +133,7 @@ class Checkpointer:
         try:
             with operation(what, self.timeout_s, "train.save_timeout_s"):
                 yield
-        except TrainingError as e:
+        except RuntimeError as e:  # CollectiveError, or gloo's own monitored-barrier error (no "timed out" in it)
             late = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", str(e))
             if late is None:
                 raise

@@ -30,6 +30,7 @@ from moe_dist.train.guard import NonFiniteGuard, operation
 from moe_dist.train.metrics import MetricsLogger, StepAccumulator
 from moe_dist.train.optim import build_optimizer, deepspeed_config
 from moe_dist.train.resume import complete_checkpoints, prune_checkpoints, select_checkpoint
+from moe_dist.train.shared_storage import check_shared_run_dir
 
 
 class RunDirError(RuntimeError):
@@ -206,6 +207,8 @@ def train(cfg: JobConfig, run_dir: Path, resume: bool = False) -> list[dict]:
     def say(line: str) -> None:
         if mesh.rank == 0:
             tqdm.write(line, file=sys.stderr)
+
+    check_shared_run_dir(run_dir, mesh)  # multi-node: every node sees the run directory, before anything is written
 
     model = maybe_compile(parallelize(build_model(cfg.model, mesh.device), mesh, cfg), cfg)
     ckpt_root = run_dir / "checkpoints"
