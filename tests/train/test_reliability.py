@@ -397,10 +397,12 @@ def test_too_many_nonfinite_steps_in_a_row_stop_the_run(tmp_path, jobs):
 
 def test_sigstopped_rank_makes_the_others_fail_with_a_named_timeout_then_restart_resumes(tmp_path, jobs, reference):
     """EP=2, so the first collective of a step is the expert all-to-all on a group DeepSpeed created (those
-    default to a 30-minute timeout unless the mesh sets parallel.timeout_s on them)."""
+    default to a 30-minute timeout unless the mesh sets parallel.timeout_s on them). A checkpoint is saved every
+    step, so the stop may also land in a save, bounded by train.save_timeout_s (set equal here)."""
     timeout_s, stop_after = 8, 2
     run = tmp_path / "run"
-    args = [*BASE, "parallel.ep=2", f"parallel.timeout_s={timeout_s}", "--run-dir", str(run)]
+    args = [*BASE, "parallel.ep=2", f"parallel.timeout_s={timeout_s}", f"train.save_timeout_s={timeout_s}"]
+    args += ["--run-dir", str(run)]
     job = jobs(2, args, max_restarts=1)
     job.wait_for(lambda: _last_step(run) >= stop_after, f"step {stop_after}")
     stopped = job.worker(rank=1, attempt=0)
@@ -413,9 +415,12 @@ def test_sigstopped_rank_makes_the_others_fail_with_a_named_timeout_then_restart
     # grace; we do the SIGKILL at once to keep the test short. The restart path is torchrun's from here on.
     os.kill(stopped, signal.SIGKILL)
     assert job.wait() == 0, job.output()[-5000:]
-    assert re.match(rf"error: step \d+: .+: collective timed out \(parallel\.timeout_s={timeout_s};", error[1]), error[
-        1
-    ]
+    in_step = rf"step \d+: .+: collective timed out \(parallel\.timeout_s={timeout_s};"
+    in_save = (
+        rf"checkpoint save of step \d+: .+: (collective timed out \(train\.save_timeout_s={timeout_s};|"
+        rf"rank 1 did not finish within train\.save_timeout_s={timeout_s})"
+    )
+    assert re.match(rf"error: ({in_step}|{in_save})", error[1]), error[1]
     resumed = job.first(r"resuming from .*\(step (\d+)\)", after=t_stop)
     assert resumed is not None
     resume_step = int(re.search(r"\(step (\d+)\)", resumed[1]).group(1))
