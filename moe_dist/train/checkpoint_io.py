@@ -115,6 +115,9 @@ class FileWriterThread:
     def put(self, nbytes: int, pieces: list[tuple[str, torch.Tensor]], ready=None) -> None:
         """Write `pieces` (this reservation of `nbytes`), after CUDA event `ready` when given."""
         with self._cond:
+            if self._error is not None:  # the writer stopped: drop it (finish() raises the writer's error)
+                self._pending -= nbytes
+                return
             self._queue.append((nbytes, pieces, ready))
             self._cond.notify_all()
 

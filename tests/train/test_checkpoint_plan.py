@@ -97,3 +97,15 @@ def test_tensor_file_refuses_out_of_order_or_missing_tensors(tmp_path):
     writer.write("a", torch.zeros(2))
     with pytest.raises(ValueError, match="1 of 2 tensors written"):
         writer.close()
+
+
+def test_a_failing_writer_neither_blocks_the_gathering_nor_hides_its_error(tmp_path):
+    writer = TensorFileWriter(tmp_path / "f.safetensors", [("a", (2,)), ("b", (4,))])
+    thread = FileWriterThread(writer, limit=8)
+    thread.reserve(8)
+    thread.put(8, [("a", torch.zeros(3))])  # the wrong shape: the writer thread fails
+    for _ in range(3):  # would block forever on the full buffer if the failure were not seen
+        thread.reserve(16)
+        thread.put(16, [("b", torch.zeros(4))])
+    with pytest.raises(ValueError, match=r"got a \(3,\)"):
+        thread.finish()
