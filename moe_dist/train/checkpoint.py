@@ -182,6 +182,9 @@ class Checkpointer:
             "layout": {"dp": mesh.dp, "ep": mesh.ep, "tp": mesh.tp},
             **(extra_meta or {}),
         }
+        if rank == 0:  # the index: a rank resuming opens only the files it reads (verify_checkpoint)
+            files = {r: f"rank{r:05d}.safetensors" for r in set(plan.values())}
+            meta["tensors"] = {n: [files[plan[n]], list(e.shape)] for n, e, _ in tensors_in_order(entries)}
         # The gathers are the training groups' collectives: give them the save's limit while they run (a peer
         # may be waiting for its disk through the bounded buffer).
         set_group_timeouts(self.timeout_s, keep=(self.group,))
@@ -341,30 +344,57 @@ def read_meta(path: Path) -> dict:
     return meta
 
 
+def _header(f: Path) -> dict[str, tuple]:
+    """{tensor name: shape} from a safetensors header; a file that is not safetensors (e.g. a pickle) fails here."""
+    try:  # parses the JSON header only
+        with safe_open(str(f), framework="pt") as sf:
+            return {key: tuple(sf.get_slice(key).get_shape()) for key in sf.keys()}
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{f}: not a readable safetensors file ({' '.join(str(e).split())})") from None
+
+
+def _manifest_index(path: Path, meta: dict) -> dict[str, tuple[Path, tuple]] | None:
+    """The index meta.json carries ("tensors": {name: [file, shape]}, written by Checkpointer), or None."""
+    tensors = meta.get("tensors")
+    if tensors is None:
+        return None
+    ok = isinstance(tensors, dict) and all(
+        isinstance(v, list) and len(v) == 2 and v[0] in meta["files"] and isinstance(v[1], list)
+        and all(isinstance(d, int) for d in v[1])
+        for v in tensors.values()
+    )  # fmt: skip
+    if not ok:
+        raise CheckpointError(f"{path / 'meta.json'}: 'tensors' must map names to [a listed file, shape]")
+    return {name: (path / f, tuple(shape)) for name, (f, shape) in tensors.items()}
+
+
 def verify_checkpoint(path: Path, rank: int = 0, world_size: int = 1) -> tuple[dict, dict[str, tuple[Path, tuple]]]:
     """Check checkpoint `path` and index it: (meta, {tensor name: (file, shape)}).
 
-    Every file listed in meta.json must exist and parse as safetensors; this rank hashes its share of them
-    (file i when i % world_size == rank), so the ranks together check each file's sha256 once. Raises
-    CheckpointError naming the first bad file."""
+    Every file listed in meta.json must exist; this rank hashes its share of them (file i when
+    i % world_size == rank) and parses their safetensors headers, so the ranks together check each file once.
+    The index comes from meta.json where it carries one (checked against each header by the rank hashing that
+    file, so no rank opens every file), else from every file's header. Raises CheckpointError naming the first
+    bad file."""
     meta = read_meta(path)
     named = STEP_DIR.fullmatch(path.name)
     if named and meta["step"] != int(named.group(1)):
         raise CheckpointError(f"{path / 'meta.json'}: says step {meta['step']}, the directory name another")
+    listed = _manifest_index(path, meta)
     index: dict[str, tuple[Path, tuple]] = {}
     for i, (fname, digest) in enumerate(sorted(meta["files"].items())):
         f = path / fname
         if not f.is_file():
             raise CheckpointError(f"{f}: listed in meta.json but missing")
-        if i % world_size == rank and _sha256(f) != digest:
+        mine = i % world_size == rank
+        if mine and _sha256(f) != digest:
             raise CheckpointError(f"{f}: sha256 mismatch (corrupted or truncated)")
-        try:  # parses the JSON header only; a file that is not safetensors (e.g. a pickle) fails here
-            with safe_open(str(f), framework="pt") as sf:
-                for key in sf.keys():
-                    index[key] = (f, tuple(sf.get_slice(key).get_shape()))
-        except (SafetensorError, OSError, ValueError) as e:
-            raise CheckpointError(f"{f}: not a readable safetensors file ({' '.join(str(e).split())})") from None
-    return meta, index
+        if listed is None or mine:
+            header = _header(f)
+            if listed is not None and header != {n: shape for n, (g, shape) in listed.items() if g == f}:
+                raise CheckpointError(f"{f}: its tensors differ from those meta.json lists for it")
+            index.update({name: (f, shape) for name, shape in header.items()})
+    return meta, index if listed is None else listed
 
 
 def _expected(model: nn.Module, mesh: Mesh) -> tuple[dict[str, tuple], set[str]]:

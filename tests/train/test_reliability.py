@@ -328,7 +328,7 @@ def test_corrupt_truncated_and_malicious_checkpoints_fall_back_and_data_resumes_
     f6, f5, f4 = (run / f"checkpoints/step_{s}/rank00000.safetensors" for s in (6, 5, 4))
     f6.write_bytes(pickle.dumps(Payload()))
     meta6 = json.loads((f6.parent / "meta.json").read_text())
-    meta6["files"] = {f6.name: hashlib.sha256(f6.read_bytes()).hexdigest()}
+    meta6["files"][f6.name] = hashlib.sha256(f6.read_bytes()).hexdigest()  # the attacker fixed the digest
     (f6.parent / "meta.json").write_text(json.dumps(meta6))
     f5.write_bytes(f5.read_bytes()[: f5.stat().st_size // 2])
     data = bytearray(f4.read_bytes())
