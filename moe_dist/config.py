@@ -151,6 +151,9 @@ class TrainConfig:
     grad_accum_dtype: Literal["fp32", "bf16"] = (
         "fp32"  # with dtype bf16: gradients accumulate over micro-batches and are reduced in this dtype
     )
+    async_save: bool = False  # checkpoint: snapshot to host memory, write in the background while training goes on
+    save_buffer_mb: int = 256  # checkpoint: host memory for tensors gathered and not yet written (synchronous save)
+    save_timeout_s: float = 1800.0  # checkpoint save and load: limit of every wait (writers, their collectives)
 
 
 @dataclass

@@ -19,6 +19,8 @@
 #   --only-nodes K[,K]    start only these node ranks (failure drills: the others are "missing")
 #   --master-addr ADDR    override the master address every node is told (failure drills)
 #   --master-port PORT    override the master port every node is told (failure drills)
+#   --private-run-dir K[,K]  on these node ranks the run directory is a private tmpfs (in the node's own mount
+#                         namespace): a run directory that is not shared between nodes (failure drills)
 #
 # Topology (nothing is added to the host's own network namespace):
 #
@@ -33,6 +35,7 @@ set -euo pipefail
 
 NODES=2 NPROC=2 LAUNCHERS=deepspeed,torchrun RUN_DIR=runs/netns SCRIPT=launch/train.py SUBNET=10.213.7
 PORT=29500 TIMEOUT=600 RDZV_TIMEOUT=60 ONLY_NODES="" MASTER_ADDR_OVERRIDE="" MASTER_PORT_OVERRIDE="" CHECK=0
+PRIVATE_RUN_DIR=""
 TRAIN_ARGS=()
 
 die() { echo "netns_cluster: $*" >&2; exit 2; }
@@ -51,6 +54,7 @@ while (($#)); do
         --only-nodes) ONLY_NODES=$2; shift 2 ;;
         --master-addr) MASTER_ADDR_OVERRIDE=$2; shift 2 ;;
         --master-port) MASTER_PORT_OVERRIDE=$2; shift 2 ;;
+        --private-run-dir) PRIVATE_RUN_DIR=$2; shift 2 ;;
         --check) CHECK=1; shift ;;
         --) shift; TRAIN_ARGS=("$@"); break ;;
         -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
@@ -161,6 +165,11 @@ run_job() {
         [[ -z $ONLY_NODES || ",$ONLY_NODES," == *",$k,"* ]] || continue
         local cmd
         cmd=$(node_command "$launcher" "$k" "$out")
+        if [[ ",$PRIVATE_RUN_DIR," == *",$k,"* ]]; then
+            # `ip netns exec` gives the node its own mount namespace: this tmpfs hides the shared directory from
+            # this node only (the hostfile is copied in; the node's log is opened outside, before the mount).
+            cmd="h=\$(cat ${out@Q}/hostfile) && mount -t tmpfs none ${out@Q} && printf '%s\n' \"\$h\" > ${out@Q}/hostfile && $cmd"
+        fi
         echo "netns_cluster: [$launcher] node $k ($(addr_of "$k")): $cmd" | tee "$out/node$k.log"
         # setsid: each node's launcher and its workers form one process group that cleanup can end by id.
         setsid ip netns exec "$TAG-n$k" env GLOO_SOCKET_IFNAME=veth0 PYTHONUNBUFFERED=1 \

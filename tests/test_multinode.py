@@ -178,3 +178,23 @@ def test_unreachable_master_fails_within_the_timeout(tmp_path):
         elif not re.search("timed out", text, re.IGNORECASE) or must_name not in text:
             failures.append(f"{case}: the error does not say 'timed out' and name {must_name!r}:\n{text[-2500:]}")
     assert not failures, "\n".join(failures)
+
+
+def test_a_run_directory_not_shared_between_nodes_stops_every_rank_before_writing(tmp_path, netns):
+    """Node 1's run directory is a private tmpfs (the same path, another directory): at start-up every rank of
+    both nodes exits with one line naming the directory and node 1, under deepspeed (whose store binds node 0's
+    MASTER_ADDR) and torchrun, and nothing of the run is written on either side."""
+    run = tmp_path / "unshared"
+    cmd = ["bash", NETNS, "--nodes", "2", "--nproc", "2", "--launchers", "deepspeed,torchrun", "--run-dir", str(run)]
+    cmd += ["--port", str(free_port()), "--timeout", "300", "--private-run-dir", "1", "--", *ARGS]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode != 0, proc.stdout[-3000:]
+    for launcher in ("deepspeed", "torchrun"):
+        out = run / launcher
+        for node in (0, 1):
+            text = (out / f"node{node}.log").read_text()
+            errors = [line[line.index("error: ") :] for line in text.splitlines() if "error: " in line]
+            assert len(errors) >= 2, (launcher, node, text[-3000:])  # both ranks of the node
+            for line in errors:
+                assert line.startswith(f"error: {out}: not shared by every node: node 1 ("), line
+        assert sorted(p.name for p in out.iterdir()) == ["hostfile", "node0.log", "node1.log"]  # no run files

@@ -1,6 +1,8 @@
 """The one place that issues collectives. Every rank calls these in the same order (DESIGN.md §5): callers guard
 what they do with the results, never whether they call."""
 
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
@@ -34,20 +36,48 @@ def barrier() -> None:
         dist.barrier()
 
 
-def broadcast_bytes(data: bytes, src: int = 0) -> bytes:
+def _group_device(group: dist.ProcessGroup | None) -> torch.device:
+    return _device() if group is None or dist.get_backend(group) != "gloo" else torch.device("cpu")
+
+
+def broadcast_bytes(data: bytes, src: int = 0, group: dist.ProcessGroup | None = None) -> bytes:
     """Every rank gets rank `src`'s bytes (others pass anything). Raw bytes, never pickle: callers encode
     text or JSON themselves, so a peer cannot make this process run code."""
     if not _active():
         return data
-    n = torch.tensor([len(data)], dtype=torch.int64, device=_device())
-    dist.broadcast(n, src)
+    device = _group_device(group)
+    n = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    dist.broadcast(n, src, group=group)
     if dist.get_rank() == src:
-        buf = torch.tensor(list(data), dtype=torch.uint8, device=_device())
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if data else n.new_zeros(0).byte()
     else:
-        buf = torch.zeros(int(n.item()), dtype=torch.uint8, device=_device())
+        buf = torch.zeros(int(n.item()), dtype=torch.uint8, device=device)
     if n.item():
-        dist.broadcast(buf, src)
-    return bytes(buf.cpu().tolist())
+        dist.broadcast(buf, src, group=group)
+    return buf.cpu().numpy().tobytes()
+
+
+def gather_bytes(data: bytes, group: dist.ProcessGroup | None = None) -> list[bytes]:
+    """Rank 0 gets every rank's bytes, in rank order (the other ranks get []); raw bytes, never pickle."""
+    if not _active():
+        return [data]
+    device, world = _group_device(group), dist.get_world_size(group)
+    n = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(n) for _ in range(world)]
+    dist.all_gather(sizes, n, group=group)
+    longest = max(int(s.item()) for s in sizes)
+    buf = torch.zeros(longest, dtype=torch.uint8, device=device)
+    buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else 0
+    root = dist.get_rank(group) == 0
+    parts = [torch.empty_like(buf) for _ in range(world)] if root else None
+    dist.gather(buf, parts, dst=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    return [p[: int(s.item())].cpu().numpy().tobytes() for p, s in zip(parts, sizes)] if root else []
+
+
+def monitored_barrier(group: dist.ProcessGroup, timeout_s: float) -> None:
+    """A barrier on a gloo group whose timeout error on rank 0 lists every rank that did not arrive."""
+    if _active():
+        dist.monitored_barrier(group, timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
 
 
 def agree_on_error(error: str) -> str:

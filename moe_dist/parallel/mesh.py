@@ -122,21 +122,29 @@ def _new_groups(all_groups: list[list[int]], rank: int) -> tuple[dist.ProcessGro
     return mine
 
 
+def new_gloo_group(timeout_s: float) -> dist.ProcessGroup | None:
+    """Collective (every rank, same point): a gloo group of the whole world with its own timeout, for host-side
+    collectives that must not share the training groups' limit or stream (checkpoint saves); None alone."""
+    if not dist.is_initialized():
+        return None
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def set_group_timeouts(timeout_s: float) -> None:
+def set_group_timeouts(timeout_s: float, keep: tuple = ()) -> None:
     """Give every process group this rank belongs to the collective timeout `timeout_s`.
 
     init_process_group applies it to the world group only: groups made later by `dist.new_group` get torch's
     default (30 minutes on gloo, 10 on NCCL), and DeepSpeed makes its expert and data-parallel groups that way, so
     a stopped rank would hang an expert all-to-all for half an hour. Call again after anything that makes groups
-    (deepspeed.initialize).
+    (deepspeed.initialize). Groups in `keep` (the checkpoint group, with its own limit) are left as they are.
     """
-    private_api.set_timeout_of_every_group(timedelta(seconds=timeout_s))
+    private_api.set_timeout_of_every_group(timedelta(seconds=timeout_s), keep)
 
 
 def _torchelastic_attempt_store(timeout: timedelta) -> dist.Store | None:
@@ -158,6 +166,36 @@ def _torchelastic_attempt_store(timeout: timedelta) -> dist.Store | None:
         timeout=timeout,
     )
     return dist.PrefixStore(f"moe_dist/attempt_{attempt}", client)
+
+
+def _all_ranks_local() -> bool:
+    """Whether the launcher started every rank on this node (deepspeed: CROSS_SIZE nodes; torchrun and
+    accelerate: LOCAL_WORLD_SIZE of WORLD_SIZE)."""
+    if "CROSS_SIZE" in os.environ:
+        return os.environ["CROSS_SIZE"] == "1"
+    return os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE")) == os.environ.get("WORLD_SIZE")
+
+
+def _own_store(timeout: timedelta) -> dist.Store | None:
+    """The rendezvous store when this job's rank 0 hosts it (the deepspeed launcher, or RANK/WORLD_SIZE/MASTER_*
+    set by hand), listening on loopback when every rank is on this node, else on the launcher's MASTER_ADDR only.
+
+    torch's TCPStore server listens on every interface, and nothing authenticates its clients; binding the socket
+    ourselves and handing it over (master_listen_fd) keeps it off the other interfaces. Under torchrun the agent
+    hosts the store (_torchelastic_attempt_store) and this is not used."""
+    if "MASTER_ADDR" not in os.environ or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return None
+    host = "127.0.0.1" if _all_ranks_local() else os.environ["MASTER_ADDR"]
+    port, rank, world = int(os.environ["MASTER_PORT"]), int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if rank != 0:
+        return dist.TCPStore(host, port, world, is_master=False, timeout=timeout)
+    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(address)
+    listener.listen(1024)
+    store = dist.TCPStore(host, port, world, is_master=True, timeout=timeout, master_listen_fd=listener.detach())
+    return store
 
 
 def _unlink_deepspeed_shm(rank: int, world_size: int) -> None:
@@ -202,7 +240,11 @@ def init_distributed(cfg: JobConfig, timeout_s: float | None = None) -> Mesh:
     if not dist.is_initialized():
         timeout = timedelta(seconds=timeout_s if timeout_s is not None else cfg.parallel.timeout_s)
         backend = "nccl" if cuda else "gloo"
-        store = dist.HashStore() if alone else _torchelastic_attempt_store(timeout)
+        store = dist.HashStore() if alone else _torchelastic_attempt_store(timeout) or _own_store(timeout)
+        if _all_ranks_local():
+            # gloo listens on the host name's address unless told otherwise (its only knob is this variable,
+            # read when each group is made): a job of one node needs no interface but loopback.
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         if store is not None:
             dist.init_process_group(
                 backend,
@@ -228,7 +270,8 @@ def init_distributed(cfg: JobConfig, timeout_s: float | None = None) -> Mesh:
             private_api.register_expert_groups(name, _new_groups(layout["ep"], rank), _new_groups(layout["edp"], rank))
         ep_group, edp_group = private_api.expert_groups(name)
     set_group_timeouts(timeout_s if timeout_s is not None else cfg.parallel.timeout_s)
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    # torchrun and accelerate set LOCAL_WORLD_SIZE, the deepspeed launcher LOCAL_SIZE
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", world_size)))
     return Mesh(
         rank=rank,
         world_size=world_size,

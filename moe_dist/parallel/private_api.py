@@ -207,8 +207,8 @@ def step_without_update(engine) -> bool:
 # ------------------------------------------------------------------------------ torch.distributed internals
 
 
-def set_timeout_of_every_group(timeout: timedelta) -> None:
-    """Give every process group this rank belongs to the collective timeout `timeout`.
+def set_timeout_of_every_group(timeout: timedelta, keep: tuple = ()) -> None:
+    """Give every process group this rank belongs to, except those in `keep`, the collective timeout `timeout`.
 
     torch 2.13.0: torch keeps no public list of a process's groups; `distributed_c10d._world.pg_map` is that
     list, `_rank_not_in_group` tells member groups from placeholders, and `_set_pg_timeout` sets the timeout of
@@ -218,7 +218,7 @@ def set_timeout_of_every_group(timeout: timedelta) -> None:
     from torch.distributed import distributed_c10d as c10d
 
     for group in list(c10d._world.pg_map):
-        if not c10d._rank_not_in_group(group):
+        if not c10d._rank_not_in_group(group) and group not in keep:
             c10d._set_pg_timeout(timeout, group)
 
 

@@ -7,41 +7,58 @@ at, skipped-step count, the data identity, sha256 of every file) and `config.jso
 tensors are read with safetensors (a JSON header and raw bytes), metadata with `json`, so loading runs no
 code whatever the files contain.
 
-Because names are global and tensors whole (tensor-parallel shards are gathered on save and sliced on load
-along each parameter's `tp_dim`), a checkpoint written at one (dp, ep, tp) layout loads at any other.
-Ranks write into
-`.step_N.tmp/` and fsync; rank 0 writes meta.json last and publishes the directory by renaming it once every
-rank has finished, so a run killed mid-save never leaves a `step_N/` that resume would pick. On load every file
-is checked against its sha256 before a single tensor is read (`verify_checkpoint`); resume.py falls back to
-the previous checkpoint when that fails.
+Because names are global and tensors whole (tensor-parallel shards are gathered on save; on load each rank
+reads only its slice along each parameter's `tp_dim`), a checkpoint written at one (dp, ep, tp) layout loads at
+any other.
+
+Saving (`Checkpointer`): every rank holding a replica of a tensor gathers it, and the tensors are spread over
+those ranks by bytes (checkpoint_plan.py): each rank writes its own file, streaming tensor by tensor through a
+bounded buffer and hashing the bytes as it writes them (checkpoint_io.py). Ranks write into `.step_N.tmp/` and
+fsync; rank 0 gathers the digests, writes meta.json last and publishes the directory by renaming it once every
+rank has finished, so a run killed mid-save never leaves a `step_N/` that resume would pick. With
+train.async_save the tensors are first copied to host memory and written and published in the background. On
+load every file is checked against its sha256 before a single tensor is read (`verify_checkpoint`); resume.py
+falls back to the previous checkpoint when that fails.
 
 DeepSpeed's own checkpoints are not used: they pickle, and their expert files are tied to the EP size.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
-from dataclasses import dataclass
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 from torch import nn
 
 from moe_dist.config import JobConfig, config_to_dict
-from moe_dist.layers.moe import Experts
 from moe_dist.parallel import private_api
-from moe_dist.parallel.comm import barrier
-from moe_dist.parallel.mesh import Mesh
-from moe_dist.parallel.tensor_parallel import gather_shards, shard
+from moe_dist.parallel.comm import barrier, broadcast_bytes, gather_bytes, monitored_barrier
+from moe_dist.parallel.mesh import Mesh, new_gloo_group, set_group_timeouts
+from moe_dist.train.checkpoint_io import FileWriterThread, TensorFileWriter, fsync
+from moe_dist.train.checkpoint_plan import MOMENTS, STATE_KEYS, plan_writers, stored_name, tensors_in_order
+from moe_dist.train.checkpoint_state import (
+    Stored,
+    adam_step,
+    ensure_optimizer_state,
+    full_state,
+    inner_optimizer,
+    link_optimizer_state,
+    stored_buffers,
+    stored_params,
+)
+from moe_dist.train.guard import TrainingError, operation
 
 FORMAT_VERSION = 1
-MOMENTS = ("exp_avg", "exp_avg_sq")
 STEP_DIR = re.compile(r"step_(\d+)")
 TENSOR_FILE = re.compile(r"rank\d{5}\.safetensors")  # the only files a checkpoint may ask us to open
 
@@ -55,96 +72,12 @@ class CheckpointMismatch(CheckpointError):
     to fall back from (every older checkpoint of the run would not fit either)."""
 
 
-@dataclass
-class _Stored:
-    param: nn.Parameter
-    names: list[str]  # global tensor names: one, or one per local expert of a stacked expert parameter
-    stacked: bool
-    writer: bool  # whether this rank writes it (every stored tensor has exactly one writer)
-    tp_dim: int | None = None  # the parameter's dim split over tensor-parallel ranks (apply_tp), if any
-    tp_parts: int = 1  # blocks of that dim split separately (Mamba in_proj's x and z halves)
-
-    def whole(self, local: torch.Tensor, mesh: Mesh) -> torch.Tensor:
-        """Collective over the TP group for a TP-sharded parameter: the full tensor from this rank's slice."""
-        return local if self.tp_dim is None else gather_shards(local, mesh.tp_group, self.tp_dim, self.tp_parts)
-
-    def local(self, full: torch.Tensor, mesh: Mesh) -> torch.Tensor:
-        """This rank's slice of a full tensor."""
-        return full if self.tp_dim is None else shard(full, self.tp_dim, mesh.tp_rank, mesh.tp, self.tp_parts)
-
-    def full_shape(self, mesh: Mesh) -> tuple:
-        """Shape of each stored tensor (one expert's, for a stacked parameter), whatever the TP layout."""
-        shape = list(self.param.shape)
-        if self.tp_dim is not None:
-            shape[self.tp_dim] *= mesh.tp
-        return tuple(shape[1:] if self.stacked else shape)
-
-
-def _stored(model: nn.Module, mesh: Mesh) -> list[_Stored]:
-    """This rank's parameters with their global names, in the same order on every rank."""
-    experts = {id(p): m for m in model.modules() if isinstance(m, Experts) for p in m.parameters(recurse=False)}
-    out = []
-    for name, p in model.named_parameters():
-        module = experts.get(id(p))
-        tp = {"tp_dim": getattr(p, "tp_dim", None), "tp_parts": getattr(p, "tp_parts", 1)}
-        if module is None:
-            out.append(_Stored(p, [name], False, mesh.rank == 0, **tp))
-        else:  # one copy of each expert is written: by the first expert-data-parallel replica (tp_rank 0)
-            names = [f"{name}.{module.expert_offset + j}" for j in range(p.shape[0])]
-            out.append(_Stored(p, names, True, mesh.edp_rank == 0 and mesh.tp_rank == 0, **tp))
-    return out
-
-
-def _buffers(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Persistent buffers by global name (the routers' balancing state): replicated and identical on every rank,
-    so rank 0 writes them and every rank reads them; no optimizer moments."""
-    params = {name for name, _ in model.named_parameters()}
-    return {name: t for name, t in model.state_dict(keep_vars=True).items() if name not in params}
-
-
-def _inner_optimizer(engine):
-    return getattr(engine.optimizer, "optimizer", engine.optimizer)
-
-
-def _link_optimizer_state(engine) -> None:
-    """(Re)build DeepSpeed's per-parameter views of the partitioned Adam state.
-
-    ZeRO 1/2 links them once, right after the first parameter group's first step, when later groups have no
-    state yet, and never again: their moments would then be unreachable. Linking once all state exists fixes it.
-    """
-    private_api.relink_zero_optimizer_state(engine.optimizer)
-
-
-def _full_state(engine, p: nn.Parameter) -> dict[str, torch.Tensor]:
-    """fp32 value and Adam moments of one local parameter. Collective under ZeRO (over the parameter's group)."""
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-
-    if private_api.has_partitioned_fp32_state(p):  # ZeRO 1/2: fp32 master weights and moments are partitioned
-        return {"param": safe_get_full_fp32_param(p), **{k: safe_get_full_optimizer_state(p, k) for k in MOMENTS}}
-    state = _inner_optimizer(engine).state[p]
-    return {"param": p.detach().float(), **{k: state[k] for k in MOMENTS}}
-
-
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
-
-
-def _fsync(path: Path) -> None:
-    """Flush a file or directory to stable storage, so a published checkpoint survives a machine crash too."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    save_file(tensors, str(path))
-    _fsync(path)
 
 
 def _write_manifest(tmp: Path, meta: dict, cfg: JobConfig) -> None:
@@ -154,7 +87,7 @@ def _write_manifest(tmp: Path, meta: dict, cfg: JobConfig) -> None:
         ("meta.json", json.dumps(meta, indent=2)),
     ):
         (tmp / name).write_text(text + "\n")
-        _fsync(tmp / name)
+        fsync(tmp / name)
 
 
 def _publish(tmp: Path, final: Path) -> None:
@@ -165,7 +98,185 @@ def _publish(tmp: Path, final: Path) -> None:
         os.replace(final, doomed)
         shutil.rmtree(doomed)
     os.replace(tmp, final)
-    _fsync(final.parent)
+    fsync(final.parent)
+
+
+class CheckpointSaveError(TrainingError):
+    """A save failed or a rank did not finish it within train.save_timeout_s; the message names both."""
+
+
+class Checkpointer:
+    """Saves the checkpoints of one run (see the module docstring). Construct on every rank at the same point
+    (it creates the checkpoint process group); `save` and `wait` are collectives.
+
+    Every collective of finishing a save (writers' barrier, digests, the publish verdict) runs on a gloo group of
+    its own whose timeout is train.save_timeout_s, so it is independent of parallel.timeout_s and may run in a
+    background thread (asynchronous saves) beside the training's collectives: saves are serialized (the next one
+    waits for the previous), so that group carries the same collectives in the same order on every rank."""
+
+    def __init__(self, cfg: JobConfig, mesh: Mesh, ckpt_root: Path, on_published=None):
+        t = cfg.train
+        self.cfg, self.mesh, self.root = cfg, mesh, ckpt_root
+        self.timeout_s, self.buffer = t.save_timeout_s, t.save_buffer_mb << 20
+        self.asynchronous = t.async_save
+        self.on_published = on_published  # rank 0, called with (path, step) after each publish (pruning)
+        self.group = new_gloo_group(t.save_timeout_s)
+        self._plan: dict[str, int] | None = None
+        self._snapshot: dict[str, torch.Tensor] = {}  # asynchronous saves reuse their host buffers
+        self._background: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.bytes_written = 0  # by this rank in its latest save (tensor file size)
+
+    @contextmanager
+    def _phase(self, step: int, what: str):
+        """A failed collective inside names the save, the phase and, past a monitored barrier, the late ranks."""
+        what = f"checkpoint save of step {step}: {what}"
+        try:
+            with operation(what, self.timeout_s, "train.save_timeout_s"):
+                yield
+        except RuntimeError as e:  # CollectiveError, or gloo's own monitored-barrier error (no "timed out" in it)
+            late = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", str(e))
+            if late is None:
+                raise
+            ranks = late.group(1).strip().rstrip(",")
+            raise CheckpointSaveError(
+                f"{what}: rank{'s' if ',' in ranks else ''} {ranks} did not finish within "
+                f"train.save_timeout_s={self.timeout_s:g}"
+            ) from e
+
+    def wait(self) -> None:
+        """Collective: finish the previous asynchronous save (written and published) or raise its error."""
+        if self._background is not None:
+            self._background.join()
+            self._background = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def save(self, engine, model: nn.Module, scheduler, step: int, extra_meta: dict | None = None) -> Path:
+        """Collective: checkpoint `step` into ckpt_root/step_N. Synchronous: published when it returns.
+        Asynchronous: returns once this rank's tensors are snapshotted; written and published in the background."""
+        self.wait()
+        mesh, final, tmp = self.mesh, self.root / f"step_{step}", self.root / f".step_{step}.tmp"
+        if mesh.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        with self._phase(step, "creating the directory"):
+            monitored_barrier(self.group, self.timeout_s)
+        if not any(inner_optimizer(engine).state.values()):  # no update applied yet (every step skipped so far)
+            ensure_optimizer_state(engine, 0)  # what Adam's lazy init would create: zero moments, step 0
+        link_optimizer_state(engine)
+        stored = stored_params(model, mesh)
+        entries = [st.entry(mesh) for st in stored]
+        if self._plan is None:
+            self._plan = plan_writers(entries, mesh.dp, mesh.ep, mesh.tp)
+        plan, rank = self._plan, mesh.rank
+        specs = [(name, e.shape) for name, e, _ in tensors_in_order(entries) if plan[name] == rank]
+        buffers = stored_buffers(model)
+        if rank == 0:  # after the parameters, in the order they are queued below
+            specs += [(name, tuple(b.shape)) for name, b in buffers.items()]
+        path = tmp / f"rank{rank:05d}.safetensors"
+        writer = TensorFileWriter(path, specs, {"step": str(step)}) if specs else None
+        thread = FileWriterThread(writer, None if self.asynchronous else self.buffer)
+        meta = {
+            "format": FORMAT_VERSION,
+            "step": step,
+            "adam_step": adam_step(engine),
+            "lr": scheduler.get_last_lr()[0],
+            "layout": {"dp": mesh.dp, "ep": mesh.ep, "tp": mesh.tp},
+            **(extra_meta or {}),
+        }
+        if rank == 0:  # the index: a rank resuming opens only the files it reads (verify_checkpoint)
+            files = {r: f"rank{r:05d}.safetensors" for r in {*plan.values(), 0}}
+            meta["tensors"] = {n: [files[plan[n]], list(e.shape)] for n, e, _ in tensors_in_order(entries)}
+            meta["tensors"].update({n: [files[0], list(b.shape)] for n, b in buffers.items()})
+        # The gathers are the training groups' collectives: give them the save's limit while they run (a peer
+        # may be waiting for its disk through the bounded buffer).
+        set_group_timeouts(self.timeout_s, keep=(self.group,))
+        try:
+            with self._phase(step, "gathering tensors (ZeRO and tensor-parallel collectives)"):
+                self._gather(engine, stored, plan, thread, mesh)
+                if rank == 0:  # copies: the routers update their buffers in place every step
+                    for name, b in buffers.items():
+                        thread.reserve(b.numel() * 4)
+                        thread.put(b.numel() * 4, [(name, b.detach().to("cpu", torch.float32, copy=True))], None)
+        except BaseException:
+            thread.finish_quietly()
+            raise
+        finally:
+            set_group_timeouts(self.cfg.parallel.timeout_s, keep=(self.group,))
+        if not self.asynchronous:
+            self._finish(thread, path, tmp, final, meta)
+            return final
+
+        def finish_in_background():
+            try:
+                self._finish(thread, path, tmp, final, meta)
+            except BaseException as e:  # raised in the training thread by the next save or wait()
+                self._error = e
+
+        self._background = threading.Thread(target=finish_in_background, name="checkpoint-publish", daemon=True)
+        self._background.start()
+        return final
+
+    def _gather(self, engine, stored: list[Stored], plan: dict, thread: FileWriterThread, mesh: Mesh) -> None:
+        """Every rank gathers every tensor it holds a replica of; each queues the ones the plan gives it."""
+        for st in stored:
+            numel = math.prod(st.full_shape(mesh)) * len(st.names)
+            for key in STATE_KEYS:
+                thread.reserve(numel * 4)  # before gathering: the buffer bounds what is held
+                value = st.whole(full_state(engine, st.param, key), mesh).detach().float()
+                parts = value.unbind(0) if st.stacked else [value]
+                names = [stored_name(key, n) for n in st.names]
+                pieces = [(n, v) for n, v in zip(names, parts) if plan[n] == mesh.rank]
+                if not pieces:
+                    del value, parts
+                    thread.release(numel * 4)
+                    continue
+                ready = None
+                if self.asynchronous:  # the snapshot: copies in (pinned) host memory, reused by later saves
+                    pieces = [(n, self._snapshot_copy(n, v)) for n, v in pieces]
+                    if value.is_cuda:
+                        ready = torch.cuda.Event()
+                        ready.record()
+                thread.put(numel * 4, pieces, ready)
+                del value, parts, pieces  # the writer's references are the only ones: the buffer accounts them
+
+    def _snapshot_copy(self, name: str, v: torch.Tensor) -> torch.Tensor:
+        buf = self._snapshot.get(name)
+        if buf is None:
+            buf = self._snapshot[name] = torch.empty(v.shape, dtype=v.dtype, pin_memory=v.is_cuda)
+        return buf.copy_(v, non_blocking=v.is_cuda)
+
+    def _finish(self, thread: FileWriterThread, path: Path, tmp: Path, final: Path, meta: dict) -> None:
+        """Collective on the checkpoint group: wait for every writer, gather the digests, publish on rank 0."""
+        step, error, digest = meta["step"], "", None
+        try:
+            digest = thread.finish()
+        except Exception as e:  # reported to rank 0 with the digests, so every rank takes the same branch
+            error = f"rank {self.mesh.rank}: writing {path}: {' '.join(str(e).split())}"
+        self.bytes_written = digest[1] if digest else 0
+        with self._phase(step, "waiting for every rank to write its tensor file"):
+            monitored_barrier(self.group, self.timeout_s)
+        report = {"error": error, "file": path.name, "sha256": digest[0]} if digest else {"error": error}
+        with self._phase(step, "gathering the files' sha256"):
+            reports = [json.loads(r) for r in gather_bytes(json.dumps(report).encode(), self.group)]
+        verdict = ""
+        if self.mesh.rank == 0:
+            verdict = next((r["error"] for r in reports if r["error"]), "")
+            if not verdict:
+                try:
+                    files = {r["file"]: r["sha256"] for r in reports if "file" in r}
+                    _write_manifest(tmp, {**meta, "files": dict(sorted(files.items()))}, self.cfg)
+                    _publish(tmp, final)
+                    if self.on_published is not None:
+                        self.on_published(final, step)
+                except OSError as e:
+                    verdict = f"rank 0: publishing {final}: {e}"
+        with self._phase(step, "publishing"):
+            verdict = broadcast_bytes(verdict.encode(), 0, self.group).decode()
+        if verdict:
+            raise CheckpointSaveError(f"checkpoint save of step {step} failed: {verdict}; nothing was published")
 
 
 def save_checkpoint(
@@ -178,45 +289,9 @@ def save_checkpoint(
     mesh: Mesh,
     extra_meta: dict | None = None,
 ) -> Path:
-    """Collective: every rank calls it at the same step. `extra_meta` goes into meta.json (JSON values)."""
-    final, tmp = ckpt_root / f"step_{step}", ckpt_root / f".step_{step}.tmp"
-    if mesh.rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    barrier()
-    if not any(_inner_optimizer(engine).state.values()):  # no update applied yet (every step skipped so far)
-        _ensure_optimizer_state(engine, 0)  # what Adam's lazy init would create: zero moments, step 0
-    _link_optimizer_state(engine)
-    tensors: dict[str, torch.Tensor] = {}
-    for st in _stored(model, mesh):
-        # collective under ZeRO (over the parameter's data-parallel group) and TP: every rank gathers, one writes
-        full = {key: st.whole(value, mesh) for key, value in _full_state(engine, st.param).items()}
-        if not st.writer:
-            continue
-        for key, value in full.items():
-            parts = value.unbind(0) if st.stacked else [value]
-            for name, v in zip(st.names, parts):
-                tensors[name if key == "param" else f"{key}.{name}"] = v.detach().float().cpu().contiguous()
-    if mesh.rank == 0:
-        tensors.update({name: b.detach().float().cpu().contiguous() for name, b in _buffers(model).items()})
-    if tensors:
-        _write_tensors(tensors, tmp / f"rank{mesh.rank:05d}.safetensors")
-    barrier()
-    if mesh.rank == 0:
-        files = {f.name: _sha256(f) for f in sorted(tmp.glob("*.safetensors"))}
-        meta = {
-            "format": FORMAT_VERSION,
-            "step": step,
-            "adam_step": _adam_step(engine),
-            "lr": scheduler.get_last_lr()[0],
-            "layout": {"dp": mesh.dp, "ep": mesh.ep, "tp": mesh.tp},
-            **(extra_meta or {}),
-            "files": files,
-        }
-        _write_manifest(tmp, meta, cfg)
-        _publish(tmp, final)
-    barrier()
-    return final
+    """Collective: one synchronous save (a Checkpointer used once). `extra_meta` goes into meta.json."""
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, async_save=False))
+    return Checkpointer(cfg, mesh, ckpt_root).save(engine, model, scheduler, step, extra_meta)
 
 
 def write_whole_checkpoint(
@@ -227,16 +302,13 @@ def write_whole_checkpoint(
     final, tmp = ckpt_root / f"step_{step}", ckpt_root / f".step_{step}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    _write_tensors(tensors, tmp / "rank00000.safetensors")
-    files = {"rank00000.safetensors": _sha256(tmp / "rank00000.safetensors")}
+    writer = TensorFileWriter(tmp / "rank00000.safetensors", [(k, tuple(v.shape)) for k, v in tensors.items()])
+    for name, value in tensors.items():
+        writer.write(name, value.float())
+    files = {"rank00000.safetensors": writer.close()[0]}
     _write_manifest(tmp, {"format": FORMAT_VERSION, "step": step, **meta, "files": files}, cfg)
     _publish(tmp, final)
     return final
-
-
-def _adam_step(engine) -> int:
-    steps = [int(s["step"]) for s in _inner_optimizer(engine).state.values() if "step" in s]
-    return max(steps, default=0)
 
 
 def latest_checkpoint(ckpt_root: Path) -> Path | None:
@@ -281,36 +353,63 @@ def read_meta(path: Path) -> dict:
     return meta
 
 
+def _header(f: Path) -> dict[str, tuple]:
+    """{tensor name: shape} from a safetensors header; a file that is not safetensors (e.g. a pickle) fails here."""
+    try:  # parses the JSON header only
+        with safe_open(str(f), framework="pt") as sf:
+            return {key: tuple(sf.get_slice(key).get_shape()) for key in sf.keys()}
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{f}: not a readable safetensors file ({' '.join(str(e).split())})") from None
+
+
+def _manifest_index(path: Path, meta: dict) -> dict[str, tuple[Path, tuple]] | None:
+    """The index meta.json carries ("tensors": {name: [file, shape]}, written by Checkpointer), or None."""
+    tensors = meta.get("tensors")
+    if tensors is None:
+        return None
+    ok = isinstance(tensors, dict) and all(
+        isinstance(v, list) and len(v) == 2 and v[0] in meta["files"] and isinstance(v[1], list)
+        and all(isinstance(d, int) for d in v[1])
+        for v in tensors.values()
+    )  # fmt: skip
+    if not ok:
+        raise CheckpointError(f"{path / 'meta.json'}: 'tensors' must map names to [a listed file, shape]")
+    return {name: (path / f, tuple(shape)) for name, (f, shape) in tensors.items()}
+
+
 def verify_checkpoint(path: Path, rank: int = 0, world_size: int = 1) -> tuple[dict, dict[str, tuple[Path, tuple]]]:
     """Check checkpoint `path` and index it: (meta, {tensor name: (file, shape)}).
 
-    Every file listed in meta.json must exist and parse as safetensors; this rank hashes its share of them
-    (file i when i % world_size == rank), so the ranks together check each file's sha256 once. Raises
-    CheckpointError naming the first bad file."""
+    Every file listed in meta.json must exist; this rank hashes its share of them (file i when
+    i % world_size == rank) and parses their safetensors headers, so the ranks together check each file once.
+    The index comes from meta.json where it carries one (checked against each header by the rank hashing that
+    file, so no rank opens every file), else from every file's header. Raises CheckpointError naming the first
+    bad file."""
     meta = read_meta(path)
     named = STEP_DIR.fullmatch(path.name)
     if named and meta["step"] != int(named.group(1)):
         raise CheckpointError(f"{path / 'meta.json'}: says step {meta['step']}, the directory name another")
+    listed = _manifest_index(path, meta)
     index: dict[str, tuple[Path, tuple]] = {}
     for i, (fname, digest) in enumerate(sorted(meta["files"].items())):
         f = path / fname
         if not f.is_file():
             raise CheckpointError(f"{f}: listed in meta.json but missing")
-        if i % world_size == rank and _sha256(f) != digest:
+        mine = i % world_size == rank
+        if mine and _sha256(f) != digest:
             raise CheckpointError(f"{f}: sha256 mismatch (corrupted or truncated)")
-        try:  # parses the JSON header only; a file that is not safetensors (e.g. a pickle) fails here
-            with safe_open(str(f), framework="pt") as sf:
-                for key in sf.keys():
-                    index[key] = (f, tuple(sf.get_slice(key).get_shape()))
-        except (SafetensorError, OSError, ValueError) as e:
-            raise CheckpointError(f"{f}: not a readable safetensors file ({' '.join(str(e).split())})") from None
-    return meta, index
+        if listed is None or mine:
+            header = _header(f)
+            if listed is not None and header != {n: shape for n, (g, shape) in listed.items() if g == f}:
+                raise CheckpointError(f"{f}: its tensors differ from those meta.json lists for it")
+            index.update({name: (f, shape) for name, shape in header.items()})
+    return meta, index if listed is None else listed
 
 
 def _expected(model: nn.Module, mesh: Mesh) -> tuple[dict[str, tuple], set[str]]:
     """({tensor name this rank reads on load: shape}, every tensor name of the whole model, all ranks')."""
     local, every = {}, set()
-    for st in _stored(model, mesh):
+    for st in stored_params(model, mesh):
         shape = st.full_shape(mesh)
         for name in st.names:
             local[name] = shape
@@ -320,7 +419,7 @@ def _expected(model: nn.Module, mesh: Mesh) -> tuple[dict[str, tuple], set[str]]
         else:
             every.update(st.names)
     local.update({f"{k}.{n}": shape for n, shape in list(local.items()) for k in MOMENTS})
-    buffers = {name: tuple(b.shape) for name, b in _buffers(model).items()}
+    buffers = {name: tuple(b.shape) for name, b in stored_buffers(model).items()}
     return local | buffers, every | {f"{k}.{n}" for n in every for k in MOMENTS} | set(buffers)
 
 
@@ -356,60 +455,68 @@ def check_fits(path: Path, meta: dict, index: dict, model: nn.Module, mesh: Mesh
                 )
 
 
-def _ensure_optimizer_state(engine, adam_step: int) -> None:
-    """Create Adam state where none exists yet (a fresh engine has none before its first step)."""
-    inner = _inner_optimizer(engine)
-    flats = getattr(engine.optimizer, "single_partition_of_fp32_groups", None)
-    params = flats if flats is not None else [p for g in inner.param_groups for p in g["params"]]
-    on_device = any(g.get("fused") or g.get("capturable") for g in inner.param_groups)
-    for p in params:
-        state = inner.state[p]
-        for k in MOMENTS:
-            state.setdefault(k, torch.zeros_like(p, memory_format=torch.preserve_format))
-        # As torch's Adam creates it: fp32, on the parameter's device when fused/capturable (its kernels read it
-        # there; a CPU step beside CUDA parameters fails the first fused step after a resume), else on the CPU.
-        state["step"] = torch.tensor(float(adam_step), dtype=torch.float32, device=p.device if on_device else "cpu")
-    _link_optimizer_state(engine)
-
-
 def load_checkpoint(engine, model: nn.Module, scheduler, path: Path, meta: dict, index: dict, mesh: Mesh) -> int:
     """Restore parameters, Adam moments and LR schedule from a verified checkpoint (`verify_checkpoint`'s
     meta and index, `check_fits` passed) into this rank's shard; returns the step."""
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
-    _ensure_optimizer_state(engine, meta["adam_step"])
+    ensure_optimizer_state(engine, meta["adam_step"])
     handles: dict[Path, object] = {}
 
-    def read(name: str) -> torch.Tensor:
+    def read(name: str, st: Stored) -> torch.Tensor:
+        """This rank's part of stored tensor `name`: whole, or its TP slice read alone (get_slice)."""
         f = index[name][0]
         if f not in handles:
             handles[f] = safe_open(str(f), framework="pt")
-        return handles[f].get_tensor(name)
+        if st.tp_dim is None:
+            return handles[f].get_tensor(name)
+        stored = handles[f].get_slice(name)
+        shape = stored.get_shape()
+        dim = st.tp_dim - 1 if st.stacked else st.tp_dim  # a stored expert lacks the stacked dim
+        block = shape[dim] // st.tp_parts
+        piece = block // mesh.tp
+        parts = []
+        for b in range(st.tp_parts):  # tensor_parallel.shard's layout: each block split on its own
+            index_ = [slice(None)] * len(shape)
+            start = b * block + mesh.tp_rank * piece
+            index_[dim] = slice(start, start + piece)
+            parts.append(stored[tuple(index_)])
+        return torch.cat(parts, dim)
 
-    for st in _stored(model, mesh):
-        p, values = st.param, {}
-        for key in ("param", *MOMENTS):
-            names = [n if key == "param" else f"{key}.{n}" for n in st.names]
-            v = torch.stack([read(n) for n in names]) if st.stacked else read(names[0])
-            values[key] = st.local(v, mesh).contiguous().to(p.device)
-        with torch.no_grad():
-            p.copy_(values["param"].to(p.dtype))
-        if private_api.has_partitioned_fp32_state(p):
-            safe_set_full_fp32_param(p, values["param"])
-            for k in MOMENTS:
-                safe_set_full_optimizer_state(p, values[k], k)
-        else:
-            state = _inner_optimizer(engine).state[p]
-            for k in MOMENTS:
-                state[k].copy_(values[k])
+    # One state tensor at a time, experts read straight into their slot: a rank holds at most its largest local
+    # tensor (and one expert's read) beyond what the model and optimizer hold anyway.
+    for st in stored_params(model, mesh):
+        p, partitioned = st.param, private_api.has_partitioned_fp32_state(st.param)
+        for key in STATE_KEYS:
+            names = [stored_name(key, n) for n in st.names]
+            if st.stacked:
+                v = torch.empty(p.shape, dtype=torch.float32)
+                for j, n in enumerate(names):
+                    v[j] = read(n, st)
+            else:
+                v = read(names[0], st)
+            v = v.to(p.device)
+            if key == "param":
+                with torch.no_grad():
+                    p.copy_(v.to(p.dtype))
+                if partitioned:
+                    safe_set_full_fp32_param(p, v)
+            elif partitioned:
+                safe_set_full_optimizer_state(p, v, key)
+            else:
+                inner_optimizer(engine).state[p][key].copy_(v)
+            del v
     with torch.no_grad():
-        for name, b in _buffers(model).items():
-            b.copy_(read(name).to(b.dtype))
+        for name, b in stored_buffers(model).items():
+            f = index[name][0]
+            if f not in handles:
+                handles[f] = safe_open(str(f), framework="pt")
+            b.copy_(handles[f].get_tensor(name).to(b.dtype))
     # The schedule is a function of the step alone (skipped steps included, see guard.py); its state is not
     # loaded because the number of parameter groups depends on the layout (expert groups exist only with EP).
     step = int(meta["step"])
     scheduler.last_epoch = step
-    for group, base, factor in zip(_inner_optimizer(engine).param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+    for group, base, factor in zip(inner_optimizer(engine).param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
         group["lr"] = base * factor(step)
     barrier()
     return step

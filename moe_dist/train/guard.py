@@ -56,8 +56,9 @@ _COMM_FAILURE = ("timed out", "timeout", "connection closed", "connection reset"
 
 
 @contextmanager
-def operation(what: str, timeout_s: float):
-    """Re-raise a failed collective inside the block as CollectiveError("<what>: ...")."""
+def operation(what: str, timeout_s: float, setting: str = "parallel.timeout_s"):
+    """Re-raise a failed collective inside the block as CollectiveError("<what>: ..."), naming the `setting` that
+    bounds it."""
     try:
         yield
     except TrainingError:
@@ -68,7 +69,7 @@ def operation(what: str, timeout_s: float):
             raise
         kind = "timed out" if "time" in text.lower() else "failed"
         raise CollectiveError(
-            f"{what}: collective {kind} (parallel.timeout_s={timeout_s:g}; a rank died or stopped responding): {text}"
+            f"{what}: collective {kind} ({setting}={timeout_s:g}; a rank died or stopped responding): {text}"
         ) from e
 
 

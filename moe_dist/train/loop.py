@@ -25,12 +25,13 @@ from moe_dist.parallel.comm import agree_on_error, all_reduce_sum, barrier
 from moe_dist.parallel.mesh import Mesh, init_distributed, set_group_timeouts
 from moe_dist.parallel.parallelize import parallelize
 from moe_dist.parallel.tensor_parallel import vocab_parallel_lm_loss
-from moe_dist.train.checkpoint import CheckpointMismatch, check_fits, load_checkpoint, save_checkpoint
+from moe_dist.train.checkpoint import Checkpointer, CheckpointMismatch, check_fits, load_checkpoint
 from moe_dist.train.data import Batch, TokenDataset, copy_tokenizer, load_tokens, tokenizer_identity
 from moe_dist.train.guard import NonFiniteGuard, operation
 from moe_dist.train.metrics import DeadExperts, MetricsLogger, StepAccumulator
 from moe_dist.train.optim import build_optimizer, deepspeed_config
 from moe_dist.train.resume import complete_checkpoints, prune_checkpoints, select_checkpoint
+from moe_dist.train.shared_storage import check_shared_run_dir
 
 
 class RunDirError(RuntimeError):
@@ -132,9 +133,11 @@ def end_router_step(model, layers: list[dict], update: bool) -> None:
 
 
 def _check_settings(cfg: JobConfig) -> None:
-    for key in ("keep_last", "max_nonfinite_steps"):
+    for key in ("keep_last", "max_nonfinite_steps", "save_buffer_mb"):
         if getattr(cfg.train, key) < 0:
             raise ConfigError(f"train.{key}: must be >= 0, got {getattr(cfg.train, key)}")
+    if cfg.train.save_timeout_s <= 0:
+        raise ConfigError(f"train.save_timeout_s: must be > 0, got {cfg.train.save_timeout_s}")
 
 
 def _check_run_dir(run_dir: Path, resume: bool) -> None:
@@ -157,8 +160,9 @@ def _check_run_dir(run_dir: Path, resume: bool) -> None:
 
 def _checkpoint_to_resume(ckpt_root: Path, model, mesh: Mesh, data_identity: dict, timeout: float, say):
     """Collective: (path, meta, index) of the verified checkpoint to resume from, or None when there is none.
-    Raises CheckpointMismatch on every rank when it does not fit this run (model shape, data order)."""
-    with operation("resume: choosing a checkpoint", timeout):
+    Raises CheckpointMismatch on every rank when it does not fit this run (model shape, data order).
+    `timeout` is train.save_timeout_s: every rank hashes its share of the files."""
+    with operation("resume: choosing a checkpoint (verifying files)", timeout, "train.save_timeout_s"):
         found = select_checkpoint(ckpt_root, mesh, say)
     if found is None:
         return None
@@ -167,7 +171,7 @@ def _checkpoint_to_resume(ckpt_root: Path, model, mesh: Mesh, data_identity: dic
         check_fits(*found, model, mesh, data_identity)
     except CheckpointMismatch as e:  # may hold on some ranks only (each checks the tensors it will read)
         error = str(e)
-    with operation("resume: checking the checkpoint", timeout):
+    with operation("resume: checking the checkpoint", timeout, "train.save_timeout_s"):
         error = agree_on_error(error)
     if error:
         raise CheckpointMismatch(error)
@@ -224,10 +228,14 @@ def train(cfg: JobConfig, run_dir: Path, resume: bool = False) -> list[dict]:
         if mesh.rank == 0:
             tqdm.write(line, file=sys.stderr)
 
+    check_shared_run_dir(run_dir, mesh)  # multi-node: every node sees the run directory, before anything is written
+
     model = parallelize(build_model(cfg.model, mesh.device), mesh, cfg)
     model = maybe_compile(apply_activation_checkpointing(model, t), cfg)  # recompute: models/recompute.py
     ckpt_root = run_dir / "checkpoints"
-    found = _checkpoint_to_resume(ckpt_root, model, mesh, data_identity, timeout, say) if resume else None
+    set_group_timeouts(t.save_timeout_s)  # checkpoint reads have their own limit
+    found = _checkpoint_to_resume(ckpt_root, model, mesh, data_identity, t.save_timeout_s, say) if resume else None
+    set_group_timeouts(timeout)
 
     optimizer, scheduler = build_optimizer(model, cfg)
     with operation("start-up: deepspeed.initialize", timeout):
@@ -239,11 +247,16 @@ def train(cfg: JobConfig, run_dir: Path, resume: bool = False) -> list[dict]:
             mpu=mesh.mpu,
         )
     set_group_timeouts(timeout)  # DeepSpeed made more groups
+    checkpointer = Checkpointer(  # collective: its own process group, timeout train.save_timeout_s
+        cfg, mesh, ckpt_root, on_published=lambda _, step: prune_checkpoints(ckpt_root, t.keep_last, step)
+    )
     start, skipped = 0, 0
     if found is not None:
         path, meta, _ = found
-        with operation(f"resume: loading {path}", timeout):
+        set_group_timeouts(t.save_timeout_s, keep=(checkpointer.group,))
+        with operation(f"resume: loading {path}", t.save_timeout_s, "train.save_timeout_s"):
             start = load_checkpoint(engine, model, scheduler, *found, mesh)
+        set_group_timeouts(timeout, keep=(checkpointer.group,))
         skipped = int(meta.get("skipped_steps", 0))
         say(f"resuming from {path} (step {start})")
     elif resume:
@@ -275,24 +288,15 @@ def train(cfg: JobConfig, run_dir: Path, resume: bool = False) -> list[dict]:
             logger.log(record)  # before the checkpoint: a resumed run finds the record of every checkpointed step
             records.append(record)
             if (t.save_every and done % t.save_every == 0) or done == t.steps:
-                with operation(f"step {done}: checkpoint save", timeout):
-                    save_checkpoint(
-                        engine,
-                        model,
-                        scheduler,
-                        ckpt_root,
-                        done,
-                        cfg,
-                        mesh,
-                        extra_meta={"skipped_steps": guard.skipped_total, "data": data_identity},
-                    )
-                if mesh.rank == 0:
-                    prune_checkpoints(ckpt_root, t.keep_last, done)
+                # Names its phases and limits itself (train.save_timeout_s); rank 0 prunes after each publish.
+                extra = {"skipped_steps": guard.skipped_total, "data": data_identity}
+                checkpointer.save(engine, model, scheduler, done, extra_meta=extra)
             bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
             bar.update(1)
     finally:  # an error message must not land on the progress bar's line
         bar.close()
         logger.close()
+    checkpointer.wait()  # the last asynchronous save is published before the run ends
     with operation("end of training: barrier", timeout):
         barrier()
     return records if mesh.rank == 0 else []

@@ -99,6 +99,9 @@ def test_checkpoint_reshards_across_ep_sizes(
     d = tmp_path / "run"
     shutil.copytree(reference(mode) if source == "ref" else runs[source], d)
     shutil.rmtree(d / f"checkpoints/step_{E2E_STEPS}")
+    sizes = [f.stat().st_size for f in (d / f"checkpoints/step_{E2E_SAVE}").glob("*.safetensors")]
+    world = 1 if source == "ref" else source[0]  # every rank of the source layout wrote a balanced share
+    assert len(sizes) == world and max(sizes) <= 1.25 * sum(sizes) / world, sizes
     launcher = "python" if resume_world == 1 else "torchrun"
     proc = run_train(launcher, resume_world, _args(d, mode, resume_ep, 1, "--resume"))
     assert f"resuming from {d / 'checkpoints' / f'step_{E2E_SAVE}'} (step {E2E_SAVE})" in proc.stderr

@@ -5,8 +5,11 @@ Run it exactly like launch/train.py (same arguments, under any launcher). Enviro
 FAULT, a JSON object with any of
   "kill_in_save": [{"rank": R, "step": S, "where": "write" | "publish", "attempt": A}, ...]
       SIGKILL rank R inside the checkpoint save of step S, in launcher attempt A (TORCHELASTIC_RESTART_COUNT,
-      0 for the first), so the restarted job runs clean. "write": after half of R's tensor file is on disk;
-      "publish": rank 0 after meta.json is complete in the temporary directory, just before the rename.
+      0 for the first), so the restarted job runs clean. "write": once half of R's tensors are in its file (in
+      the writer thread, so with train.async_save while training goes on); "publish": rank 0 after meta.json is
+      complete in the temporary directory, just before the rename.
+  "stall_in_save": [{"rank": R, "step": S, "seconds": T}, ...]
+      Rank R's writer sleeps T seconds before closing its tensor file of step S (a slow or hung disk).
   "nonfinite": [{"rank": R, "step": S, "what": "grad" | "loss"}, ...]
       On rank R, in the first micro-batch of optimizer step S (1-based): "grad" puts a NaN into one element
       of the embedding gradient (the loss stays finite); "loss" makes the loss NaN (the gradients stay finite).
@@ -21,11 +24,13 @@ import os
 import runpy
 import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 import moe_dist.train.checkpoint as checkpoint
+import moe_dist.train.checkpoint_io as checkpoint_io
 import moe_dist.train.loop as loop
 from moe_dist.train.data import TokenDataset
 
@@ -43,16 +48,17 @@ def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _kill_here(where: str) -> bool:
+def _kill_here(where: str, step: int) -> bool:
     return any(
-        k["rank"] == RANK and k["step"] == state["step"] and k["where"] == where and k["attempt"] == ATTEMPT
+        k["rank"] == RANK and k["step"] == step and k["where"] == where and k["attempt"] == ATTEMPT
         for k in FAULT.get("kill_in_save", [])
     )
 
 
 _micro_batches, _starts = TokenDataset.micro_batches, TokenDataset._starts
 _forward_loss = loop._forward_loss
-_write_tensors, _publish = checkpoint._write_tensors, checkpoint._publish
+_write, _close = checkpoint_io.TensorFileWriter.write, checkpoint_io.TensorFileWriter.close
+_publish = checkpoint._publish
 
 
 def starts_of(self, step, batch_size):
@@ -100,16 +106,26 @@ def forward_loss(engine, cfg, batch, device):
     return loss, lm, out
 
 
-def write_tensors(tensors, path):
-    _write_tensors(tensors, path)
-    if _kill_here("write"):
-        data = path.read_bytes()
-        path.write_bytes(data[: len(data) // 2])
+def _step_of(writer) -> int:
+    return int(writer.path.parent.name.split("_")[1].split(".")[0])  # .step_S.tmp/rankNNNNN.safetensors
+
+
+def write(self, name, tensor):
+    _write(self, name, tensor)
+    if self._next == len(self._specs) // 2 and _kill_here("write", _step_of(self)):
+        self._file.flush()
         _die()
 
 
+def close(self):
+    for f in FAULT.get("stall_in_save", []):
+        if f["rank"] == RANK and f["step"] == _step_of(self):
+            time.sleep(f["seconds"])
+    return _close(self)
+
+
 def publish(tmp, final):
-    if _kill_here("publish"):
+    if _kill_here("publish", int(final.name.split("_")[1])):
         assert (tmp / "meta.json").is_file()
         _die()
     _publish(tmp, final)
@@ -117,7 +133,8 @@ def publish(tmp, final):
 
 TokenDataset.micro_batches, TokenDataset._starts = micro_batches, starts_of
 loop._forward_loss = forward_loss
-checkpoint._write_tensors, checkpoint._publish = write_tensors, publish
+checkpoint_io.TensorFileWriter.write, checkpoint_io.TensorFileWriter.close = write, close
+checkpoint._publish = publish
 
 if __name__ == "__main__":
     sys.argv = [str(TRAIN), *sys.argv[1:]]

@@ -192,3 +192,35 @@ def test_latest_checkpoint_tolerates_a_corrupt_manifest(tmp_path):
     (_write_checkpoint(root, 10) / "meta.json").write_text("{garbage")
     assert latest_checkpoint(root) == root / "step_10"  # unverified by design; resume verifies
     assert [s for s, _ in complete_checkpoints(root)] == [10, 2]
+
+
+def test_a_file_from_another_run_is_rejected_before_use(tmp_path):
+    """Same step, same names and shapes, a sound safetensors file: only the manifest's sha256 tells them apart."""
+    ours, theirs = _write_checkpoint(tmp_path / "ours", 3), _write_checkpoint(tmp_path / "theirs", 3)
+    other = theirs / "rank00000.safetensors"
+    save_file({"w": torch.full((4, 3), -1.0), "exp_avg.w": torch.zeros(4, 3), "exp_avg_sq.w": torch.ones(4, 3)}, other)
+    (ours / "rank00000.safetensors").write_bytes(other.read_bytes())
+    with pytest.raises(CheckpointError, match="sha256 mismatch"):
+        verify_checkpoint(ours)
+
+
+def test_the_manifest_index_is_used_and_checked_against_each_header(tmp_path):
+    """meta.json's "tensors" index (written by the trainer) spares a rank opening every file; the rank that
+    hashes a file also checks the file's header against the index."""
+    d = _write_checkpoint(tmp_path, 3)
+    meta = json.loads((d / "meta.json").read_text())
+    f = "rank00000.safetensors"
+    meta["tensors"] = {n: [f, [4, 3]] for n in ("w", "exp_avg.w", "exp_avg_sq.w")}
+    (d / "meta.json").write_text(json.dumps(meta))
+    _, index = verify_checkpoint(d)
+    assert index == {n: (d / f, (4, 3)) for n in meta["tensors"]}
+    _, index = verify_checkpoint(d, rank=1, world_size=2)  # this rank hashes nothing: it trusts the index
+    assert index["w"] == (d / f, (4, 3))
+    meta["tensors"]["w"] = [f, [3, 4]]  # the index disagrees with the (intact, hash-matching) file
+    (d / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="differ from those meta.json lists"):
+        verify_checkpoint(d)
+    meta["tensors"]["w"] = ["rank00001.safetensors", [4, 3]]  # a file the manifest does not list
+    (d / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="'tensors' must map"):
+        verify_checkpoint(d)

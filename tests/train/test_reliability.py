@@ -328,7 +328,7 @@ def test_corrupt_truncated_and_malicious_checkpoints_fall_back_and_data_resumes_
     f6, f5, f4 = (run / f"checkpoints/step_{s}/rank00000.safetensors" for s in (6, 5, 4))
     f6.write_bytes(pickle.dumps(Payload()))
     meta6 = json.loads((f6.parent / "meta.json").read_text())
-    meta6["files"] = {f6.name: hashlib.sha256(f6.read_bytes()).hexdigest()}
+    meta6["files"][f6.name] = hashlib.sha256(f6.read_bytes()).hexdigest()  # the attacker fixed the digest
     (f6.parent / "meta.json").write_text(json.dumps(meta6))
     f5.write_bytes(f5.read_bytes()[: f5.stat().st_size // 2])
     data = bytearray(f4.read_bytes())
@@ -397,10 +397,12 @@ def test_too_many_nonfinite_steps_in_a_row_stop_the_run(tmp_path, jobs):
 
 def test_sigstopped_rank_makes_the_others_fail_with_a_named_timeout_then_restart_resumes(tmp_path, jobs, reference):
     """EP=2, so the first collective of a step is the expert all-to-all on a group DeepSpeed created (those
-    default to a 30-minute timeout unless the mesh sets parallel.timeout_s on them)."""
+    default to a 30-minute timeout unless the mesh sets parallel.timeout_s on them). A checkpoint is saved every
+    step, so the stop may also land in a save, bounded by train.save_timeout_s (set equal here)."""
     timeout_s, stop_after = 8, 2
     run = tmp_path / "run"
-    args = [*BASE, "parallel.ep=2", f"parallel.timeout_s={timeout_s}", "--run-dir", str(run)]
+    args = [*BASE, "parallel.ep=2", f"parallel.timeout_s={timeout_s}", f"train.save_timeout_s={timeout_s}"]
+    args += ["--run-dir", str(run)]
     job = jobs(2, args, max_restarts=1)
     job.wait_for(lambda: _last_step(run) >= stop_after, f"step {stop_after}")
     stopped = job.worker(rank=1, attempt=0)
@@ -413,9 +415,12 @@ def test_sigstopped_rank_makes_the_others_fail_with_a_named_timeout_then_restart
     # grace; we do the SIGKILL at once to keep the test short. The restart path is torchrun's from here on.
     os.kill(stopped, signal.SIGKILL)
     assert job.wait() == 0, job.output()[-5000:]
-    assert re.match(rf"error: step \d+: .+: collective timed out \(parallel\.timeout_s={timeout_s};", error[1]), error[
-        1
-    ]
+    in_step = rf"step \d+: .+: collective timed out \(parallel\.timeout_s={timeout_s};"
+    in_save = (
+        rf"checkpoint save of step \d+: .+: (collective timed out \(train\.save_timeout_s={timeout_s};|"
+        rf"rank 1 did not finish within train\.save_timeout_s={timeout_s})"
+    )
+    assert re.match(rf"error: ({in_step}|{in_save})", error[1]), error[1]
     resumed = job.first(r"resuming from .*\(step (\d+)\)", after=t_stop)
     assert resumed is not None
     resume_step = int(re.search(r"\(step (\d+)\)", resumed[1]).group(1))
@@ -426,3 +431,42 @@ def test_sigstopped_rank_makes_the_others_fail_with_a_named_timeout_then_restart
         f"(timeout {timeout_s} s): {error[1][:160]}; resumed from step {resume_step} after "
         f"{resumed[0] - t_stop:.1f} s; steps recomputed: {logged - resume_step}"
     )
+
+
+def test_async_save_killed_while_writing_falls_back_and_equals_synchronous_saves(tmp_path, jobs, reference):
+    """train.async_save: rank 1 dies (SIGKILL) in its background writer halfway through its file of step 5, while
+    the training thread goes on. The unpublished step 5 is never picked: the restart resumes from step 4. Every
+    checkpoint, and every loss, equals the synchronous reference run's bit for bit: the snapshot is the state."""
+    run = tmp_path / "run"
+    fault = {"kill_in_save": [{"rank": 1, "step": 5, "where": "write", "attempt": 0}]}
+    job = jobs(2, [*BASE, "train.async_save=true", "--run-dir", str(run)], max_restarts=1, fault=fault)
+    assert job.wait() == 0, job.output()[-5000:]
+    starts = [line for _, line in job.lines if re.match(r"(resuming from |no checkpoint in )", line)]
+    assert len(starts) == 2 and "(step 4)" in starts[1], job.output()[-5000:]
+    assert [r["loss"] for r in _train(run)] == reference["losses"]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [f"step_{s}" for s in range(1, STEPS + 1)]
+    for step in range(1, STEPS + 1):
+        ours, ref = _tensors(run / f"checkpoints/step_{step}"), _tensors(reference["run"] / f"checkpoints/step_{step}")
+        assert ours.keys() == ref.keys() and all(torch.equal(ours[k], ref[k]) for k in ours), f"step {step}"
+    files = sorted(f.name for f in (run / f"checkpoints/step_{STEPS}").glob("*.safetensors"))
+    assert files == ["rank00000.safetensors", "rank00001.safetensors"]  # both ranks write a share
+
+
+def test_a_rank_stuck_writing_its_checkpoint_is_named_after_save_timeout(tmp_path, jobs):
+    """Rank 1's disk hangs (its writer sleeps 120 s before closing its file of step 2). parallel.timeout_s is far
+    longer; train.save_timeout_s=6 bounds the save: rank 0 stops with one line naming the save, the phase and
+    rank 1, exit 1, and step 2 is never published."""
+    run = tmp_path / "run"
+    fault = {"stall_in_save": [{"rank": 1, "step": 2, "seconds": 120}]}
+    args = [*BASE, "train.save_timeout_s=6", "parallel.timeout_s=300", "--run-dir", str(run)]
+    job = jobs(2, args, fault=fault)
+    t0 = time.monotonic()
+    job.wait_for(lambda: job.first(r"^error: ") is not None, "rank 0's error")
+    error = job.first(r"^error: ")
+    assert job.wait() != 0
+    assert error[1].startswith(
+        "error: checkpoint save of step 2: waiting for every rank to write its tensor file: rank 1 did not finish "
+        "within train.save_timeout_s=6"
+    ), error[1]
+    assert _complete(run) == [1]
+    print(f"\nrank 1 stuck in the save of step 2: rank 0 stopped {error[0] - t0:.1f} s after the job started")

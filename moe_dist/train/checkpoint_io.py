@@ -1,0 +1,164 @@
+"""Writing a checkpoint's tensor file: streamed tensor by tensor, hashed while written, from a bounded queue.
+
+Hand-written rather than safetensors' `save_file`: that takes the whole dict at once and writes the file
+itself, so the rank would hold all its tensors and then re-read the file to hash it. The format is the same
+(an 8-byte little-endian header length, a JSON header of dtype/shape/data_offsets padded with spaces to 8
+bytes, raw little-endian tensor bytes), and every file is read back with the safetensors library.
+
+The tensors a rank writes, their shapes and order are known before the first one is gathered (checkpoint_plan),
+so the header goes first and each tensor's bytes follow the moment it arrives; the sha256 is updated from the
+same buffers, never from the disk.
+
+`FileWriterThread` decouples gathering (the save's collectives, in the caller's thread) from disk I/O: the
+caller `reserve`s a tensor's bytes before gathering it, `put`s what it writes from it, and the thread writes.
+Bytes reserved and not yet written stay at most `limit` (or one tensor, when a single one is larger): with the
+tensor being gathered, a rank's extra host memory is at most the buffer plus its largest tensor. `limit=None`
+is the asynchronous snapshot: nothing waits, the caller's copies are the snapshot.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import struct
+import threading
+from collections import deque
+from pathlib import Path
+
+import torch
+
+DTYPE_NAMES = {torch.float32: "F32"}  # checkpoints hold fp32 only
+
+
+def fsync(path: Path) -> None:
+    """Flush a file or directory to stable storage, so a published checkpoint survives a machine crash too."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class TensorFileWriter:
+    """One safetensors file whose tensors (name, shape; fp32) are known up front, written in that order."""
+
+    def __init__(self, path: Path, specs: list[tuple[str, tuple[int, ...]]], metadata: dict[str, str] | None = None):
+        self.path, self._specs, self._next = path, specs, 0
+        header, offset = {}, 0
+        for name, shape in specs:
+            size = math.prod(shape) * 4
+            header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + size]}
+            offset += size
+        if metadata:
+            header["__metadata__"] = metadata
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+        self._hash = hashlib.sha256()
+        self._file = path.open("wb")
+        self._emit(struct.pack("<Q", len(text)) + text)
+
+    def _emit(self, data) -> None:
+        self._file.write(data)
+        self._hash.update(data)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """The next tensor of the file, in the order given at construction."""
+        want, shape = self._specs[self._next]
+        if name != want or tuple(tensor.shape) != tuple(shape) or tensor.dtype != torch.float32:
+            raise ValueError(f"{self.path}: got {name} {tuple(tensor.shape)} {tensor.dtype}, expected {want} {shape}")
+        data = tensor.detach().cpu().contiguous().numpy()  # a view of the tensor's memory (no copy) on CPU
+        self._emit(memoryview(data).cast("B"))
+        self._next += 1
+
+    def close(self) -> tuple[str, int]:
+        """Flush and fsync; (sha256 hex digest, size in bytes) of what was written."""
+        if self._next != len(self._specs):
+            raise ValueError(f"{self.path}: {self._next} of {len(self._specs)} tensors written")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        size = self._file.tell()
+        self._file.close()
+        return self._hash.hexdigest(), size
+
+    def abort(self) -> None:
+        self._file.close()
+
+
+class FileWriterThread:
+    """A TensorFileWriter fed from a bounded queue by the gathering thread (see the module docstring)."""
+
+    def __init__(self, writer: TensorFileWriter | None, limit: int | None):
+        self.writer, self.limit = writer, limit
+        self._queue: deque = deque()  # (bytes accounted, [(name, tensor)], CUDA event or None); None ends it
+        self._pending = 0  # bytes reserved and not yet written
+        self._cond = threading.Condition()
+        self._error: BaseException | None = None
+        self.result: tuple[str, int] | None = None
+        self._thread = threading.Thread(target=self._run, name="checkpoint-writer", daemon=True)
+        self._thread.start()
+
+    def reserve(self, nbytes: int) -> None:
+        """Block until `nbytes` more fit in the buffer (always, when nothing is pending)."""
+        with self._cond:
+            while self.limit is not None and self._pending and self._pending + nbytes > self.limit and not self._error:
+                self._cond.wait()
+            self._pending += nbytes
+
+    def release(self, nbytes: int) -> None:
+        """Give back a reservation that turned out to hold nothing to write."""
+        with self._cond:
+            self._pending -= nbytes
+            self._cond.notify_all()
+
+    def put(self, nbytes: int, pieces: list[tuple[str, torch.Tensor]], ready=None) -> None:
+        """Write `pieces` (this reservation of `nbytes`), after CUDA event `ready` when given."""
+        with self._cond:
+            if self._error is not None:  # the writer stopped: drop it (finish() raises the writer's error)
+                self._pending -= nbytes
+                return
+            self._queue.append((nbytes, pieces, ready))
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not self._queue:
+                        self._cond.wait()
+                    item = self._queue.popleft()
+                if item is None:
+                    break
+                nbytes, pieces, ready = item
+                if ready is not None:
+                    ready.synchronize()  # the device-to-host snapshot copies have landed
+                for name, tensor in pieces:
+                    self.writer.write(name, tensor)
+                del pieces, item
+                self.release(nbytes)
+            if self.writer is not None:
+                self.result = self.writer.close()
+        except BaseException as e:  # re-raised in the caller's thread by finish()
+            self._error = e
+            if self.writer is not None:
+                self.writer.abort()
+            with self._cond:
+                self._cond.notify_all()
+
+    def finish_quietly(self) -> None:
+        """End the thread after a failure elsewhere; its own error, if any, is dropped (the other one is raised)."""
+        try:
+            self.finish()
+        except Exception:
+            pass
+
+    def finish(self) -> tuple[str, int] | None:
+        """Wait until everything queued is written and the file closed; (sha256, size), None without a file."""
+        with self._cond:
+            self._queue.append(None)
+            self._cond.notify_all()
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self.result

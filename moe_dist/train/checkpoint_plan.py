@@ -1,0 +1,103 @@
+"""Which rank writes which tensor of a checkpoint: pure index math, computed identically on every rank.
+
+A checkpoint stores every parameter once under its global name, with its two Adam moments, as whole fp32
+tensors (experts one by one: `blocks.0.ffn.experts.w13.5`, `exp_avg.blocks.0.ffn.experts.w13.5`, ...). Saving
+gathers each of them on every rank that holds a replica (ZeRO's all-reduce over the parameter's data-parallel
+group, then the tensor-parallel all-gather), so any of those ranks can write it:
+
+- a dense tensor: every rank of the world (its TP shards are gathered within the TP group first);
+- expert e (global index): the ranks whose EP position holds it, every expert-data-parallel replica and TP rank.
+
+The assignment is the greedy longest-processing-time rule: tensors by decreasing size (ties by name), each to
+the least-loaded rank that holds it (ties to the lowest rank). It depends only on names, shapes and the layout,
+so every rank derives the same plan without communicating, and no rank writes more than the mean plus the
+largest single tensor; at mixtral_small the largest writer stays within a few percent of the mean
+(docs/benchmarks.md, tests/train/test_checkpoint_plan.py).
+
+TP shards are gathered, not stored as shards: the format stays "whole tensors under global names", so any
+(dp, ep, tp) loads it by reading its slice (safetensors get_slice), and the plan spreads the gathered tensors
+over all ranks anyway, so the TP group adds no writer imbalance; the cost is one transient full tensor per TP
+rank during the gather.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+STATE_KEYS = ("param", *MOMENTS)
+BYTES_PER_ELEMENT = 4  # everything is stored in fp32
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One model parameter as a checkpoint sees it, the same on every rank whatever the layout."""
+
+    name: str  # parameter name (stacked expert weights: without the expert index)
+    shape: tuple[int, ...]  # full shape of one stored tensor (one expert's, for stacked experts)
+    experts: int = 0  # 0 for a dense parameter, else the global number of experts stacked in it
+
+
+def stored_name(key: str, name: str) -> str:
+    """The checkpoint's name of state `key` ("param" or an Adam moment) of tensor `name`."""
+    return name if key == "param" else f"{key}.{name}"
+
+
+def tensors_in_order(entries: list[Entry]) -> list[tuple[str, Entry, int | None]]:
+    """(stored name, its parameter's entry, expert index or None) of every tensor of the checkpoint, in the order
+    saving produces them: parameter by parameter, its value then its moments, experts by global index."""
+    out = []
+    for e in entries:
+        for key in STATE_KEYS:
+            if e.experts:
+                out.extend((stored_name(key, f"{e.name}.{x}"), e, x) for x in range(e.experts))
+            else:
+                out.append((stored_name(key, e.name), e, None))
+    return out
+
+
+def holders(experts: int, expert: int | None, dp: int, ep: int, tp: int) -> tuple[int, ...]:
+    """Global ranks (rank = dp_rank · tp + tp_rank) holding a replica of a tensor after the save's gathers:
+    every rank for a dense tensor; for expert `expert` of `experts`, the ranks whose EP position holds it."""
+    if expert is None:
+        return tuple(range(dp * tp))
+    position = expert // (experts // ep)
+    return tuple(r for r in range(dp * tp) if (r // tp) % ep == position)
+
+
+def plan_writers(entries: list[Entry], dp: int, ep: int, tp: int) -> dict[str, int]:
+    """{stored tensor name: the rank that writes it}: every tensor exactly once, balanced by bytes."""
+    load = [0] * (dp * tp)
+    heaps: dict[tuple[int, ...], list[tuple[int, int]]] = {}  # one heap of (load, rank) per holder set
+    plan = {}
+    for name, entry, expert in sorted(tensors_in_order(entries), key=lambda t: (-math.prod(t[1].shape), t[0])):
+        ranks = holders(entry.experts, expert, dp, ep, tp)
+        heap = heaps.setdefault(ranks, [(0, r) for r in ranks])
+        while heap[0][0] != load[heap[0][1]]:  # stale entry: that rank took a tensor through another holder set
+            heapq.heapreplace(heap, (load[heap[0][1]], heap[0][1]))
+        _, rank = heap[0]
+        plan[name] = rank
+        load[rank] += math.prod(entry.shape) * BYTES_PER_ELEMENT
+        heapq.heapreplace(heap, (load[rank], rank))
+    return plan
+
+
+def bytes_per_rank(entries: list[Entry], plan: dict[str, int], world_size: int) -> list[int]:
+    """Bytes of tensor data each rank writes under `plan`."""
+    out = [0] * world_size
+    for name, entry, _ in tensors_in_order(entries):
+        out[plan[name]] += math.prod(entry.shape) * BYTES_PER_ELEMENT
+    return out
+
+
+def model_entries(model) -> list[Entry]:
+    """Entries of an unsharded model (e.g. built on the meta device): a plan without any process group."""
+    from moe_dist.layers.moe import Experts
+
+    stacked = {id(p) for m in model.modules() if isinstance(m, Experts) for p in m.parameters(recurse=False)}
+    return [
+        Entry(name, tuple(p.shape[1:]), p.shape[0]) if id(p) in stacked else Entry(name, tuple(p.shape))
+        for name, p in model.named_parameters()
+    ]
