@@ -97,8 +97,9 @@ def agree_on_error(error: str) -> str:
 
 def all_to_all_equal(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Not differentiable: chunk i of dim 0 goes to rank i of `group`; returns what every rank sent here."""
+    t = t.contiguous()  # the output must be too: the collective fills it in memory order
     out = torch.empty_like(t)
-    dist.all_to_all_single(out, t.contiguous(), group=group)
+    dist.all_to_all_single(out, t, group=group)
     return out
 
 

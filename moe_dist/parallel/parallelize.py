@@ -53,4 +53,8 @@ def materialize_shards(model: nn.Module, template: nn.Module, mesh: Mesh, seed: 
                 p = nn.Parameter(local.to(mesh.device), requires_grad=meta.requires_grad)
                 p.__dict__.update(vars(meta))
                 owner._parameters[leaf] = p
+            for name, buf in whole.named_buffers():  # replicated state (the routers' balancing buffers)
+                owner_path, _, leaf = name.rpartition(".")
+                owner = target.get_submodule(owner_path) if owner_path else target
+                owner._buffers[leaf] = buf.to(mesh.device, copy=True)
             whole.to_empty(device="meta")  # frees the unit's unsharded CPU tensors

@@ -77,3 +77,21 @@ def test_a_few_adam_steps_reduce_the_loss_on_a_fixed_batch():
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < losses[0] - 1.0, losses
+
+
+def test_shard_by_shard_materialization_equals_whole_model_with_router_buffers():
+    """parallelize's shard-by-shard initialization, in a world of one, gives every parameter and every buffer (the
+    routers' balancing bias and previous-step load) the values the whole model gets from the same seed, on the
+    device, with no tensor left on meta."""
+    from moe_dist.parallel.mesh import Mesh
+    from moe_dist.parallel.parallelize import parallelize
+
+    cfg = load_config(
+        "configs/debug.json", ["model.moe.bias_update_rate=0.001", "model.moe.aux_loss_scope=global_batch"]
+    )
+    mesh = Mesh(0, 1, 0, 1, torch.device("cpu"), 1, 0, 1, 0, None, None, "ep_size_1")
+    got = parallelize(build_model(cfg.model), mesh, cfg).state_dict()
+    want = materialize(build_model(cfg.model), "cpu", cfg.train.seed).state_dict()
+    assert got.keys() == want.keys() and any(k.endswith("router.bias_E") for k in got)
+    for name, t in want.items():
+        assert got[name].device.type == "cpu" and torch.equal(got[name], t), name

@@ -20,7 +20,8 @@ from moe_dist.config import load_config
 from moe_dist.models.decoder import build_model, lm_loss
 from moe_dist.parallel.mesh import init_distributed
 from moe_dist.parallel.parallelize import parallelize
-from moe_dist.train.checkpoint import _inner_optimizer, load_checkpoint, save_checkpoint
+from moe_dist.train.checkpoint import load_checkpoint, save_checkpoint
+from moe_dist.train.checkpoint_state import inner_optimizer
 from moe_dist.train.optim import build_optimizer, deepspeed_config
 from moe_dist.train.resume import select_checkpoint
 
@@ -93,7 +94,7 @@ def resume_before_any_step(mesh) -> dict:
     engine2, sched2 = engine_for(cfg, mesh, fresh)
     found = select_checkpoint(root, mesh, print)
     step = load_checkpoint(engine2, fresh, sched2, *found, mesh)
-    inner = _inner_optimizer(engine2)
+    inner = inner_optimizer(engine2)
     flats = engine2.optimizer.single_partition_of_fp32_groups
     states = [inner.state[f] for f in flats]
     loaded = [
