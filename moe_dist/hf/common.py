@@ -70,6 +70,29 @@ def validated(cfg: ModelConfig) -> ModelConfig:
         raise HFConfigError(f"config.json maps to an invalid model config: {e}") from None
 
 
+def attention_model(
+    hf: dict, *, vocab: int, d_ff: int, eps: float, ffn_pattern: str, attention, moe=None
+) -> ModelConfig:
+    """The validated config of an attention-only decoder (Mixtral, Qwen, OLMoE, Llama): the sizes every such
+    config.json names the same way, with the family's defaults (`vocab`, `d_ff`, `eps`) where a key is absent."""
+    extra = {} if moe is None else {"moe": moe}
+    return validated(
+        ModelConfig(
+            vocab_size=get(hf, "vocab_size", vocab),
+            d_model=hf["hidden_size"],
+            n_layers=hf["num_hidden_layers"],
+            d_ff=get(hf, "intermediate_size", d_ff),
+            tie_embeddings=bool(get(hf, "tie_word_embeddings", False)),
+            init_std=float(get(hf, "initializer_range", 0.02)),
+            mixer_pattern="A",
+            ffn_pattern=ffn_pattern,
+            norm_eps=float(get(hf, "rms_norm_eps", eps)),
+            attention=attention,
+            **extra,
+        )
+    )
+
+
 def period_offset(letters: list[str], letter: str) -> Optional[tuple[int, int]]:
     """(period, offset) with `letter` exactly at the layers i % period == offset, or None if no such pair."""
     n = len(letters)

@@ -4,7 +4,16 @@ adds an RMSNorm over each head's q and k. The sources `launch/convert.py upcycle
 from __future__ import annotations
 
 from moe_dist.config import AttentionConfig, ModelConfig
-from moe_dist.hf.common import Family, attention_names, check_silu, get, reasons, refuse, rope_theta, validated
+from moe_dist.hf.common import (
+    Family,
+    attention_model,
+    attention_names,
+    check_silu,
+    get,
+    reasons,
+    refuse,
+    rope_theta,
+)
 from moe_dist.hf.qwen_moe import EXPERTS
 from moe_dist.models.decoder import layer_kinds
 
@@ -24,19 +33,8 @@ def _from_hf(hf: dict, qwen3: bool) -> ModelConfig:
         rope_theta=rope_theta(hf, 10000.0),
         qk_norm="head" if qwen3 else "none",
     )
-    return validated(
-        ModelConfig(
-            vocab_size=get(hf, "vocab_size", 151936 if qwen3 else 32000),
-            d_model=d_model,
-            n_layers=hf["num_hidden_layers"],
-            d_ff=get(hf, "intermediate_size", 11008),
-            tie_embeddings=bool(get(hf, "tie_word_embeddings", False)),
-            init_std=float(get(hf, "initializer_range", 0.02)),
-            mixer_pattern="A",
-            ffn_pattern="D",
-            norm_eps=float(get(hf, "rms_norm_eps", 1e-6)),
-            attention=attention,
-        )
+    return attention_model(
+        hf, vocab=151936 if qwen3 else 32000, d_ff=11008, eps=1e-6, ffn_pattern="D", attention=attention
     )
 
 

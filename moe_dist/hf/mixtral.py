@@ -4,7 +4,16 @@
 from __future__ import annotations
 
 from moe_dist.config import AttentionConfig, ModelConfig, MoEConfig
-from moe_dist.hf.common import Family, attention_names, check_silu, get, reasons, rope_theta, router_unfit, validated
+from moe_dist.hf.common import (
+    Family,
+    attention_model,
+    attention_names,
+    check_silu,
+    get,
+    reasons,
+    rope_theta,
+    router_unfit,
+)
 from moe_dist.models.decoder import layer_kinds
 
 
@@ -20,25 +29,19 @@ def from_hf(hf: dict) -> ModelConfig:
         rope_theta=rope_theta(hf),
         sliding_window=hf.get("sliding_window"),
     )
-    return validated(
-        ModelConfig(
-            vocab_size=get(hf, "vocab_size", 32000),
-            d_model=hf["hidden_size"],
-            n_layers=hf["num_hidden_layers"],
-            d_ff=get(hf, "intermediate_size", 14336),
-            tie_embeddings=bool(get(hf, "tie_word_embeddings", False)),
-            init_std=float(get(hf, "initializer_range", 0.02)),
-            mixer_pattern="A",
-            ffn_pattern="E",
-            norm_eps=float(get(hf, "rms_norm_eps", 1e-5)),
-            attention=attention,
-            moe=MoEConfig(
-                num_experts=num_experts,
-                top_k=min(get(hf, "num_experts_per_tok", 2), num_experts),
-                capacity_factor=None,
-                renormalize=True,
-            ),
-        )
+    return attention_model(
+        hf,
+        vocab=32000,
+        d_ff=14336,
+        eps=1e-5,
+        ffn_pattern="E",
+        attention=attention,
+        moe=MoEConfig(
+            num_experts=num_experts,
+            top_k=min(get(hf, "num_experts_per_tok", 2), num_experts),
+            capacity_factor=None,
+            renormalize=True,
+        ),
     )
 
 

@@ -11,6 +11,7 @@ from moe_dist.config import AttentionConfig, ModelConfig, MoEConfig, shared_d_ff
 from moe_dist.hf.common import (
     Family,
     HFConfigError,
+    attention_model,
     attention_names,
     check_silu,
     get,
@@ -19,7 +20,6 @@ from moe_dist.hf.common import (
     rope_theta,
     router_unfit,
     tile,
-    validated,
 )
 from moe_dist.models.decoder import layer_kinds
 
@@ -56,20 +56,8 @@ def _from_hf(hf: dict, qwen2: bool) -> ModelConfig:
         qk_norm="none" if qwen2 else "head",
         qkv_bias=bool(get(hf, "qkv_bias", True)) if qwen2 else False,
     )
-    return validated(
-        ModelConfig(
-            vocab_size=get(hf, "vocab_size", 151936),
-            d_model=d_model,
-            n_layers=n_layers,
-            d_ff=get(hf, "intermediate_size", 5632 if qwen2 else 6144),
-            tie_embeddings=bool(get(hf, "tie_word_embeddings", False)),
-            init_std=float(get(hf, "initializer_range", 0.02)),
-            mixer_pattern="A",
-            ffn_pattern=tile(ffns),
-            norm_eps=float(get(hf, "rms_norm_eps", 1e-6)),
-            attention=attention,
-            moe=moe,
-        )
+    return attention_model(
+        hf, vocab=151936, d_ff=5632 if qwen2 else 6144, eps=1e-6, ffn_pattern=tile(ffns), attention=attention, moe=moe
     )
 
 
