@@ -276,7 +276,8 @@ def train(cfg: JobConfig, run_dir: Path, resume: bool = False) -> list[dict]:
         logger.log(record)
         records.append(record)
 
-    dead = DeadExperts(n_moe, cfg.model.moe.num_experts, cfg.model.moe.dead_expert_window, first_step=start)
+    last_seen = found[1].get("dead_expert_last_seen") if found is not None else None
+    dead = DeadExperts(n_moe, cfg.model.moe.num_experts, cfg.model.moe.dead_expert_window, start, last_seen)
     bar = tqdm(total=t.steps, initial=start, disable=mesh.rank != 0, desc="train", dynamic_ncols=True)
     try:
         for done in range(start + 1, t.steps + 1):  # the optimizer step being made, numbered as in metrics.jsonl
@@ -289,7 +290,11 @@ def train(cfg: JobConfig, run_dir: Path, resume: bool = False) -> list[dict]:
             records.append(record)
             if (t.save_every and done % t.save_every == 0) or done == t.steps:
                 # Names its phases and limits itself (train.save_timeout_s); rank 0 prunes after each publish.
-                extra = {"skipped_steps": guard.skipped_total, "data": data_identity}
+                extra = {
+                    "skipped_steps": guard.skipped_total,
+                    "data": data_identity,
+                    "dead_expert_last_seen": dead.last_seen(),
+                }
                 checkpointer.save(engine, model, scheduler, done, extra_meta=extra)
             bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
             bar.update(1)

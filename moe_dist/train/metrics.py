@@ -106,12 +106,18 @@ class StepAccumulator:
 
 class DeadExperts:
     """Per MoE layer, the experts that received no token in the last `window` optimizer steps (so none during the
-    first `window` - 1 steps of a run or after a resume: history starts at `first_step`). `observe` adds
-    `dead_experts` (count) and `dead_expert_ids` to each layer of a step record."""
+    first `window` - 1 steps of a run: history starts at `first_step`). `observe` adds `dead_experts` (count) and
+    `dead_expert_ids` to each layer of a step record. `last_seen()` goes into checkpoints, so a resumed run
+    continues the history (`last_seen=`) and reports what the uninterrupted run would have."""
 
-    def __init__(self, n_moe_layers: int, num_experts: int, window: int, first_step: int):
+    def __init__(self, n_moe_layers: int, num_experts: int, window: int, first_step: int, last_seen=None):
         self.window = window
         self.last_seen_LE = np.full((n_moe_layers, num_experts), first_step, dtype=np.int64)
+        if last_seen is not None and np.shape(last_seen) == self.last_seen_LE.shape:  # else: an older checkpoint
+            self.last_seen_LE[:] = last_seen
+
+    def last_seen(self) -> list[list[int]]:
+        return self.last_seen_LE.tolist()
 
     def observe(self, record: dict) -> None:
         step = record["step"]

@@ -28,6 +28,28 @@ def test_dead_experts_need_a_whole_window_without_a_token():
     assert record["moe"][0]["dead_experts"] == 0
 
 
+def test_dead_expert_history_continues_across_a_resume():
+    loads = [[5, 0, 1], [5, 0, 0], [5, 0, 0], [5, 0, 3], [0, 0, 3]]
+
+    def observe(dead, steps):
+        out = []
+        for step in steps:
+            record = {"step": step, "moe": [{"tokens_per_expert": loads[step - 1]}]}
+            dead.observe(record)
+            out.append(record["moe"][0]["dead_expert_ids"])
+        return out
+
+    whole = observe(DeadExperts(1, 3, window=2, first_step=0), range(1, 6))
+    before = DeadExperts(1, 3, window=2, first_step=0)
+    head = observe(before, range(1, 3))  # a checkpoint at step 2 stores `last_seen()` in meta.json
+    resumed = DeadExperts(1, 3, window=2, first_step=2, last_seen=before.last_seen())
+    assert head + observe(resumed, range(3, 6)) == whole == [[], [1], [1, 2], [1], [1]]
+    fresh = DeadExperts(1, 3, window=2, first_step=2)  # without the history expert 1 looks alive at step 3
+    assert observe(fresh, range(3, 6)) != whole[2:]
+    older = DeadExperts(1, 3, window=2, first_step=2, last_seen=[[0, 0]])  # another shape: history restarts
+    assert observe(older, range(3, 6)) == observe(DeadExperts(1, 3, window=2, first_step=2), range(3, 6))
+
+
 def test_load_cv_is_std_over_mean_of_the_global_load():
     acc = StepAccumulator(n_moe_layers=1, num_experts=4)
     stats = RoutingStats(

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import numpy as np
 import pytest
 from support import DEBUG_CONFIG, ONE_THREAD, train_records
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -98,6 +99,12 @@ def test_resume_reproduces_uninterrupted_losses(tmp_path, debug_run, run_train, 
     resumed = metrics(run_dir)
     assert [r["step"] for r in train_records(resumed)] == list(range(1, STEPS + 1))
     assert _losses(resumed) == full  # exact: same data, same state, same order of operations
+    meta = json.loads((run_dir / "checkpoints" / "step_3" / "meta.json").read_text())
+    n_moe, num_experts = (
+        len(train_records(resumed)[0]["moe"]),
+        len(train_records(resumed)[0]["moe"][0]["tokens_per_expert"]),
+    )
+    assert np.shape(meta["dead_expert_last_seen"]) == (n_moe, num_experts)  # the telemetry's history resumes too
 
 
 def test_torchrun_matches_deepspeed_launcher(debug_run, metrics):
