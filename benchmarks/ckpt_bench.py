@@ -22,6 +22,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 REPO = Path(__file__).resolve().parents[1]
 # About 160 M parameters: a 1.9 GB checkpoint (fp32 values and both Adam moments).
@@ -58,10 +59,17 @@ def measured(fn):
 
 
 def checkpoint_module(ref: str | None):
+    """What provides save_checkpoint, verify_checkpoint and load_checkpoint: today's modules, or checkpoint.py as
+    it was at commit `ref` (which held all three before the read side moved to checkpoint_read.py)."""
     if ref is None:
-        import moe_dist.train.checkpoint as module
+        import moe_dist.train.checkpoint as save
+        import moe_dist.train.checkpoint_read as read
 
-        return module
+        return SimpleNamespace(
+            save_checkpoint=save.save_checkpoint,
+            verify_checkpoint=read.verify_checkpoint,
+            load_checkpoint=read.load_checkpoint,
+        )
     source = subprocess.run(
         ["git", "show", f"{ref}:moe_dist/train/checkpoint.py"], cwd=REPO, capture_output=True, text=True, check=True
     ).stdout

@@ -15,13 +15,8 @@ import torch
 from safetensors.torch import save_file
 
 from moe_dist.parallel.mesh import Mesh
-from moe_dist.train.checkpoint import (
-    FORMAT_VERSION,
-    CheckpointError,
-    _sha256,
-    latest_checkpoint,
-    verify_checkpoint,
-)
+from moe_dist.train.checkpoint import FORMAT_VERSION, CheckpointError
+from moe_dist.train.checkpoint_read import _sha256, latest_checkpoint, verify_checkpoint
 from moe_dist.train.resume import complete_checkpoints, prune_checkpoints, select_checkpoint
 
 MESH = Mesh(
