@@ -333,22 +333,23 @@ def predict_table(config: str, mfu: float) -> str:
         f"# {Path(config).name} on {hw.name}",
         "",
         "| GPUs | layout | (dp, ep, tp) | tokens/s | per GPU | efficiency | MFU | step s | compute s | "
-        "a2a s | all-reduce s | all-gather + RS s | GB / GPU |",
-        "|" + "---|" * 13,
+        "a2a_chunks | a2a s (unchunked) | all-reduce s | all-gather + RS s | GB / GPU |",
+        "|" + "---|" * 14,
     ]
     for r in rows:
         lines.append(
             f"| {r['gpus']} | {r['family']} | {r['layout']} | {r['tokens_per_s']:,.0f} | "
             f"{r['tokens_per_s_per_gpu']:,.0f} | {r['scaling_efficiency']:.2f} | {r['mfu']:.2f} | "
-            f"{r['step_s']:.2f} | {r['compute_s']:.2f} | {r['all_to_all_s']:.2f} | {r['all_reduce_s']:.2f} |"
+            f"{r['step_s']:.2f} | {r['compute_s']:.2f} | {r['a2a_chunks']} | "
+            f"{r['all_to_all_s']:.2f} ({r['all_to_all_unchunked_s']:.2f}) | {r['all_reduce_s']:.2f} |"
             f" {r['all_gather_s'] + r['reduce_scatter_s']:.2f} | "
             f"{r['memory_gb']:.0f}{'' if r['fits'] else ' (does not fit)'} |"
         )
     lines += ["", "Recommended (fastest layout that fits in 141 GB):", ""]
     for n, r in pm.recommend(rows).items():
         lines.append(
-            f"- {n} GPUs: {r['family']} ({r['layout']}), {r['tokens_per_s']:,.0f} tokens/s, "
-            f"efficiency {r['scaling_efficiency']:.2f}"
+            f"- {n} GPUs: {r['family']} ({r['layout']}, a2a_chunks={r['a2a_chunks']}), "
+            f"{r['tokens_per_s']:,.0f} tokens/s, efficiency {r['scaling_efficiency']:.2f}"
         )
     return "\n".join(lines)
 
