@@ -228,7 +228,8 @@ class Dispatcher(Protocol):
 
     `dispatch` returns (rows for this rank's experts sorted by local expert, rows per local expert, state); the
     state carries whatever `combine` needs plus `sent_bytes`, the bytes this rank sent to other ranks. Both move
-    rows with `permutation`, the token gather and weighted sum chosen for the layer's device."""
+    rows with `permutation`, the token gather and weighted sum chosen for the layer's device. `run`, what the
+    layer calls, is the three steps in a row here; a dispatcher may pipeline them over chunks instead."""
 
     permutation: Permutation
 

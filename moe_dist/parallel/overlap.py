@@ -28,8 +28,15 @@ one chunk's all-to-all each way is exposed. The TP row gather and reduce-scatter
 NVLink inside the node and are not what the overlap is for). The rows' gather into expert order and the weighted
 sum back run once for all chunks (they are per token, not per chunk).
 
-Collective order per layer and micro-batch: the count all-to-all; C dispatch all-to-alls; per chunk the TP gather
-and reduce-scatter (with a split); C combine all-to-alls — the same on every rank.
+Collective order per layer and micro-batch, the same on every rank. Forward: the count all-to-all; C dispatch
+all-to-alls; per chunk its TP gather and reduce-scatter (with a split) and its combine all-to-all; the C waits.
+Backward: the C combine-gradient all-to-alls (last chunk first); then from the last chunk to the first: wait for
+its combine gradient, its TP collectives, issue its dispatch gradient; then the C dispatch-gradient waits. That
+order is autograd's scheduling of this graph, which every rank builds alike (the same nodes created in the same
+order; the engine runs the most recently created ready node first), not a rank's choice.
+
+The seam: `MoE` hands its experts to `dispatcher.run`; with a2a_chunks = 1 `apply_ep` installs the plain
+`AllToAllDispatcher` and none of this runs.
 """
 
 from __future__ import annotations
@@ -62,14 +69,15 @@ class ChunkedAllToAllDispatcher(AllToAllDispatcher):
         num_experts: int,
         permutation: Permutation,
         split: TokenSplit | None = None,
-        chunks: int = 2,
+        *,
+        chunks: int,
     ):
         super().__init__(group, ep, ep_rank, num_experts, permutation, split)
         self.chunks = chunks
 
     def with_split(self, split: TokenSplit) -> "ChunkedAllToAllDispatcher":
         return ChunkedAllToAllDispatcher(
-            self.group, self.ep, self.ep_rank, self.num_experts, self.permutation, split, self.chunks
+            self.group, self.ep, self.ep_rank, self.num_experts, self.permutation, split, chunks=self.chunks
         )
 
     def _part_counts(self, routing: Routing, X: int) -> tuple[torch.Tensor, torch.Tensor]:
