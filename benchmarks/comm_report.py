@@ -9,33 +9,169 @@ and traces the torch.distributed collectives that our layers issue (common.Colle
 each collective's kind, group size, calls and payload bytes (the tensor each rank contributes). Backward
 collectives are attributed to the layer whose backward was running (module backward pre-hooks). Rank 0 prints a
 markdown table.
+
+    torchrun --nproc_per_node 2 benchmarks/comm_report.py --config configs/mixtral_small.json --set parallel.ep=2 \
+        --overlap 1 2 4
+
+`--overlap C [C ...]` times instead the expert-parallel row all-to-alls of forward+backward for each
+`parallel.a2a_chunks` value C (one model per value, same weights and tokens, calls interleaved round by round by
+common.interleaved_ms so all see the same load): per MoE layer, the all-to-alls' time (while at least one is in
+flight: a blocking call's duration, an asynchronous one's from issue until its future completes) and the exposed
+time (what the calling thread spent blocked: a blocking call whole, an asynchronous one's issue and its wait).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import math
+import os
+import statistics
 import sys
+import threading
+import time
 import warnings
 
 import torch
 import torch.distributed as dist
-from common import CollectiveTracer
+from common import CollectiveTracer, interleaved_ms
 
 from moe_dist.config import load_config
+from moe_dist.layers.moe import MoE
 from moe_dist.models.decoder import build_model, lm_loss
+from moe_dist.parallel import comm
+from moe_dist.parallel.comm import all_reduce_sum
 from moe_dist.parallel.mesh import init_distributed
 from moe_dist.parallel.parallelize import parallelize
 from moe_dist.parallel.tensor_parallel import vocab_parallel_lm_loss
+
+
+class RowAllToAllClock:
+    """The MoE row all-to-alls since `reset`: `reset()` returns (seconds during which at least one was in flight,
+    seconds the caller was blocked in them). Blocking calls come from the tracer; asynchronous ones
+    (comm._InFlight, the chunked dispatch) are in flight from their issue until their future completes, and block
+    the caller during the issue and the wait."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.spans: list[tuple[float, float]] = []
+        self.exposed = 0.0
+        self._originals = (comm._InFlight.start, comm._InFlight.wait)
+
+    def reset(self) -> tuple[float, float]:
+        with self.lock:
+            spans, exposed, self.spans, self.exposed = sorted(self.spans), self.exposed, [], 0.0
+        busy, end = 0.0, -math.inf
+        for lo, hi in spans:  # length of the union of the in-flight intervals
+            busy += max(hi - max(lo, end), 0.0)
+            end = max(end, hi)
+        return busy, exposed
+
+    def _add(self, span: tuple[float, float] | None, exposed: float) -> None:
+        with self.lock:
+            if span is not None:
+                self.spans.append(span)
+            self.exposed += exposed
+
+    def on_call(self, call) -> None:
+        x = call.args.get("input")
+        if call.kind == "all_to_all" and not call.args.get("async_op") and x is not None and x.is_floating_point():
+            now = time.perf_counter()  # the count exchange (int64) is not a row all-to-all
+            self._add((now - call.seconds, now), call.seconds)
+
+    def install(self) -> "RowAllToAllClock":
+        start, wait = self._originals
+        clock = self
+
+        def timed_start(flight, *args):
+            tic = time.perf_counter()
+            out = start(flight, *args)
+            clock._add(None, time.perf_counter() - tic)
+            flight.work.get_future().then(lambda _: clock._add((tic, time.perf_counter()), 0.0))
+            return out
+
+        def timed_wait(flight):
+            tic = time.perf_counter()
+            out = wait(flight)
+            clock._add(None, time.perf_counter() - tic)
+            return out
+
+        comm._InFlight.start, comm._InFlight.wait = timed_start, timed_wait
+        return self
+
+
+def overlap_report(args, mesh) -> None:
+    """Forward+backward of one micro-batch per `parallel.a2a_chunks` value; rank 0 prints the table."""
+    base_cfg = load_config(args.config, args.set)
+    t = base_cfg.train
+    tokens = torch.randint(
+        0,
+        base_cfg.model.vocab_size,
+        (t.micro_batch_size, t.seq_len + 1),
+        generator=torch.Generator().manual_seed(0),
+    ).to(mesh.device)
+    clock = RowAllToAllClock().install()
+    tracer = CollectiveTracer(clock.on_call).install()
+    fns, samples = {}, {}
+    for chunks in args.overlap:
+        cfg = load_config(args.config, [*args.set, f"parallel.a2a_chunks={chunks}"])
+        model = parallelize(build_model(cfg.model, mesh.device), mesh, cfg)
+        n_moe = sum(isinstance(m, MoE) for m in model.modules())
+        samples[chunks] = []
+
+        def step(model=model, chunks=chunks, n_moe=n_moe, cfg=cfg):
+            clock.reset()
+            out = model(tokens[:, :-1])
+            if mesh.tp == 1:
+                lm = lm_loss(out.logits, tokens[:, 1:])
+            else:
+                lm = vocab_parallel_lm_loss(out.logits, tokens[:, 1:], mesh)
+            (lm + cfg.model.moe.aux_loss_coef * out.aux_loss).backward()
+            dist.barrier()  # every rank's asynchronous calls have completed, their futures reported
+            total, exposed = clock.reset()
+            samples[chunks].append((total / n_moe, exposed / n_moe))
+
+        fns[chunks] = step
+    ms = interleaved_ms(fns, mesh.device, args.repeats, warmup=1)
+    tracer.uninstall()
+    per_rank = torch.tensor(
+        [[statistics.median(x[i] for x in samples[c][-args.repeats :]) for i in (0, 1)] for c in args.overlap]
+    )
+    all_reduce_sum(per_rank)  # mean over ranks below
+    if mesh.rank == 0:
+        per_rank /= mesh.world_size
+        load = os.getloadavg()[0]
+        print(
+            f"layout dp={mesh.dp} ep={mesh.ep} tp={mesh.tp}; micro-batch {t.micro_batch_size}x{t.seq_len} tokens; "
+            f"medians of {args.repeats} forward+backward, means over {mesh.world_size} ranks; load {load:.1f}"
+        )
+        first = args.overlap[0]
+        print(
+            "| a2a_chunks | fwd+bwd ms | row all-to-all ms per MoE layer | exposed ms per MoE layer | "
+            f"exposed / all-to-all | exposed / a2a_chunks={first}'s all-to-all |"
+        )
+        print("|---|---|---|---|---|---|")
+        base = per_rank[0, 0].item()
+        for c, (total, exposed) in zip(args.overlap, per_rank.tolist()):
+            print(
+                f"| {c} | {ms[c]:.1f} | {1e3 * total:.2f} | {1e3 * exposed:.2f} | {exposed / total:.2f} | "
+                f"{exposed / base:.2f} |"
+            )
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True)
     p.add_argument("--set", nargs="+", default=[])
+    p.add_argument("--overlap", type=int, nargs="+", help="time the row all-to-alls for these parallel.a2a_chunks")
+    p.add_argument("--repeats", type=int, default=5, help="--overlap: forward+backward passes per value")
     args = p.parse_args(argv)
     cfg = load_config(args.config, args.set)
     mesh = init_distributed(cfg)
+    if args.overlap:
+        overlap_report(args, mesh)
+        dist.barrier()
+        return 0
     model = parallelize(build_model(cfg.model, mesh.device), mesh, cfg)
 
     where = ["other", "forward"]  # [layer, phase]

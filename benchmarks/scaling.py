@@ -322,6 +322,32 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def overlap_lines(cfg, hw) -> list[str]:
+    """Per MoE layer and micro-batch: the row all-to-alls (dispatch + combine, forward + backward) unchunked and
+    what `parallel.a2a_chunks` leaves exposed, beside the expert GEMMs that hide them (perfmodel.overlapped_rows_s)."""
+    from moe_dist import perfmodel as pm
+
+    cost = pm.model_cost(cfg)
+    layouts = {
+        "EP8 in node (NVLink)": pm.Layout(8, 8, 1),
+        "EP8 x TP2, EP over 2 nodes (InfiniBand)": pm.Layout(8, 8, 2),
+    }
+    lines = [
+        "Row all-to-alls per MoE layer and micro-batch (forward + backward), exposed ms by parallel.a2a_chunks:",
+        "",
+        "| layout | expert GEMMs fwd + bwd ms | 1 (all of it) | 2 | 4 | 8 |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, lay in layouts.items():
+        calls = pm.step_calls(cfg, lay, hw.ranks_per_node, cost)
+        rows = next(c for c in calls if c.label == "moe_rows")
+        per_layer = pm.Call(rows.kind, rows.label, rows.group_size, rows.ranks_per_node, rows.payload_bytes, 4)
+        g = pm.expert_gemm_s(cfg, lay, hw, 1, cost)
+        exposed = [1e3 * pm.overlapped_rows_s(per_layer, hw, c, g) for c in (1, 2, 4, 8)]
+        lines.append(f"| {name} | {3e3 * g:.2f} | " + " | ".join(f"{e:.2f}" for e in exposed) + " |")
+    return lines
+
+
 def predict_table(config: str, mfu: float) -> str:
     from moe_dist import perfmodel as pm
     from moe_dist.config import load_config
@@ -333,22 +359,24 @@ def predict_table(config: str, mfu: float) -> str:
         f"# {Path(config).name} on {hw.name}",
         "",
         "| GPUs | layout | (dp, ep, tp) | tokens/s | per GPU | efficiency | MFU | step s | compute s | "
-        "a2a s | all-reduce s | all-gather + RS s | GB / GPU |",
-        "|" + "---|" * 13,
+        "a2a_chunks | a2a s (unchunked) | all-reduce s | all-gather + RS s | GB / GPU |",
+        "|" + "---|" * 14,
     ]
     for r in rows:
         lines.append(
             f"| {r['gpus']} | {r['family']} | {r['layout']} | {r['tokens_per_s']:,.0f} | "
             f"{r['tokens_per_s_per_gpu']:,.0f} | {r['scaling_efficiency']:.2f} | {r['mfu']:.2f} | "
-            f"{r['step_s']:.2f} | {r['compute_s']:.2f} | {r['all_to_all_s']:.2f} | {r['all_reduce_s']:.2f} |"
+            f"{r['step_s']:.2f} | {r['compute_s']:.2f} | {r['a2a_chunks']} | "
+            f"{r['all_to_all_s']:.2f} ({r['all_to_all_unchunked_s']:.2f}) | {r['all_reduce_s']:.2f} |"
             f" {r['all_gather_s'] + r['reduce_scatter_s']:.2f} | "
             f"{r['memory_gb']:.0f}{'' if r['fits'] else ' (does not fit)'} |"
         )
+    lines += ["", *overlap_lines(cfg, hw)]
     lines += ["", "Recommended (fastest layout that fits in 141 GB):", ""]
     for n, r in pm.recommend(rows).items():
         lines.append(
-            f"- {n} GPUs: {r['family']} ({r['layout']}), {r['tokens_per_s']:,.0f} tokens/s, "
-            f"efficiency {r['scaling_efficiency']:.2f}"
+            f"- {n} GPUs: {r['family']} ({r['layout']}, a2a_chunks={r['a2a_chunks']}), "
+            f"{r['tokens_per_s']:,.0f} tokens/s, efficiency {r['scaling_efficiency']:.2f}"
         )
     return "\n".join(lines)
 

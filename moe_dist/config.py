@@ -98,6 +98,7 @@ class ParallelConfig:
     tp: int = 1  # tensor-parallel degree
     ep: int = 1  # expert-parallel degree (divides the data-parallel degree)
     sequence_parallel: bool = False  # with tp > 1: norms and residuals hold 1/tp of the sequence (less memory)
+    a2a_chunks: int = 1  # ep > 1: dispatch in this many token chunks, all-to-alls overlapping other chunks' experts
     timeout_s: float = 600.0  # rendezvous and collective timeout: a missing or hung rank fails the job after this
 
 
@@ -470,6 +471,8 @@ def check_layout(cfg: JobConfig, world_size: int) -> int:
     _check(world_size % tp == 0, f"parallel.tp: {tp} does not divide the world size {world_size}")
     dp = world_size // tp
     _check(dp % ep == 0, f"parallel.ep: {ep} must divide the data-parallel degree {dp} (world {world_size} / tp {tp})")
+    chunks = cfg.parallel.a2a_chunks
+    _check(chunks >= 1, f"parallel.a2a_chunks: must be at least 1, got {chunks}")
     ranks = f"{dp} data-parallel ranks (world size {world_size} / parallel.tp={tp})"
     # The engine's, checked here (at start-up) rather than in validate(): tools that build no engine (bench) take it.
     _check(

@@ -6,7 +6,8 @@ F is the device's sustained throughput on this model (fitted to measured compute
 GPU), α a per-message latency and β a per-rank bandwidth, one (α, β) pair for links inside a node and one
 across nodes. Collectives are costed with the textbook algorithms (ring all-reduce / reduce-scatter /
 all-gather, pairwise all-to-all), with no overlap of communication and compute (what our DeepSpeed/gloo stack
-does; conservative on GPUs).
+does; conservative on GPUs) except for the expert-parallel row all-to-alls under `parallel.a2a_chunks` > 1,
+which are pipelined against the expert GEMMs (`overlapped_rows_s`).
 
 The per-step list of collectives mirrors what a training step of this repository issues, checked against
 `benchmarks/scaling.py`'s instrumented runs (DESIGN.md §2):
@@ -259,6 +260,29 @@ def step_calls(cfg: JobConfig, layout: Layout, ranks_per_node: int, cost: ModelC
     return calls
 
 
+def expert_gemm_s(cfg: JobConfig, layout: Layout, hw: Hardware, ranks_per_device: int, cost: ModelCost) -> float:
+    """Forward expert-GEMM seconds of one MoE layer and micro-batch on one rank (balanced routing, no drops): its
+    share of the k·T rows (all TP peers' rows, 1/tp of each expert's hidden units) × the active expert weights."""
+    t, moe = cfg.train, cfg.model.moe
+    weights_per_row = cost.expert_params / max(cost.n_moe_layers, 1) / moe.num_experts  # one expert's 3·d·f
+    flops = 2.0 * t.micro_batch_size * t.seq_len * moe.top_k * weights_per_row / layout.tp
+    return flops * ranks_per_device / hw.flops_per_s
+
+
+def overlapped_rows_s(call: Call, hw: Hardware, chunks: int, expert_fwd_s: float) -> float:
+    """Exposed seconds of the row all-to-alls `call` stands for (4 per MoE layer and micro-batch: dispatch and
+    combine, forward and backward) when each dispatch is cut in `chunks` chunks (moe_dist/parallel/overlap.py).
+
+    Per layer and direction, the link moves 2·C chunk all-to-alls of `a` seconds each (1/C of the bytes, the full
+    latency α·hops) one after the other, and the device runs C chunk GEMMs of `g` = G/C (G = `expert_fwd_s`
+    forward, 2G backward); chunk c's GEMM needs its dispatch, its combine needs the GEMM. The pipeline's makespan
+    is then max(2C·a + g, C·g + 2a), of which C·g is compute: exposed max(2C·a − (C−1)·g, 2a). C = 1 gives 2a,
+    the unchunked schedule's two blocking calls."""
+    a = call_time(Call(call.kind, call.label, call.group_size, call.ranks_per_node, call.payload_bytes / chunks, 1), hw)
+    per_layer = sum(max(2 * chunks * a - (chunks - 1) * m * expert_fwd_s / chunks, 2 * a) for m in (1, 2))
+    return call.count / 4 * per_layer
+
+
 def memory_per_device(cfg: JobConfig, layout: Layout, cost: ModelCost | None = None) -> float:
     """Rough bytes per device: weights + gradients (training dtype), fp32 master + Adam moments (ZeRO-sharded),
     and the activations one micro-batch keeps for backward (flash attention, no recomputation)."""
@@ -289,6 +313,7 @@ class StepPrediction:
     memory_bytes: float
     mfu: float | None = None
     calls: list[Call] = field(default_factory=list)
+    a2a_chunks: int = 1
 
 
 def predict_step(
@@ -298,8 +323,10 @@ def predict_step(
     ranks_per_device: int = 1,
     ranks_per_node: int | None = None,
     cost: ModelCost | None = None,
+    a2a_chunks: int | None = None,
 ) -> StepPrediction:
-    """Step time of `cfg` at `layout` on `hw`. ranks_per_device > 1 when ranks share one device (CPU cores)."""
+    """Step time of `cfg` at `layout` on `hw`. ranks_per_device > 1 when ranks share one device (CPU cores);
+    a2a_chunks overrides `parallel.a2a_chunks` (the row all-to-alls pipelined against the expert GEMMs)."""
     cost = cost or model_cost(cfg)
     rpn = ranks_per_node or hw.ranks_per_node
     flops = step_flops_per_rank(cfg, layout, cost)
@@ -307,15 +334,18 @@ def predict_step(
     comm = dict.fromkeys(KINDS, 0.0)
     sent = dict.fromkeys(KINDS, 0.0)
     calls = step_calls(cfg, layout, rpn, cost)
+    chunks = a2a_chunks or cfg.parallel.a2a_chunks
     for c in calls:
-        comm[c.kind] += c.count * call_time(c, hw)
+        if c.label == "moe_rows" and chunks > 1:
+            comm[c.kind] += overlapped_rows_s(c, hw, chunks, expert_gemm_s(cfg, layout, hw, ranks_per_device, cost))
+        else:
+            comm[c.kind] += c.count * call_time(c, hw)
         sent[c.kind] += c.count * collective_terms(c.kind, c.group_size, c.payload_bytes)[1]
     step = compute + sum(comm.values())
     tokens = cfg.train.global_batch_size * cfg.train.seq_len
     mfu = flops / step / hw.peak_flops_per_s if hw.peak_flops_per_s else None
-    return StepPrediction(
-        layout, compute, comm, sent, step, tokens / step, memory_per_device(cfg, layout, cost), mfu, calls
-    )
+    memory = memory_per_device(cfg, layout, cost)
+    return StepPrediction(layout, compute, comm, sent, step, tokens / step, memory, mfu, calls, chunks)
 
 
 # --------------------------------------------------------------------------------------------------- H200
@@ -365,8 +395,14 @@ def candidate_layouts(gpus: int, num_experts: int, global_batch: int, micro_batc
     return out
 
 
-def scaling_sweep(cfg: JobConfig, hw: Hardware, gpu_counts=(8, 16, 32, 64, 128, 256, 512, 1024)) -> list[dict]:
-    """Predictions for every candidate layout at every GPU count. Scaling efficiency = tokens/s ÷ (GPUs × the
+def scaling_sweep(
+    cfg: JobConfig,
+    hw: Hardware,
+    gpu_counts=(8, 16, 32, 64, 128, 256, 512, 1024),
+    chunk_options=(1, 2, 4),
+) -> list[dict]:
+    """Predictions for every candidate layout at every GPU count, each at its fastest `parallel.a2a_chunks` of
+    `chunk_options` (with the unchunked all-to-all time beside it). Scaling efficiency = tokens/s ÷ (GPUs × the
     compute-bound rate of one GPU) = compute time / step time: what communication leaves of linear scaling."""
     cost = model_cost(cfg)
     rows = []
@@ -374,7 +410,10 @@ def scaling_sweep(cfg: JobConfig, hw: Hardware, gpu_counts=(8, 16, 32, 64, 128, 
         for family, lay in candidate_layouts(
             n, cfg.model.moe.num_experts, cfg.train.global_batch_size, cfg.train.micro_batch_size
         ).items():
-            p = predict_step(cfg, lay, hw, cost=cost)
+            plain = predict_step(cfg, lay, hw, cost=cost, a2a_chunks=1)
+            p = min(
+                (predict_step(cfg, lay, hw, cost=cost, a2a_chunks=c) for c in chunk_options), key=lambda q: q.step_s
+            )
             rows.append(
                 {
                     "gpus": n,
@@ -387,6 +426,8 @@ def scaling_sweep(cfg: JobConfig, hw: Hardware, gpu_counts=(8, 16, 32, 64, 128, 
                     "mfu": p.mfu,
                     "compute_s": p.compute_s,
                     **{f"{k}_s": v for k, v in p.comm_s.items()},
+                    "a2a_chunks": p.a2a_chunks,
+                    "all_to_all_unchunked_s": plain.comm_s["all_to_all"],
                     "memory_gb": p.memory_bytes / 1e9,
                     "fits": hw.memory_bytes is None or p.memory_bytes <= hw.memory_bytes,
                 }

@@ -115,6 +115,9 @@ def test_layout_checks_against_world_size():
     assert check_layout(cfg, 2) == 2
     with pytest.raises(ConfigError, match="not divisible among 8 data-parallel ranks"):
         check_layout(cfg, 8)
+    assert check_layout(load_config(REPO / "configs/debug.json", ["parallel.a2a_chunks=3"]), 2) == 2
+    with pytest.raises(ConfigError, match=r"^parallel.a2a_chunks: must be at least 1, got 0$"):
+        check_layout(load_config(REPO / "configs/debug.json", ["parallel.a2a_chunks=0"]), 2)
 
 
 @pytest.mark.parametrize(

@@ -176,3 +176,28 @@ def test_h200_sweep_is_consistent():
     # more GPUs never lower the best throughput
     tps = [best[n]["tokens_per_s"] for n in sorted(best)]
     assert tps == sorted(tps)
+
+
+def test_chunked_all_to_all_overlaps_the_expert_gemms_down_to_one_chunk_each_way():
+    """parallel.a2a_chunks: the same bytes; exposed row all-to-all time falls with the chunks while the GEMMs hide
+    it, never below the first dispatch and last combine chunk (2a per direction); one chunk is the plain schedule."""
+    cfg = load_config(CONFIGS / "mixtral_8x7b.json", [])
+    hw, lay = pm.h200_cluster(), pm.Layout(16, 8, 2)  # EP spans 2 nodes: the all-to-all crosses InfiniBand
+    plain, one = pm.predict_step(cfg, lay, hw), pm.predict_step(cfg, lay, hw, a2a_chunks=1)
+    assert plain.step_s == one.step_s and plain.a2a_chunks == 1
+    rows = next(c for c in plain.calls if c.label == "moe_rows")
+    assert rows.count * pm.call_time(rows, hw) == pytest.approx(pm.overlapped_rows_s(rows, hw, 1, 1.0))
+    g = pm.expert_gemm_s(cfg, lay, hw, 1, pm.model_cost(cfg))
+    assert 0 < g < plain.compute_s
+    previous = plain.comm_s["all_to_all"]
+    for chunks in (2, 4, 8):
+        p = pm.predict_step(cfg, lay, hw, a2a_chunks=chunks)
+        assert p.bytes_per_rank == plain.bytes_per_rank and p.compute_s == plain.compute_s
+        assert p.comm_s["all_reduce"] == plain.comm_s["all_reduce"]
+        assert p.comm_s["all_to_all"] < previous
+        previous = p.comm_s["all_to_all"]
+    # no compute to hide behind: C chunks cost C times the latency, so chunking only adds to the exposed time
+    assert pm.overlapped_rows_s(rows, hw, 4, 0.0) > pm.overlapped_rows_s(rows, hw, 1, 0.0)
+    # unlimited compute: only the first and the last chunk of each direction remain exposed
+    chunk = pm.Call(rows.kind, rows.label, rows.group_size, rows.ranks_per_node, rows.payload_bytes / 4, 1)
+    assert pm.overlapped_rows_s(rows, hw, 4, 1e9) == pytest.approx(rows.count * pm.call_time(chunk, hw))

@@ -5,9 +5,10 @@ Shape legend (suffixes on tensor names):
     E experts                                    K top_k           A = K·T assignments, slot-major (a = k·T + t)
     R routed rows: kept assignments, sorted by expert (R ≤ A)
 
-`MoE.forward` is router → dispatcher.dispatch → experts → dispatcher.combine. The default
+`MoE.forward` is router → dispatcher.run(experts): dispatch → experts → combine. The default
 `LocalDispatcher` permutes rows on this device; expert parallelism swaps in an all-to-all dispatcher
-with the same two methods, and the layer does not know which one it has (DESIGN.md §4.2).
+with the same methods, and the layer does not know which one it has (DESIGN.md §4.2). The dispatcher runs the
+experts (it is handed them) so that one may pipeline the three steps over chunks of the rows (parallel/overlap.py).
 """
 
 from __future__ import annotations
@@ -227,7 +228,8 @@ class Dispatcher(Protocol):
 
     `dispatch` returns (rows for this rank's experts sorted by local expert, rows per local expert, state); the
     state carries whatever `combine` needs plus `sent_bytes`, the bytes this rank sent to other ranks. Both move
-    rows with `permutation`, the token gather and weighted sum chosen for the layer's device."""
+    rows with `permutation`, the token gather and weighted sum chosen for the layer's device. `run`, what the
+    layer calls, is the three steps in a row here; a dispatcher may pipeline them over chunks instead."""
 
     permutation: Permutation
 
@@ -235,8 +237,13 @@ class Dispatcher(Protocol):
 
     def combine(self, y_RD: torch.Tensor, state) -> torch.Tensor: ...
 
+    def run(self, x_TD: torch.Tensor, routing: Routing, experts: Callable) -> tuple[torch.Tensor, int]:
+        """dispatch → experts(rows, rows per local expert) → combine: (out_TD, sent_bytes)."""
+        x_RD, rows_per_expert_E, state = self.dispatch(x_TD, routing)
+        return self.combine(experts(x_RD, rows_per_expert_E), state), state.sent_bytes
 
-class LocalDispatcher:
+
+class LocalDispatcher(Dispatcher):
     """All experts on this device: a gather into expert order and a weighted sum back."""
 
     def __init__(self, permutation: Permutation):
@@ -340,8 +347,8 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    """Router → dispatcher.dispatch → experts → dispatcher.combine (+ the shared experts on every token); its
-    kernels chosen for `device`."""
+    """Router → dispatcher.run: dispatch → experts → combine (+ the shared experts on every token); its kernels
+    chosen for `device`."""
 
     def __init__(
         self,
@@ -376,10 +383,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, RoutingStats]:
         x_TD = x.reshape(-1, x.shape[-1])
         routing, stats = self.router(x_TD, x.shape[-2] if x.ndim >= 3 else None)
-        x_RD, rows_per_expert_E, state = self.dispatcher.dispatch(x_TD, routing)
-        y_RD = self.experts(x_RD, rows_per_expert_E)
-        stats.sent_bytes = state.sent_bytes
-        out_TD = self.dispatcher.combine(y_RD, state)
+        out_TD, stats.sent_bytes = self.dispatcher.run(x_TD, routing, self.experts)
         if self.shared is not None:
             out_TD = out_TD + self.shared(x_TD)
         return out_TD.view_as(x), stats

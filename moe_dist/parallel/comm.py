@@ -111,6 +111,80 @@ def all_to_all_rows(
     return dist_fn.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
 
 
+class _InFlight:
+    """One uneven all-to-all in flight each way: the forward's, then its gradient's (see `RowsInFlight`)."""
+
+    def __init__(self, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup):
+        self.out_splits, self.in_splits, self.group = out_splits, in_splits, group
+        self.work = None
+        self.buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # (sent, received): alive until the wait
+
+    def start(self, x: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
+        x = x.contiguous()
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        self.work = dist.all_to_all_single(out, x, out_splits, in_splits, group=self.group, async_op=True)
+        self.buffers = (x, out)
+        return out
+
+    def wait(self) -> torch.Tensor:
+        self.work.wait()
+        out = self.buffers[1]
+        self.work = self.buffers = None
+        return out
+
+
+class _StartRows(torch.autograd.Function):
+    """Issue the all-to-all (its output is filled once `_WaitRows` has waited); backward waits for the gradient's
+    all-to-all, which `_WaitRows.backward` issued."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, flight: _InFlight) -> torch.Tensor:
+        ctx.flight = flight
+        return flight.start(x, flight.out_splits, flight.in_splits)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return ctx.flight.wait(), None  # `grad` is what _WaitRows.backward already sent
+
+
+class _WaitRows(torch.autograd.Function):
+    """Wait for the all-to-all; backward issues the gradient's all-to-all (the transposed splits) and returns at
+    once, so that autograd runs other work (another chunk's expert backward) before `_StartRows.backward` waits."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, flight: _InFlight) -> torch.Tensor:
+        ctx.flight = flight
+        return flight.wait().view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        flight = ctx.flight
+        flight.start(grad, flight.in_splits, flight.out_splits)
+        return grad, None
+
+
+class RowsInFlight:
+    """An uneven all-to-all of rows issued asynchronously (`all_to_all_rows_async`); `wait()` returns its rows.
+
+    Differentiable both ways: the gradient's all-to-all is issued asynchronously too, when autograd reaches the
+    wait, and waited for where autograd reaches the start. Every rank must issue and wait in the same order."""
+
+    def __init__(self, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup):
+        self._flight = _InFlight(out_splits, in_splits, group)
+        self._out = _StartRows.apply(x, self._flight)
+
+    def wait(self) -> torch.Tensor:
+        return _WaitRows.apply(self._out, self._flight)
+
+
+def all_to_all_rows_async(
+    x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup
+) -> RowsInFlight:
+    """`all_to_all_rows` without blocking: in_splits[i] rows go to rank i, out_splits[i] arrive from it once the
+    returned handle's `wait()` returns them."""
+    return RowsInFlight(x, out_splits, in_splits, group)
+
+
 # ------------------------------------------------------------------------------- tensor-parallel regions
 # Hand-written rather than torch.distributed.nn.functional.all_reduce: that one sums gradients in backward too,
 # which is right for neither boundary of a tensor-parallel region (Megatron's f and g).

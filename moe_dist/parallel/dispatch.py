@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moe_dist.layers.moe import Routing
+from moe_dist.layers.moe import Dispatcher, Routing
 from moe_dist.layers.permutation import Permutation, reorder_rows
 from moe_dist.parallel.comm import all_to_all_equal, all_to_all_rows, gather_rows, reduce_scatter_rows
 
@@ -67,7 +67,7 @@ class _A2AState:
     sent_bytes: int  # bytes of rows this rank sent to other ranks in the dispatch all-to-all
 
 
-class AllToAllDispatcher:
+class AllToAllDispatcher(Dispatcher):
     """Moves routed rows to the EP rank that owns their expert and back (swapped in by `apply_ep`; `apply_tp`
     adds the token split)."""
 

@@ -23,6 +23,7 @@ from moe_dist.layers.moe import MoE
 from moe_dist.parallel import private_api
 from moe_dist.parallel.dispatch import AllToAllDispatcher
 from moe_dist.parallel.mesh import Mesh, layout_groups
+from moe_dist.parallel.overlap import ChunkedAllToAllDispatcher
 
 
 def check_node_groups(n_groups: int, mesh: Mesh) -> None:
@@ -37,8 +38,9 @@ def check_node_groups(n_groups: int, mesh: Mesh) -> None:
         )
 
 
-def apply_ep(model: nn.Module, mesh: Mesh) -> nn.Module:
-    """Shard every MoE layer's experts over the EP group; call on the meta-device model."""
+def apply_ep(model: nn.Module, mesh: Mesh, a2a_chunks: int = 1) -> nn.Module:
+    """Shard every MoE layer's experts over the EP group; call on the meta-device model. `a2a_chunks` > 1
+    pipelines each dispatch over that many token chunks (parallel/overlap.py); 1 is the plain dispatcher."""
     if mesh.ep == 1:
         return model
     num_experts = None
@@ -56,9 +58,11 @@ def apply_ep(model: nn.Module, mesh: Mesh) -> nn.Module:
             private_api.mark_expert_parameter(shard, mesh.ep_group_name)  # reduced over the EDP group only
             setattr(experts, name, shard)
         experts.expert_offset = mesh.ep_rank * local
-        module.dispatcher = AllToAllDispatcher(
-            mesh.ep_group, mesh.ep, mesh.ep_rank, num_experts, module.dispatcher.permutation
-        )
+        args = (mesh.ep_group, mesh.ep, mesh.ep_rank, num_experts, module.dispatcher.permutation)
+        if a2a_chunks == 1:
+            module.dispatcher = AllToAllDispatcher(*args)
+        else:
+            module.dispatcher = ChunkedAllToAllDispatcher(*args, chunks=a2a_chunks)
     if num_experts is not None:
         model.deepspeed_moe_marker = private_api.deepspeed_moe_marker(num_experts, mesh.ep, mesh.ep_group_name)
     return model

@@ -15,7 +15,7 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: JobConfig) -> nn.Module:
     """Meta-device model → this rank's materialized shard. Both splits act on the meta model: experts over EP
     (only local experts remain), then dimensions over TP (shapes only); then `materialize_shards` allocates and
     initializes just this rank's shards on its device."""
-    model = apply_ep(model, mesh)
+    model = apply_ep(model, mesh, cfg.parallel.a2a_chunks)
     # Unsharded shapes, on meta (no storage); the dispatchers (process groups) and DeepSpeed's marker are shared.
     shared = [m.dispatcher for m in model.modules() if hasattr(m, "dispatcher")]
     shared += [m for m in model.modules() if m is getattr(model, "deepspeed_moe_marker", None)]

@@ -48,6 +48,22 @@ def _same_final_state(got_dir: Path, ref_dir: Path, atol_of_scale: float) -> dic
     return got
 
 
+def _same_dispatch(got: list[dict], ref: list[dict]) -> None:
+    """Every step's all-to-all bytes and expert load per MoE layer are equal (and bytes were sent): a chunked
+    dispatch cuts the same rows into pieces, routed over the whole micro-batch either way."""
+    got, ref = train_records(got), train_records(ref)
+    assert len(got) == len(ref) > 0
+    for g, r in zip(got, ref):
+        for lg, lr in zip(g["moe"], r["moe"], strict=True):
+            assert lg["a2a_bytes_per_rank"] == lr["a2a_bytes_per_rank"] > 0, g["step"]
+            assert lg["tokens_per_expert"] == lr["tokens_per_expert"], g["step"]
+
+
+@pytest.fixture(scope="session")
+def same_dispatch():
+    return _same_dispatch
+
+
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory, run_train):
     """`reference(mode)`: the run directory of the single-process run of configs/debug.json with E2E_BASE in MoE

@@ -2,9 +2,9 @@
 
 Each rank builds the same 4-expert MoE layer (`layer_config(dtype)`: fp32 at d_model 8, or bf16 at d_model 32),
 keeps its expert shard behind the all-to-all dispatcher (the real `apply_ep`), runs forward and backward on its
-own tokens for every scenario and dtype (and runs the uneven TP row collectives), and saves its outputs and gradients as
-OUT_DIR/<scenario>_<dtype>_rank<R>.safetensors for the test to compare against one process. One world serves
-every case: its start-up costs more than all the cases together.
+own tokens for every scenario and dtype, and again through the chunked dispatcher (`CHUNKS`), runs the uneven TP
+row collectives, and saves its outputs and gradients as OUT_DIR/<case>_rank<R>.safetensors (`case_name`) for the
+test to compare against one process. One world serves every case: its start-up costs more than all the cases.
 """
 
 import sys
@@ -20,6 +20,7 @@ from moe_dist.models.decoder import build_model, materialize
 from moe_dist.parallel.comm import gather_rows, reduce_scatter_rows
 from moe_dist.parallel.expert_parallel import apply_ep
 from moe_dist.parallel.mesh import init_distributed
+from moe_dist.parallel.overlap import ChunkedAllToAllDispatcher
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 SCENARIOS = ["all_to_other_rank", "rank_routes_nothing_locally", "rank_has_no_tokens"]
@@ -59,6 +60,15 @@ def scenario_inputs(scenario: str, rank: int, d_model: int = 8) -> torch.Tensor:
     return x + 0.01 * torch.randn(6, d_model, generator=torch.Generator().manual_seed(rank))
 
 
+# The chunked dispatcher (parallel/overlap.py) on every scenario, fp32: 2 and 3 chunks cut the 6 tokens evenly
+# (3 and 2 per chunk), 4 unevenly (2, 1, 2, 1) and 8 leaves chunks 3 and 7 empty on every rank (⌊t · 8 / 6⌋).
+CHUNKS = [2, 3, 4, 8]
+
+
+def case_name(scenario: str, dtype: str, chunks: int) -> str:
+    return f"{scenario}_{dtype}" + (f"_chunks{chunks}" if chunks > 1 else "")
+
+
 def _config(dtype: str):
     return load_config(
         None,
@@ -72,10 +82,11 @@ def _config(dtype: str):
     )
 
 
-def run_case(out_dir: Path, mesh, scenario: str, dtype: str) -> None:
+def run_case(out_dir: Path, mesh, scenario: str, dtype: str, chunks: int = 1) -> None:
     cfg = _config(dtype)
-    model = materialize(apply_ep(build_model(cfg.model), mesh), "cpu", seed=0).to(DTYPES[dtype])
+    model = materialize(apply_ep(build_model(cfg.model), mesh, chunks), "cpu", seed=0).to(DTYPES[dtype])
     moe = next(m for m in model.modules() if isinstance(m, MoE))
+    assert isinstance(moe.dispatcher, ChunkedAllToAllDispatcher) == (chunks > 1)
     with torch.no_grad():
         moe.router.weight.zero_()
         moe.router.weight[:, :4] = 4.0 * torch.eye(4)
@@ -90,7 +101,7 @@ def run_case(out_dir: Path, mesh, scenario: str, dtype: str) -> None:
     }
     save_file(
         {k: v.contiguous() for k, v in tensors.items()},
-        str(out_dir / f"{scenario}_{dtype}_rank{mesh.rank}.safetensors"),
+        str(out_dir / f"{case_name(scenario, dtype, chunks)}_rank{mesh.rank}.safetensors"),
     )
 
 
@@ -122,6 +133,9 @@ def main(out_dir: str) -> None:
     for dtype in DTYPES:
         for scenario in SCENARIOS:
             run_case(Path(out_dir), mesh, scenario, dtype)
+    for chunks in CHUNKS:
+        for scenario in SCENARIOS:
+            run_case(Path(out_dir), mesh, scenario, "fp32", chunks)
     run_row_collectives(Path(out_dir), mesh.rank)
     dist.barrier()
     dist.destroy_process_group()

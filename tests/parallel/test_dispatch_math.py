@@ -7,6 +7,7 @@ from moe_dist.config import MoEConfig
 from moe_dist.layers.moe import Router
 from moe_dist.parallel.dispatch import segment_permutation
 from moe_dist.parallel.mesh import ep_layout
+from moe_dist.parallel.overlap import token_parts
 
 
 def test_ep_groups_are_consecutive_and_edp_groups_strided():
@@ -96,3 +97,22 @@ def test_token_split_partitions_the_kept_rows_by_token_slice(tp):
         parts.append(rows)
     assert torch.equal(torch.sort(torch.cat(parts)).values, torch.sort(routing.rows_R).values)
     assert torch.equal(counts_SE.sum(0), routing.tokens_per_expert_E)
+
+
+@pytest.mark.parametrize(
+    "num_tokens, slices, chunks", [(6, 1, 4), (6, 1, 8), (7, 2, 3), (16, 2, 2), (5, 4, 3), (1, 2, 3)]
+)
+def test_token_parts_are_contiguous_balanced_and_nest_in_the_tp_slices(num_tokens, slices, chunks):
+    """The chunks of the overlapped dispatch: X = slices · chunks contiguous token ranges whose sizes differ by at
+    most one token, every top-k slot of a token in the same part, and part // chunks = TokenSplit's slice."""
+    top_k, X = 2, slices * chunks
+    rows_R = torch.randperm(top_k * num_tokens, generator=torch.Generator().manual_seed(0))
+    part_R = token_parts(rows_R, num_tokens, X)
+    token_R = rows_R % num_tokens
+    part_T = torch.empty(num_tokens, dtype=torch.long).index_put_((token_R,), part_R)
+    assert torch.equal(part_R, part_T[token_R])  # a token's slots go together
+    assert torch.all(part_T[1:] >= part_T[:-1]) and int(part_T.max()) < X  # contiguous ranges, in order
+    sizes = torch.bincount(part_T, minlength=X)
+    assert int(sizes.max()) - int(sizes.min()) <= 1 and int(sizes.sum()) == num_tokens
+    assert torch.equal(part_R // chunks, token_R * slices // num_tokens)  # AllToAllDispatcher's slice_R
+    assert token_parts(rows_R[:0], 0, X).numel() == 0  # a micro-batch without tokens has no parts

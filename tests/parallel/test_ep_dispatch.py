@@ -55,10 +55,15 @@ def _reference(scenario: str, dtype: str):
     return per_rank, expert_grads
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+CASES = [(d, 1) for d in ("fp32", "bf16")] + [("fp32", c) for c in (2, 3, 4, 8)]  # dispatch_worker.CHUNKS
+
+
+@pytest.mark.parametrize("dtype, chunks", CASES, ids=[f"{d}-chunks{c}" for d, c in CASES])
 @pytest.mark.parametrize("scenario", ["all_to_other_rank", "rank_routes_nothing_locally", "rank_has_no_tokens"])
-def test_all_to_all_dispatch_matches_one_process(results, scenario, dtype):
-    got = [load_file(str(results / f"{scenario}_{dtype}_rank{rank}.safetensors")) for rank in range(2)]
+def test_all_to_all_dispatch_matches_one_process(results, scenario, dtype, chunks):
+    """Chunked (parallel.a2a_chunks > 1; 8 chunks of 6 tokens leave two chunks empty on every rank) or not."""
+    name = _worker_module().case_name(scenario, dtype, chunks)
+    got = [load_file(str(results / f"{name}_rank{rank}.safetensors")) for rank in range(2)]
     per_rank, expert_grads = _reference(scenario, dtype)
     rtol, atol = TOLERANCES[dtype]
     for rank in range(2):

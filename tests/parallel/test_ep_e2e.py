@@ -17,17 +17,21 @@ from support import E2E_BASE, E2E_CONFIG, E2E_MODES, E2E_SAVE, E2E_STEPS, train_
 
 NUM_EXPERTS = 4  # configs/debug.json
 ATOL_OF_SCALE = 1e-4  # fp32, of each tensor's largest magnitude: summation order differs between layouts
-LAYOUTS = {  # (world, ep, mode, zero stage): launcher
-    (2, 2, "dropless", 2): "deepspeed",
-    (4, 2, "capacity", 2): "torchrun",
-    (4, 4, "dropless", 1): "torchrun",
-    (2, 2, "recipes", 1): "torchrun",  # support.E2E_MODES: sigmoid, bias, global-batch aux, groups = EP ranks, shared
+LAYOUTS = {  # (world, ep, mode, zero stage, parallel.a2a_chunks): launcher
+    (2, 2, "dropless", 2, 1): "deepspeed",
+    (4, 2, "capacity", 2, 1): "torchrun",
+    (4, 4, "dropless", 1, 1): "torchrun",
+    # support.E2E_MODES: sigmoid, bias, global-batch aux, groups = EP ranks, shared
+    (2, 2, "recipes", 1, 1): "torchrun",
+    # the chunked, overlapped dispatch (parallel/overlap.py): 64 tokens per micro-batch in 2 or 3 (22, 21, 21) chunks
+    (4, 4, "dropless", 1, 2): "torchrun",
+    (4, 2, "capacity", 2, 3): "torchrun",
 }
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 
-def _args(run_dir, mode: str, ep: int, zero: int, *extra: str) -> list[str]:
+def _args(run_dir, mode: str, ep: int, zero: int, *extra: str, chunks: int = 1) -> list[str]:
     return [
         "--config",
         E2E_CONFIG,
@@ -39,6 +43,7 @@ def _args(run_dir, mode: str, ep: int, zero: int, *extra: str) -> list[str]:
         *E2E_MODES[mode],
         f"parallel.ep={ep}",
         f"deepspeed.zero_stage={zero}",
+        f"parallel.a2a_chunks={chunks}",
     ]
 
 
@@ -56,13 +61,17 @@ def _check_against_reference(run_dir, ref_dir, ep: int, first_step, read, same_t
 def runs(tmp_path_factory, run_train):
     """Run every layout once; tests below inspect the results."""
     root, out = tmp_path_factory.mktemp("ep"), {}
-    for (world, ep, mode, zero), launcher in LAYOUTS.items():
-        out[(world, ep, mode, zero)] = d = root / f"w{world}_ep{ep}_{mode}_z{zero}"
-        run_train(launcher, world, _args(d, mode, ep, zero))
+    for (world, ep, mode, zero, chunks), launcher in LAYOUTS.items():
+        out[(world, ep, mode, zero, chunks)] = d = root / f"w{world}_ep{ep}_{mode}_z{zero}_c{chunks}"
+        run_train(launcher, world, _args(d, mode, ep, zero, chunks=chunks))
     return out
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS), ids=lambda t: f"dp{t[0]}-ep{t[1]}-{t[2]}-zero{t[3]}")
+@pytest.mark.parametrize(
+    "layout",
+    list(LAYOUTS),
+    ids=lambda t: f"dp{t[0]}-ep{t[1]}-{t[2]}-zero{t[3]}" + (f"-chunks{t[4]}" if t[4] > 1 else ""),
+)
 def test_ep_run_equals_one_process(runs, reference, metrics, same_trajectory, same_final_state, layout):
     _check_against_reference(
         runs[layout], reference(layout[2]), layout[1], 1, metrics, same_trajectory, same_final_state
@@ -74,10 +83,10 @@ def test_ep_run_equals_one_process(runs, reference, metrics, same_trajectory, sa
 @pytest.mark.parametrize(
     "source, mode, resume_world, resume_ep",
     [
-        ((2, 2, "dropless", 2), "dropless", 1, 1),  # ep=2 -> ep=1 (one process)
+        ((2, 2, "dropless", 2, 1), "dropless", 1, 1),  # ep=2 -> ep=1 (one process)
         ("ref", "capacity", 2, 2),  # ep=1 -> ep=2
-        ((4, 4, "dropless", 1), "dropless", 2, 2),  # ep=4 -> ep=2
-        ((2, 2, "recipes", 1), "recipes", 1, 1),  # the balancing bias and global load travel in the checkpoint
+        ((4, 4, "dropless", 1, 1), "dropless", 2, 2),  # ep=4 -> ep=2
+        ((2, 2, "recipes", 1, 1), "recipes", 1, 1),  # the balancing bias and global load travel in the checkpoint
     ],
     ids=["ep2-to-ep1", "ep1-to-ep2", "ep4-to-ep2", "ep2-to-ep1-recipes"],
 )
@@ -106,3 +115,7 @@ def test_checkpoint_reshards_across_ep_sizes(
     proc = run_train(launcher, resume_world, _args(d, mode, resume_ep, 1, "--resume"))
     assert f"resuming from {d / 'checkpoints' / f'step_{E2E_SAVE}'} (step {E2E_SAVE})" in proc.stderr
     _check_against_reference(d, reference(mode), resume_ep, E2E_SAVE + 1, metrics, same_trajectory, same_final_state)
+
+
+def test_chunked_dispatch_sends_the_same_rows(runs, metrics, same_dispatch):
+    same_dispatch(metrics(runs[(4, 4, "dropless", 1, 2)]), metrics(runs[(4, 4, "dropless", 1, 1)]))

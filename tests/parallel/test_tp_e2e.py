@@ -18,6 +18,19 @@ LAYOUTS = {  # dp-ep-tp: world size, overrides
     "dp2-ep1-tp2": (4, ["parallel.tp=2", "deepspeed.zero_stage=2"]),
     "dp2-ep2-tp2-sequence-parallel": (4, ["parallel.tp=2", "parallel.ep=2", "parallel.sequence_parallel=true"]),
     "dp1-ep1-tp2-recipes": (2, ["parallel.tp=2", *E2E_MODES["recipes"]]),
+    # The chunked, overlapped dispatch (parallel/overlap.py) inside each TP rank's token slice: 32 tokens in 3
+    # chunks (11, 11, 10), or the sequence-parallel 32 in 2, with ZeRO 2.
+    "dp2-ep2-tp2-chunks3": (4, ["parallel.tp=2", "parallel.ep=2", "parallel.a2a_chunks=3"]),
+    "dp2-ep2-tp2-sequence-parallel-chunks2": (
+        4,
+        [
+            "parallel.tp=2",
+            "parallel.ep=2",
+            "parallel.sequence_parallel=true",
+            "parallel.a2a_chunks=2",
+            "deepspeed.zero_stage=2",
+        ],
+    ),
     # Activation checkpointing of every part (models/recompute.py) under EP and TP: also compared with the same
     # layout without it, exactly (test_recompute_changes_nothing_under_ep_and_tp).
     "dp2-ep2-tp2-recompute": (4, ["parallel.tp=2", "parallel.ep=2", "train.activation_checkpointing=full"]),
@@ -87,6 +100,10 @@ def test_recompute_changes_nothing_under_ep_and_tp(runs, metrics, checkpoint_ten
     final = f"checkpoints/step_{len(ref)}"
     a, b = checkpoint_tensors(runs["dp2-ep2-tp2-recompute"] / final), checkpoint_tensors(runs["dp2-ep2-tp2"] / final)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_chunked_dispatch_sends_the_same_rows_under_tp(runs, metrics, same_dispatch):
+    same_dispatch(metrics(runs["dp2-ep2-tp2-chunks3"]), metrics(runs["dp2-ep2-tp2"]))
 
 
 def test_checkpoint_reshards_tp2_to_tp1_to_tp2(
