@@ -34,6 +34,11 @@ FOLDED = {
     "dp2-ep2-tp2-etp1-sequence-parallel-zero2": (4, "capacity", ["parallel.tp=2", "parallel.ep=2", *_FOLD, *_SP_ZERO2]),
     "dp2-ep4-tp2-etp1-sequence-parallel-zero2": (4, "capacity", ["parallel.tp=2", "parallel.ep=4", *_FOLD, *_SP_ZERO2]),
     "dp1-ep4-tp4-etp1": (4, "kv4", ["parallel.tp=4", "parallel.ep=4", *_FOLD, *E2E_MODES["kv4"]]),
+    "dp1-ep4-tp4-etp1-sequence-parallel-zero2": (
+        4,
+        "kv4",
+        ["parallel.tp=4", "parallel.ep=4", *_FOLD, *_SP_ZERO2, *E2E_MODES["kv4"]],
+    ),
 }
 
 
