@@ -363,6 +363,7 @@ def candidate_layouts(gpus: int, num_experts: int, global_batch: int, micro_batc
         "EP8 x TP8 (EP over 8 nodes)": lambda n: Layout(n // 8, 8, 8),
         "EP8 x TP2 folded (etp 1, EP in node)": lambda n: Layout(n // 2, 8, 2, etp=1),
         "EP8 x TP8 folded (etp 1, EP = TP node)": lambda n: Layout(n // 8, 8, 8, etp=1),
+        "EP16 x TP2 folded (etp 1, EP over 2 nodes)": lambda n: Layout(n // 2, 16, 2, etp=1),
     }
     out = {}
     for name, make in families.items():

@@ -59,12 +59,12 @@ class Mesh:
     tp_rank: int = 0  # which shard of every tensor-parallel weight this rank holds
     tp_group: dist.ProcessGroup | None = None  # the `tp` neighbouring ranks (None when tp == 1)
     dp_group: dist.ProcessGroup | None = None  # ranks with this tp_rank (None when tp == 1: the world)
-    etp: int = 1  # expert tensor-parallel size: tp (experts split over TP) or 1 (whole, EP spans dp × tp)
+    etp: int | None = None  # expert tensor-parallel size: tp (None too: experts split over TP) or 1 (whole)
 
     @property
     def experts_split(self) -> bool:
         """Whether each TP rank holds a slice of its experts (etp = tp > 1) rather than whole experts."""
-        return self.etp > 1
+        return self.tp > 1 and self.etp != 1
 
     @property
     def mpu(self) -> "ModelParallelUnit | None":
@@ -127,8 +127,8 @@ def layout_groups(dp: int, ep: int, tp: int, etp: int | None = None) -> dict[str
     return groups
 
 
-def ep_rank_of(rank: int, ep: int, tp: int, etp: int) -> int:
-    """Position of global rank `rank` in its EP group (which slice of the experts it holds)."""
+def ep_rank_of(rank: int, ep: int, tp: int, etp: int | None) -> int:
+    """Position of global rank `rank` in its EP group (which slice of the experts it holds); etp None: tp."""
     return (rank if etp == 1 else rank // tp) % ep
 
 
