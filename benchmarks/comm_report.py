@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node 2 benchmarks/comm_report.py --config configs/mixtral_small.json --set parallel.tp=2
     torchrun --nproc_per_node 4 benchmarks/comm_report.py --config ... --set parallel.tp=2 parallel.ep=2
+    torchrun --nproc_per_node 4 benchmarks/comm_report.py --config ... --set parallel.tp=2 parallel.ep=4 parallel.etp=1
 
 Builds this rank's shard exactly as training does (`parallelize`), runs one micro-batch forward, the loss and
 backward (no optimizer: DeepSpeed's gradient reduction over the data-parallel group comes on top, once per step),
@@ -215,6 +216,7 @@ def main(argv=None) -> int:
     if mesh.rank == 0:
         kinds = [type(b.mixer).__name__ + "/" + type(b.ffn).__name__ for b in model.blocks]
         sp = " sequence_parallel" if cfg.parallel.sequence_parallel else ""
+        sp += f" etp={mesh.etp}" if mesh.tp > 1 else ""
         print(
             f"layout dp={mesh.dp} ep={mesh.ep} tp={mesh.tp}{sp}; micro-batch {t.micro_batch_size}x{t.seq_len} tokens, "
             f"d_model {cfg.model.d_model}, {cfg.train.dtype}; blocks: {', '.join(kinds)}"

@@ -96,7 +96,8 @@ class ModelConfig:
 @dataclass
 class ParallelConfig:
     tp: int = 1  # tensor-parallel degree
-    ep: int = 1  # expert-parallel degree (divides the data-parallel degree)
+    ep: int = 1  # expert-parallel degree (divides dp; with etp = 1 it divides dp × tp)
+    etp: Optional[int] = None  # expert tensor-parallel size: tp (null, experts split over TP) or 1 (whole experts)
     sequence_parallel: bool = False  # with tp > 1: norms and residuals hold 1/tp of the sequence (less memory)
     a2a_chunks: int = 1  # ep > 1: dispatch in this many token chunks, all-to-alls overlapping other chunks' experts
     timeout_s: float = 600.0  # rendezvous and collective timeout: a missing or hung rank fails the job after this
@@ -352,6 +353,16 @@ def validate(cfg: JobConfig) -> None:
     )
     _check_moe_recipes(moe)
     _check(cfg.parallel.tp >= 1 and cfg.parallel.ep >= 1, "parallel.tp and parallel.ep must be >= 1")
+    etp = cfg.parallel.etp
+    _check(
+        etp is None or etp in (1, cfg.parallel.tp),
+        f"parallel.etp: must be 1 or parallel.tp={cfg.parallel.tp} (or null: tp), got {etp}",
+    )
+    _check(
+        etp != 1 or cfg.parallel.tp == 1 or cfg.parallel.ep > 1,
+        f"parallel.etp: 1 with parallel.tp={cfg.parallel.tp} needs parallel.ep > 1 (whole experts replicated over "
+        "TP would compute every token tp times); set parallel.ep or leave parallel.etp null",
+    )
     if cfg.parallel.tp > 1:
         _check_tensor_parallel(cfg)
         _check(
@@ -457,7 +468,8 @@ def _check_tensor_parallel(cfg: JobConfig) -> None:
     if "D" in m.ffn_pattern:
         divides(m.d_ff, "model.d_ff", "the dense FFN hidden size")
     if "E" in m.ffn_pattern:
-        divides(moe.d_ff or m.d_ff, "model.moe.d_ff", "the expert hidden size")
+        if expert_tp(cfg) > 1:  # parallel.etp=1 keeps the experts whole
+            divides(moe.d_ff or m.d_ff, "model.moe.d_ff", "the expert hidden size")
         if shared_d_ff(m):
             divides(shared_d_ff(m), "model.moe.shared_d_ff", "the shared experts' hidden size")
     if cfg.parallel.sequence_parallel:
@@ -467,10 +479,20 @@ def _check_tensor_parallel(cfg: JobConfig) -> None:
 def check_layout(cfg: JobConfig, world_size: int) -> int:
     """Validate the parallel layout against the world size; return the data-parallel degree. Each error is one
     line naming the key, its value and the world size (the launcher's WORLD_SIZE, checked before start-up)."""
-    tp, ep = cfg.parallel.tp, cfg.parallel.ep
+    tp, ep, etp = cfg.parallel.tp, cfg.parallel.ep, expert_tp(cfg)
     _check(world_size % tp == 0, f"parallel.tp: {tp} does not divide the world size {world_size}")
     dp = world_size // tp
-    _check(dp % ep == 0, f"parallel.ep: {ep} must divide the data-parallel degree {dp} (world {world_size} / tp {tp})")
+    if etp == tp:
+        _check(
+            dp % ep == 0,
+            f"parallel.ep: {ep} must divide the data-parallel degree {dp} (world {world_size} / tp {tp}; "
+            f"parallel.etp=1 lets it divide dp × tp)",
+        )
+    else:
+        _check(
+            world_size % ep == 0,
+            f"parallel.ep: {ep} must divide dp × tp = world size {world_size} with parallel.etp=1 (tp {tp})",
+        )
     chunks = cfg.parallel.a2a_chunks
     _check(chunks >= 1, f"parallel.a2a_chunks: must be at least 1, got {chunks}")
     ranks = f"{dp} data-parallel ranks (world size {world_size} / parallel.tp={tp})"
@@ -497,6 +519,11 @@ def check_layout(cfg: JobConfig, world_size: int) -> int:
             f"got {cfg.model.moe.n_groups}",
         )
     return dp
+
+
+def expert_tp(cfg: JobConfig) -> int:
+    """The expert tensor-parallel size: `parallel.etp`, or `parallel.tp` when unset."""
+    return cfg.parallel.tp if cfg.parallel.etp is None else cfg.parallel.etp
 
 
 def grad_accum_steps(cfg: JobConfig, dp: int) -> int:

@@ -3,10 +3,12 @@
 Counted from the meta model (no storage) and the config's layout at the given world size:
 
     params       this rank's parameters: dense ones split by TP where apply_tp splits them, experts by EP and TP
+                 (by EP alone with parallel.etp = 1: whole experts)
     grads        ZeRO 0/1: a full-size gradient per local parameter, in the parameter dtype; ZeRO 2: the reduced
                  fp32 partition (1/dp of the dense, 1/edp of the expert gradients) plus the micro-batch's bf16
                  gradients until they are bucketed (bounded by the reduce bucket, under `transient`)
-    optimizer    fp32 master weights and Adam's two moments, partitioned over dp (dense) and edp = dp/ep (experts)
+    optimizer    fp32 master weights and Adam's two moments, partitioned over dp (dense) and edp = dp/ep (experts;
+                 dp·tp/ep with parallel.etp = 1)
     activations  what autograd keeps for the backward of one micro-batch, per layer kind (below), with the
                  configured recompute
     total        params + optimizer + the larger of the backward phase (accumulating gradients, activations, the
@@ -36,7 +38,7 @@ from __future__ import annotations
 
 import math
 
-from moe_dist.config import JobConfig, check_layout
+from moe_dist.config import JobConfig, check_layout, expert_tp
 from moe_dist.models.decoder import build_model, layer_kinds
 from moe_dist.models.recompute import checkpointed_parts
 
@@ -65,12 +67,12 @@ _TP_SPLIT = (
 _REDUCE_BUCKET = 5e8  # elements: DeepSpeed's default reduce_bucket_size
 
 
-def local_param_counts(cfg: JobConfig, tp: int, ep: int) -> tuple[int, int]:
-    """(dense, expert) parameters one rank holds."""
+def local_param_counts(cfg: JobConfig, tp: int, ep: int, etp: int | None = None) -> tuple[int, int]:
+    """(dense, expert) parameters one rank holds (etp: the expert tensor-parallel size, default tp)."""
     dense = expert = 0
     for name, p in build_model(cfg.model, "meta").named_parameters():
         if ".experts." in name:
-            expert += p.numel() // (ep * tp)
+            expert += p.numel() // (ep * (tp if etp is None else etp))
         elif tp > 1 and name.endswith(_TP_SPLIT) and not name.endswith("norm.weight"):
             dense += p.numel() // tp
         else:
@@ -131,9 +133,9 @@ def activation_bytes(cfg: JobConfig, tp: int = 1) -> dict[str, float]:
 def memory_plan(cfg: JobConfig, world_size: int) -> dict:
     """The plan for one rank at `world_size` under the config's layout (checked as at start-up)."""
     dp = check_layout(cfg, world_size)
-    tp, ep = cfg.parallel.tp, cfg.parallel.ep
-    edp = dp // ep
-    dense, expert = local_param_counts(cfg, tp, ep)
+    tp, ep, etp = cfg.parallel.tp, cfg.parallel.ep, expert_tp(cfg)
+    edp = dp * tp // (ep * etp)  # the ranks holding the same experts
+    dense, expert = local_param_counts(cfg, tp, ep, etp)
     w = 2 if cfg.train.dtype == "bf16" else 4
     stage = cfg.deepspeed.zero_stage
     shards = (dense / dp + expert / edp) if stage >= 1 else dense + expert

@@ -20,13 +20,15 @@ The per-step list of collectives mirrors what a training step of this repository
   backward; 3 of one float per token for the vocabulary-parallel loss. With expert parallelism each TP rank
   sends 1/tp of the micro-batch's rows through its EP all-to-all (the count all-to-all carries all tp slices'
   counts), and per MoE layer the received rows are all-gathered in the TP group and the partial expert outputs
-  reduce-scattered, forward and again backward;
+  reduce-scattered, forward and again backward; with whole experts (parallel.etp = 1) there is no such TP
+  gather, the count all-to-all carries one slice's counts and the EP group spans TP ranks;
 - per step (ZeRO-1, as DeepSpeed does it here): all-reduce of the dense gradients over dp and of the expert
-  gradients over the expert-data-parallel group (dp / ep), then all-gather of the updated parameters over the
-  same groups, plus a few scalar all-reduces (gradient norm, metrics). ZeRO-2 reduces every micro-batch.
+  gradients over the expert-data-parallel group (dp / ep; dp · tp / ep with etp = 1), then all-gather of the
+  updated parameters over the same groups, plus a few scalar all-reduces (gradient norm, metrics). ZeRO-2
+  reduces every micro-batch.
 
 Rank placement follows moe_dist.parallel.mesh: rank = dp_rank · tp + tp_rank, EP groups are blocks of ep
-consecutive dp ranks, nodes hold consecutive ranks.
+consecutive dp ranks (of ep consecutive ranks with etp = 1), nodes hold consecutive ranks.
 """
 
 from __future__ import annotations
@@ -88,13 +90,18 @@ class Layout:
     dp: int
     ep: int
     tp: int
+    etp: int | None = None  # expert tensor-parallel size: tp (None) or 1 (whole experts, EP spans dp × tp)
 
     @property
     def world(self) -> int:
         return self.dp * self.tp
 
+    @property
+    def folded(self) -> bool:
+        return self.etp == 1 and self.tp > 1
+
     def __str__(self) -> str:
-        return f"dp{self.dp}-ep{self.ep}-tp{self.tp}"
+        return f"dp{self.dp}-ep{self.ep}-tp{self.tp}" + ("-etp1" if self.folded else "")
 
 
 @dataclass(frozen=True)
@@ -199,11 +206,14 @@ def group_shapes(layout: Layout, ranks_per_node: int) -> dict[str, tuple[int, in
     """(size, ranks per node) of rank 0's tp, ep, dp and edp groups under mesh.py's rank order."""
     tp, ep, dp = layout.tp, layout.ep, layout.dp
     rank = lambda d, t: d * tp + t  # noqa: E731
+    folded = layout.folded  # EP groups of ep consecutive ranks, EDP groups strided by ep
     return {
         "tp": _group_placement([rank(0, t) for t in range(tp)], ranks_per_node),
-        "ep": _group_placement([rank(d, 0) for d in range(ep)], ranks_per_node),
+        "ep": _group_placement(list(range(ep)) if folded else [rank(d, 0) for d in range(ep)], ranks_per_node),
         "dp": _group_placement([rank(d, 0) for d in range(dp)], ranks_per_node),
-        "edp": _group_placement([rank(d, 0) for d in range(0, dp, ep)], ranks_per_node),
+        "edp": _group_placement(
+            list(range(0, layout.world, ep)) if folded else [rank(d, 0) for d in range(0, dp, ep)], ranks_per_node
+        ),
     }
 
 
@@ -236,9 +246,10 @@ def step_calls(cfg: JobConfig, layout: Layout, ranks_per_node: int, cost: ModelC
 
     # Expert parallelism: the micro-batch's rows, k assignments each, 1/tp of them from each TP rank.
     rows_bytes = tokens_mb * moe.top_k * cost.d_model * act / layout.tp
-    add("all_to_all", "moe_counts", "ep", moe.num_experts * layout.tp * 8, micro * cost.n_moe_layers)
+    etp = 1 if layout.folded else layout.tp
+    add("all_to_all", "moe_counts", "ep", moe.num_experts * etp * 8, micro * cost.n_moe_layers)
     add("all_to_all", "moe_rows", "ep", rows_bytes, 4 * micro * cost.n_moe_layers)
-    if layout.ep > 1:  # the TP peers' received rows, gathered and reduce-scattered (tp · rows_bytes in all)
+    if layout.ep > 1 and etp > 1:  # the TP peers' received rows, gathered and reduce-scattered (tp · rows_bytes in all)
         add("all_gather", "moe_tp_rows", "tp", rows_bytes * layout.tp, 2 * micro * cost.n_moe_layers)
         add("reduce_scatter", "moe_tp_rows", "tp", rows_bytes * layout.tp, 2 * micro * cost.n_moe_layers)
     # Tensor parallelism (no sequence parallelism): all-reduces at the region boundaries, see the docstring.
@@ -249,7 +260,7 @@ def step_calls(cfg: JobConfig, layout: Layout, ranks_per_node: int, cost: ModelC
     # ZeRO-1 data parallelism (ZeRO-2: gradients reduced every micro-batch).
     reduces = micro if cfg.deepspeed.zero_stage >= 2 else 1
     dense_local = cost.dense_params / layout.tp
-    expert_local = cost.expert_params / (layout.ep * layout.tp)
+    expert_local = cost.expert_params / (layout.ep * etp)
     add("all_reduce", "dense_grad", "dp", dense_local * act, reduces)
     add("all_reduce", "expert_grad", "edp", expert_local * act, reduces)
     add("all_gather", "dense_param", "dp", dense_local * act, 1)
@@ -289,7 +300,7 @@ def memory_per_device(cfg: JobConfig, layout: Layout, cost: ModelCost | None = N
     cost = cost or model_cost(cfg)
     m, t = cfg.model, cfg.train
     act = 2 if t.dtype == "bf16" else 4
-    local = cost.dense_params / layout.tp + cost.expert_params / (layout.ep * layout.tp)
+    local = cost.dense_params / layout.tp + cost.expert_params / (layout.ep * (1 if layout.folded else layout.tp))
     grads = local * act / (layout.dp if cfg.deepspeed.zero_stage >= 2 else 1)
     states = 12.0 * (cost.dense_params + cost.expert_params) / (layout.tp * layout.dp)  # dense/dp, expert/(dp/ep)/ep
     kv = m.attention.n_kv_heads * (m.attention.head_dim or m.d_model // m.attention.n_heads)
@@ -380,6 +391,9 @@ def candidate_layouts(gpus: int, num_experts: int, global_batch: int, micro_batc
         "TP8 in node": lambda n: Layout(n // 8, 1, 8),
         "EP8 x TP2 (EP over 2 nodes)": lambda n: Layout(n // 2, 8, 2),
         "EP8 x TP8 (EP over 8 nodes)": lambda n: Layout(n // 8, 8, 8),
+        "EP8 x TP2 folded (etp 1, EP in node)": lambda n: Layout(n // 2, 8, 2, etp=1),
+        "EP8 x TP8 folded (etp 1, EP = TP node)": lambda n: Layout(n // 8, 8, 8, etp=1),
+        "EP16 x TP2 folded (etp 1, EP over 2 nodes)": lambda n: Layout(n // 2, 16, 2, etp=1),
     }
     out = {}
     for name, make in families.items():
@@ -387,7 +401,7 @@ def candidate_layouts(gpus: int, num_experts: int, global_batch: int, micro_batc
         if (
             lay.dp >= 1
             and lay.world == gpus
-            and lay.dp % lay.ep == 0
+            and (lay.world if lay.folded else lay.dp) % lay.ep == 0
             and num_experts % lay.ep == 0
             and global_batch % (micro_batch * lay.dp) == 0
         ):

@@ -165,9 +165,29 @@ def test_tensor_parallel_layout_against_world_size():
     with pytest.raises(ConfigError, match=r"^parallel.tp: 2 does not divide the world size 3$"):
         check_layout(cfg, 3)
     with pytest.raises(
-        ConfigError, match=r"^parallel.ep: 2 must divide the data-parallel degree 1 \(world 2 / tp 2\)$"
+        ConfigError,
+        match=r"^parallel.ep: 2 must divide the data-parallel degree 1 \(world 2 / tp 2; parallel.etp=1 lets it "
+        r"divide dp × tp\)$",
     ):
         check_layout(cfg, 2)
+
+
+def test_folded_expert_layout_against_world_size():
+    """parallel.etp = 1: ep divides dp × tp (not dp), the experts' hidden size need not divide by tp; bad
+    combinations fail in one line naming the keys."""
+    debug = REPO / "configs/debug.json"
+    folded = ["parallel.tp=2", "parallel.etp=1", "model.attention.n_kv_heads=4"]
+    assert check_layout(load_config(debug, [*folded, "parallel.ep=2"]), 2) == 1  # the EP group is the TP group
+    assert check_layout(load_config(debug, [*folded, "parallel.ep=4"]), 4) == 2
+    assert check_layout(load_config(debug, ["parallel.tp=4", "parallel.etp=1", "parallel.ep=4", *folded[2:]]), 4) == 1
+    load_config(debug, [*folded, "parallel.ep=2", "model.moe.d_ff=31"])  # whole experts: any hidden size
+    with pytest.raises(ConfigError, match=r"^parallel.ep: 4 must divide dp × tp = world size 6 with parallel.etp=1"):
+        check_layout(load_config(debug, [*folded, "parallel.ep=4"]), 6)
+    with pytest.raises(ConfigError, match=r"^parallel.etp: must be 1 or parallel.tp=4 \(or null: tp\), got 2$"):
+        load_config(debug, ["parallel.tp=4", "parallel.etp=2", "parallel.ep=2", *folded[2:]])
+    with pytest.raises(ConfigError, match=r"^parallel.etp: 1 with parallel.tp=2 needs parallel.ep > 1 "):
+        load_config(debug, folded)
+    assert load_config(debug, ["parallel.tp=2", *folded[2:]]).parallel.etp is None  # default: experts split over TP
 
 
 def test_cli_reports_bad_config_in_one_line_with_exit_2(tmp_path):

@@ -150,6 +150,21 @@ def test_group_placement_follows_mesh_rank_order():
     assert pm.group_shapes(pm.Layout(dp=16, ep=8, tp=1), 8)["ep"] == (8, 8)
 
 
+def test_folded_layout_keeps_ep_in_a_node_and_drops_the_tp_row_gathers():
+    """parallel.etp = 1: the EP group is ep consecutive ranks (inside a node where EP8 x TP2 spread it over 2),
+    the experts are whole (tp times the expert bytes per rank, tp times fewer replicas) and no TP row gathers."""
+    split, folded = pm.Layout(dp=64, ep=8, tp=2), pm.Layout(dp=64, ep=8, tp=2, etp=1)
+    assert pm.group_shapes(split, 8)["ep"] == (8, 4) and pm.group_shapes(folded, 8)["ep"] == (8, 8)
+    assert pm.group_shapes(folded, 8)["edp"] == (16, 1) and pm.group_shapes(split, 8)["edp"] == (8, 1)
+    cfg = load_config(CONFIGS / "mixtral_8x7b.json")
+    calls = {lay: {c.label: c for c in pm.step_calls(cfg, lay, 8)} for lay in (split, folded)}
+    assert "moe_tp_rows" in calls[split] and "moe_tp_rows" not in calls[folded]
+    assert calls[folded]["moe_rows"].payload_bytes == calls[split]["moe_rows"].payload_bytes  # 1/tp of the rows
+    assert calls[folded]["expert_grad"].payload_bytes == 2 * calls[split]["expert_grad"].payload_bytes
+    assert str(folded) == "dp64-ep8-tp2-etp1"
+    assert "EP8 x TP2 folded (etp 1, EP in node)" in pm.candidate_layouts(128, 8, 1024, 1)
+
+
 def test_mixtral_cost_and_memory():
     cfg = load_config(CONFIGS / "mixtral_8x7b.json", ["deepspeed.zero_stage=1"])  # full-size gradients per rank
     cost = pm.model_cost(cfg)

@@ -19,6 +19,10 @@ partial expert outputs are reduce-scattered back to the peer that received each 
 yields its slice's tokens only (zeros elsewhere); the sum over TP where the MoE's output leaves the TP region
 assembles the whole micro-batch. The count all-to-all carries the counts of all S slices (each rank knows them:
 its routing is its TP peers' routing), so it stays the one count exchange of the layer.
+
+With whole experts (parallel.etp = 1, `TokenSplit.gather` false) the EP group spans TP ranks (mesh.py): each rank
+still dispatches its own slice, but its rows meet whole experts through the all-to-all alone, so there is no TP
+gather or reduce-scatter and each rank exchanges only its own slice's counts.
 """
 
 from __future__ import annotations
@@ -48,11 +52,13 @@ def segment_permutation(counts_XY: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class TokenSplit:
-    """TP rank `rank` of `size` peers dispatches the `rank`-th contiguous slice of the micro-batch's tokens."""
+    """TP rank `rank` of `size` peers dispatches the `rank`-th contiguous slice of the micro-batch's tokens;
+    `gather`: the experts are split over TP, so the peers' received rows are gathered (false: whole experts)."""
 
     group: dist.ProcessGroup
     size: int
     rank: int
+    gather: bool = True
 
 
 @dataclass
@@ -88,6 +94,11 @@ class AllToAllDispatcher(Dispatcher):
     def with_split(self, split: TokenSplit) -> "AllToAllDispatcher":
         return AllToAllDispatcher(self.group, self.ep, self.ep_rank, self.num_experts, self.permutation, split)
 
+    @property
+    def _gathers(self) -> bool:
+        """Whether the TP peers gather each other's received rows (experts split over TP)."""
+        return self.split is not None and self.split.gather
+
     def _slice_counts(self, routing: Routing) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Kept rows per (token slice, expert) (S, E), on the routing's device, and the kept rows' order by slice
         (None without a token split)."""
@@ -112,19 +123,22 @@ class AllToAllDispatcher(Dispatcher):
         P, L = self.ep, self.num_local
         S, s = (self.split.size, self.split.rank) if self.split else (1, 0)
         counts_SE, by_slice = self._slice_counts(routing)
-        recv_PSL = all_to_all_equal(counts_SE.view(S, P, L).transpose(0, 1), self.group)  # [source, slice, l]
+        # The slices whose rows meet here: every TP peer's when they gather (X = S), else this rank's own (X = 1).
+        X, x = (S, s) if self._gathers else (1, 0)
+        sent_XE = counts_SE if self._gathers else counts_SE[s : s + 1]
+        recv_PXL = all_to_all_equal(sent_XE.view(X, P, L).transpose(0, 1), self.group)  # [source, slice, l]
         # The uneven all-to-all needs both split lists on the host: one device-to-host transfer for the two.
-        host = torch.cat([counts_SE.flatten(), recv_PSL.flatten()]).cpu()
-        counts_SE, recv_PSL = host[: counts_SE.numel()].view(S, P * L), host[counts_SE.numel() :].view(P, S, L)
+        host = torch.cat([counts_SE.flatten(), recv_PXL.flatten()]).cpu()
+        counts_SE, recv_PXL = host[: counts_SE.numel()].view(S, P * L), host[counts_SE.numel() :].view(P, X, L)
         rows_R = self._own_rows(routing, by_slice, counts_SE)
         x_RD = self.permutation.permute(x_TD, rows_R, routing.top_k)
         send_splits = counts_SE[s].view(P, L).sum(1).tolist()
-        recv_splits = recv_PSL[:, s].sum(1).tolist()
+        recv_splits = recv_PXL[:, x].sum(1).tolist()
         x_QD = all_to_all_rows(x_RD, recv_splits, send_splits, self.group)
-        peer_rows = recv_PSL.sum((0, 2)).tolist()
-        if self.split is not None:
+        peer_rows = recv_PXL.sum((0, 2)).tolist()
+        if self._gathers:
             x_QD = gather_rows(x_QD, peer_rows, self.split.group)  # (peer, source, local expert) segments
-        counts_XL = recv_PSL.transpose(0, 1).reshape(S * P, L)
+        counts_XL = recv_PXL.transpose(0, 1).reshape(X * P, L)
         to_expert = segment_permutation(counts_XL).to(x_TD.device)
         to_source = segment_permutation(counts_XL.t()).to(x_TD.device)
         sent_rows = sum(send_splits) - send_splits[self.ep_rank]
@@ -142,7 +156,7 @@ class AllToAllDispatcher(Dispatcher):
 
     def combine(self, y_QD: torch.Tensor, state: _A2AState) -> torch.Tensor:
         y_XD = reorder_rows(y_QD, state.to_source_order, state.to_expert_order)
-        if self.split is not None:  # partial outputs of every peer's rows, summed on the peer that received them
+        if self._gathers:  # partial outputs of every peer's rows, summed on the peer that received them
             y_XD = reduce_scatter_rows(y_XD, state.peer_rows, self.split.group)
         y_RD = all_to_all_rows(y_XD, state.send_splits, state.recv_splits, self.group)
         r = state.routing

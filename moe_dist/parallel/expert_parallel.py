@@ -1,7 +1,8 @@
 """apply_ep: turn a single-device model into its expert-parallel shard, before it is materialized.
 
 Each MoE layer keeps its full router (routing is decided locally, over all experts) but holds only the
-experts [ep_rank·L, (ep_rank+1)·L) of its EP group, and its dispatcher becomes the all-to-all one. The layer
+experts [ep_rank·L, (ep_rank+1)·L) of its EP group (inside a tp_rank, or across TP ranks with parallel.etp = 1:
+mesh.py), and its dispatcher becomes the all-to-all one. The layer
 math is untouched: this is the one seam expert parallelism uses (DESIGN.md §4.2).
 
 DeepSpeed integration. DeepSpeed's engine decides how to reduce gradients per parameter: those marked as
@@ -29,7 +30,7 @@ from moe_dist.parallel.overlap import ChunkedAllToAllDispatcher
 def check_node_groups(n_groups: int, mesh: Mesh) -> None:
     """`model.moe.group_by` "node": the expert groups must be the nodes the EP group spans (ranks of a node are
     consecutive, so each node holds a contiguous block of experts), bounding the nodes a token is sent to."""
-    ep_ranks = next(g for g in layout_groups(mesh.dp, mesh.ep, mesh.tp)["ep"] if mesh.rank in g)
+    ep_ranks = next(g for g in layout_groups(mesh.dp, mesh.ep, mesh.tp, mesh.etp)["ep"] if mesh.rank in g)
     nodes = len({r // mesh.local_world_size for r in ep_ranks})
     if n_groups != nodes:
         raise ConfigError(

@@ -1,20 +1,29 @@
-"""Process start-up and the parallel layout: world = dp × tp, with ep dividing dp (DESIGN.md §5).
+"""Process start-up and the parallel layout: world = dp × tp, with ep dividing dp, or dp × tp when the experts are
+whole (`parallel.etp` = 1, DESIGN.md §5).
 
 Ranks are laid out tp-innermost: rank = dp_rank · tp + tp_rank, so a tensor-parallel (TP) group is `tp`
-neighbouring ranks (one node's GPUs). Data-parallel (DP) groups hold the ranks with the same tp_rank. Inside the
-data-parallel dimension, expert-parallel (EP) groups are blocks of `ep` consecutive dp ranks, and the expert-
-data-parallel (EDP) groups that average expert gradients stride across them (DeepSpeed-MoE/Megatron layout);
-both stay inside one tp_rank, because experts are tensor-parallel too (each TP rank holds a slice of every
-local expert's hidden dimension):
+neighbouring ranks (one node's GPUs). Data-parallel (DP) groups hold the ranks with the same tp_rank. Dense
+parameters always keep this (dp, tp) layout. The expert groups depend on the expert tensor-parallel size etp:
 
-    dp = 4, ep = 2, tp = 1:   EP groups {0, 1} {2, 3}      EDP groups {0, 2} {1, 3}
-    dp = 2, ep = 2, tp = 2:   TP groups {0, 1} {2, 3}      DP = EP groups {0, 2} {1, 3}    EDP groups {0} ... {3}
+- etp = tp (the default: experts split over TP, each TP rank holds a slice of every local expert's hidden
+  dimension): inside the data-parallel dimension, expert-parallel (EP) groups are blocks of `ep` consecutive dp
+  ranks, and the expert-data-parallel (EDP) groups that average expert gradients stride across them
+  (DeepSpeed-MoE/Megatron layout); both stay inside one tp_rank;
+- etp = 1 (experts whole, "MoE parallel folding" as Megatron-Core calls it): the EP groups are blocks of `ep`
+  consecutive global ranks, spanning TP and DP ranks (inside a node first, where the all-to-all is cheapest), and
+  the EDP groups stride across them: ep_rank = rank mod ep, dp × tp / ep replicas of each expert.
+
+    dp = 4, ep = 2, tp = 1:          EP groups {0, 1} {2, 3}      EDP groups {0, 2} {1, 3}
+    dp = 2, ep = 2, tp = 2:          TP groups {0, 1} {2, 3}      DP = EP groups {0, 2} {1, 3}    EDP {0} ... {3}
+    dp = 2, ep = 2, tp = 2, etp = 1: TP = EP groups {0, 1} {2, 3} DP = EDP groups {0, 2} {1, 3}
+    dp = 2, ep = 4, tp = 2, etp = 1: TP groups {0, 1} {2, 3}      EP group {0, 1, 2, 3}            EDP {0} ... {3}
+    dp = 1, ep = 2, tp = 4, etp = 1: TP group {0, 1, 2, 3}        EP groups {0, 1} {2, 3}          EDP {0, 2} {1, 3}
 
 We create every group ourselves, in the same order on every rank, and register the expert groups under
 DeepSpeed's names (its own constructor would put TP peers into one EDP group, which suits experts replicated
-over TP, not split) through private_api.py, the one module that touches DeepSpeed's and torch's internals.
-DeepSpeed's engine gets the TP and DP groups through `Mesh.mpu`. The handles live in the Mesh object, never in
-module globals of ours.
+over TP, not split or spread) through private_api.py, the one module that touches DeepSpeed's and torch's
+internals. DeepSpeed's engine gets the TP and DP groups through `Mesh.mpu`. The handles live in the Mesh object,
+never in module globals of ours.
 """
 
 from __future__ import annotations
@@ -28,7 +37,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from moe_dist.config import JobConfig, check_layout
+from moe_dist.config import JobConfig, check_layout, expert_tp
 from moe_dist.parallel import private_api
 
 
@@ -50,10 +59,12 @@ class Mesh:
     tp_rank: int = 0  # which shard of every tensor-parallel weight this rank holds
     tp_group: dist.ProcessGroup | None = None  # the `tp` neighbouring ranks (None when tp == 1)
     dp_group: dist.ProcessGroup | None = None  # ranks with this tp_rank (None when tp == 1: the world)
+    etp: int | None = None  # expert tensor-parallel size: tp (None too: experts split over TP) or 1 (whole)
 
     @property
-    def edp_rank(self) -> int:
-        return self.dp_rank // self.ep
+    def experts_split(self) -> bool:
+        """Whether each TP rank holds a slice of its experts (etp = tp > 1) rather than whole experts."""
+        return self.tp > 1 and self.etp != 1
 
     @property
     def mpu(self) -> "ModelParallelUnit | None":
@@ -100,15 +111,25 @@ def ep_layout(dp: int, ep: int) -> tuple[list[list[int]], list[list[int]]]:
     return ep_groups, edp_groups
 
 
-def layout_groups(dp: int, ep: int, tp: int) -> dict[str, list[list[int]]]:
-    """Every group of the layout as lists of global ranks (rank = dp_rank · tp + tp_rank); pure index math."""
-    ep_dp, edp_dp = ep_layout(dp, ep)
-    return {
+def layout_groups(dp: int, ep: int, tp: int, etp: int | None = None) -> dict[str, list[list[int]]]:
+    """Every group of the layout as lists of global ranks (rank = dp_rank · tp + tp_rank); pure index math.
+    etp (default tp): experts split over TP, EP inside each tp_rank's DP group; 1: EP over consecutive ranks."""
+    groups = {
         "tp": [[d * tp + t for t in range(tp)] for d in range(dp)],
         "dp": [[d * tp + t for d in range(dp)] for t in range(tp)],
-        "ep": [[d * tp + t for d in g] for t in range(tp) for g in ep_dp],
-        "edp": [[d * tp + t for d in g] for t in range(tp) for g in edp_dp],
     }
+    if etp == 1 and tp > 1:
+        groups["ep"], groups["edp"] = ep_layout(dp * tp, ep)
+        return groups
+    ep_dp, edp_dp = ep_layout(dp, ep)
+    groups["ep"] = [[d * tp + t for d in g] for t in range(tp) for g in ep_dp]
+    groups["edp"] = [[d * tp + t for d in g] for t in range(tp) for g in edp_dp]
+    return groups
+
+
+def ep_rank_of(rank: int, ep: int, tp: int, etp: int | None) -> int:
+    """Position of global rank `rank` in its EP group (which slice of the experts it holds); etp None: tp."""
+    return (rank if etp == 1 else rank // tp) % ep
 
 
 def _new_groups(all_groups: list[list[int]], rank: int) -> tuple[dist.ProcessGroup, list[int]]:
@@ -257,10 +278,10 @@ def init_distributed(cfg: JobConfig, timeout_s: float | None = None) -> Mesh:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     _unlink_deepspeed_shm(rank, world_size)
     dp = check_layout(cfg, world_size)
-    ep, tp = cfg.parallel.ep, cfg.parallel.tp
+    ep, tp, etp = cfg.parallel.ep, cfg.parallel.tp, expert_tp(cfg)
     dp_rank = rank // tp
-    name = f"ep_size_{ep}"
-    layout = layout_groups(dp, ep, tp)
+    name = f"ep_size_{ep}" if etp == tp else f"ep_size_{ep}_etp_{etp}"
+    layout = layout_groups(dp, ep, tp, etp)
     tp_group = dp_group = ep_group = edp_group = None
     if tp > 1:
         tp_group, _ = _new_groups(layout["tp"], rank)
@@ -281,7 +302,7 @@ def init_distributed(cfg: JobConfig, timeout_s: float | None = None) -> Mesh:
         dp=dp,
         dp_rank=dp_rank,
         ep=ep,
-        ep_rank=dp_rank % ep,
+        ep_rank=ep_rank_of(rank, ep, tp, etp),
         ep_group=ep_group,
         edp_group=edp_group,
         ep_group_name=name,
@@ -289,4 +310,5 @@ def init_distributed(cfg: JobConfig, timeout_s: float | None = None) -> Mesh:
         tp_rank=rank % tp,
         tp_group=tp_group,
         dp_group=dp_group,
+        etp=etp,
     )

@@ -9,8 +9,9 @@ What is chunked, and why so:
   routing statistics are exactly those of the unchunked layer (DESIGN.md §5: per micro-batch per rank).
 - The kept rows are cut by token ranges: part u of X covers the tokens t with ⌊t·X / T⌋ = u (`token_parts`).
   Under a token split (TP) part u belongs to slice ⌊u / C⌋ — the same slices `TokenSplit` takes, so the chunks
-  are chunks *within* this rank's slice. Each chunk is then a complete dispatch → experts → combine pipeline of
-  its own rows; a row's output depends only on its token and expert, never on which chunk carried it, so the
+  are chunks *within* this rank's slice. With whole experts (`parallel.etp = 1`) the TP peers gather nothing:
+  the chunks that meet on a rank are those its EP peers sent it. Each chunk is then a complete dispatch →
+  experts → combine pipeline of its own rows; a row's output depends only on its token and expert, never on which chunk carried it, so the
   layer's outputs equal the unchunked ones (up to the row order inside the grouped GEMMs' sums in backward).
 - One count exchange per layer, as before: the per-expert counts of all X parts travel in one fixed-size
   all-to-all, from which every rank knows every chunk's splits without another host synchronization.
@@ -92,35 +93,38 @@ class ChunkedAllToAllDispatcher(AllToAllDispatcher):
         P, L, C = self.ep, self.num_local, self.chunks
         S, s = (self.split.size, self.split.rank) if self.split else (1, 0)
         counts_XE, by_part = self._part_counts(routing, S * C)
-        recv_PXL = all_to_all_equal(counts_XE.view(S * C, P, L).transpose(0, 1), self.group)  # [source, part, l]
+        mine = slice(s * C, (s + 1) * C)  # this rank's parts: chunks 0..C-1 of its slice
+        # The slices whose rows meet here (G): every TP peer's when they gather, else this rank's own (etp = 1).
+        G, own = (S, mine) if self._gathers else (1, slice(0, C))
+        sent_XE = counts_XE if self._gathers else counts_XE[mine]
+        recv_PXL = all_to_all_equal(sent_XE.view(G * C, P, L).transpose(0, 1), self.group)  # [source, part, l]
         host = torch.cat([counts_XE.flatten(), recv_PXL.flatten()]).cpu()  # one device-to-host transfer
         counts_XPL = host[: counts_XE.numel()].view(S * C, P, L)
-        recv_PXL = host[counts_XE.numel() :].view(P, S * C, L)
-        mine = slice(s * C, (s + 1) * C)  # this rank's parts: chunks 0..C-1 of its slice
+        recv_PXL = host[counts_XE.numel() :].view(P, G * C, L)
         rows_X = counts_XPL.sum((1, 2))
         lo = int(rows_X[: s * C].sum())
         rows_R = routing.rows_R[by_part[lo : lo + int(rows_X[mine].sum())]]  # by chunk, then expert
         x_RD = self.permutation.permute(x_TD, rows_R, routing.top_k)
 
         send_CP = counts_XPL[mine].sum(2).tolist()  # rows to each EP rank, per chunk
-        recv_CP = recv_PXL[:, mine].sum(2).t().tolist()  # rows from each EP rank, per chunk
+        recv_CP = recv_PXL[:, own].sum(2).t().tolist()  # rows from each EP rank, per chunk
         dispatched = [
             all_to_all_rows_async(x_cD, recv_CP[c], send_CP[c], self.group)
             for c, x_cD in enumerate(torch.split(x_RD, [sum(n) for n in send_CP]))
         ]
         combined = []
         for c in range(C):
-            counts_SPL = recv_PXL[:, c::C].transpose(0, 1)  # chunk c of every TP peer's slice [peer, source, l]
+            counts_GPL = recv_PXL[:, c::C].transpose(0, 1)  # chunk c of each slice met here [peer, source, l]
             x_QD = dispatched[c].wait()
-            peer_rows = counts_SPL.sum((1, 2)).tolist()
-            if self.split is not None:
+            peer_rows = counts_GPL.sum((1, 2)).tolist()
+            if self._gathers:
                 x_QD = gather_rows(x_QD, peer_rows, self.split.group)  # (peer, source, local expert) segments
-            counts_YL = counts_SPL.reshape(S * P, L)
+            counts_YL = counts_GPL.reshape(G * P, L)
             to_expert = segment_permutation(counts_YL).to(x_TD.device)
             to_source = segment_permutation(counts_YL.t()).to(x_TD.device)
             y_QD = experts(reorder_rows(x_QD, to_expert, to_source), counts_YL.sum(0).to(x_TD.device))
             y_QD = reorder_rows(y_QD, to_source, to_expert)
-            if self.split is not None:  # partial outputs of every peer's rows, summed on the peer that received them
+            if self._gathers:  # partial outputs of every peer's rows, summed on the peer that received them
                 y_QD = reduce_scatter_rows(y_QD, peer_rows, self.split.group)
             combined.append(all_to_all_rows_async(y_QD, send_CP[c], recv_CP[c], self.group))
         y_RD = torch.cat([pending.wait() for pending in combined])

@@ -81,11 +81,15 @@ def expert_group_of(p: nn.Parameter) -> str | None:
 
 
 def mark_model_parallel(p: nn.Parameter) -> None:
-    """Mark a tensor-parallel shard for DeepSpeed's gradient norm.
+    """Mark a parameter that differs between TP peers for DeepSpeed's gradient norm: a tensor-parallel shard, or
+    a whole expert under parallel.etp = 1 (TP peers hold other experts, or other ZeRO partitions of them).
 
     deepspeed 0.19.8: `runtime.utils.is_model_parallel_parameter` tests `model_parallel` (or
-    `tensor_model_parallel`); marked parameters count on every TP rank, the others on tp_rank 0 only. If that
-    changes, the clipped gradient norm is wrong under TP (test_tp_e2e.py compares grad norms step by step).
+    `tensor_model_parallel`); marked parameters count on every TP rank, the others on tp_rank 0 only. ZeRO 1/2's
+    norm (`get_grad_norm_direct`) sums each group's squared partitions over the DP group, then over the TP group:
+    over the whole world, where each element of an expert group's partitions lives exactly once; the per-group
+    average over the EDP group (`_average_expert_grad_norms`) then averages equal values. If that changes, the
+    clipped gradient norm is wrong under TP (test_tp_e2e.py compares grad norms step by step).
     """
     p.model_parallel = True
 

@@ -21,8 +21,10 @@ this rank's tokens, get their gradients summed over TP.
                 rank dispatches only its 1/tp slice of the tokens through its own EP group (same tp_rank, see
                 mesh.py), so the all-to-all carries B·S·K·D/tp per rank; the TP peers' received rows are
                 all-gathered and the partial expert outputs reduce-scattered inside the TP group (dispatch.py,
-                `TokenSplit`). Each rank's combined output holds its slice's tokens, and the sum where it leaves
-                the region assembles them (B·S·D). The router weights re-enter the region (f), so their
+                `TokenSplit`). With parallel.etp = 1 the experts stay whole, the EP group spans TP ranks and
+                the slices meet the experts through the all-to-all alone (no TP gather). Either way each
+                rank's combined output holds its slice's tokens, and the sum where it leaves the region
+                assembles them (B·S·D). The router weights re-enter the region (f), so their
                 gradient is the full one, and the router's input gradient, identical on every TP rank, is
                 scaled by 1/tp because the region entry sums the ranks' input gradients.
     vocabulary  embedding rows and LM-head rows split; cross-entropy from the logit shards
@@ -185,11 +187,16 @@ def _swiglu(ffn: SwiGLU, mesh: Mesh, b: _Boundaries) -> None:
 
 def _moe(moe: MoE, mesh: Mesh, b: _Boundaries) -> None:
     experts = moe.experts
-    _shard_param(experts, "w13", 2, mesh, parts=2)  # (E, D, 2F) = [w1 | w3]: each half's F split
-    _shard_param(experts, "w2", 1, mesh)  # (E, F, D)
+    if mesh.experts_split:
+        _shard_param(experts, "w13", 2, mesh, parts=2)  # (E, D, 2F) = [w1 | w3]: each half's F split
+        _shard_param(experts, "w2", 1, mesh)  # (E, F, D)
+    else:  # whole experts, another EP rank's on each TP peer (or another ZeRO partition): each counted in the norm
+        private_api.mark_model_parallel(experts.w13)
+        private_api.mark_model_parallel(experts.w2)
     _region(moe, b)
     if isinstance(moe.dispatcher, AllToAllDispatcher):
-        moe.dispatcher = moe.dispatcher.with_split(TokenSplit(mesh.tp_group, mesh.tp, mesh.tp_rank))
+        split = TokenSplit(mesh.tp_group, mesh.tp, mesh.tp_rank, gather=mesh.experts_split)
+        moe.dispatcher = moe.dispatcher.with_split(split)
     group, scale = mesh.tp_group, 1.0 / mesh.tp
     moe.router.register_forward_pre_hook(lambda m, args: (_ScaleGrad.apply(args[0], scale), *args[1:]))
     if moe.shared is not None:  # sharded like the dense FFN, inside the MoE region (one all-reduce for both)

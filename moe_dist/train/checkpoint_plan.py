@@ -6,7 +6,8 @@ gathers each of them on every rank that holds a replica (ZeRO's all-reduce over 
 group, then the tensor-parallel all-gather), so any of those ranks can write it:
 
 - a dense tensor: every rank of the world (its TP shards are gathered within the TP group first);
-- expert e (global index): the ranks whose EP position holds it, every expert-data-parallel replica and TP rank.
+- expert e (global index): the ranks whose EP position holds it, every expert-data-parallel replica and TP rank
+  (with whole experts, parallel.etp = 1, the EDP replicas alone: TP peers hold other experts).
 
 The assignment is the greedy longest-processing-time rule: tensors by decreasing size (ties by name), each to
 the least-loaded rank that holds it (ties to the lowest rank). It depends only on names, shapes and the layout,
@@ -25,6 +26,8 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass
+
+from moe_dist.parallel.mesh import ep_rank_of
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 STATE_KEYS = ("param", *MOMENTS)
@@ -58,22 +61,23 @@ def tensors_in_order(entries: list[Entry]) -> list[tuple[str, Entry, int | None]
     return out
 
 
-def holders(experts: int, expert: int | None, dp: int, ep: int, tp: int) -> tuple[int, ...]:
+def holders(experts: int, expert: int | None, dp: int, ep: int, tp: int, etp: int | None = None) -> tuple[int, ...]:
     """Global ranks (rank = dp_rank · tp + tp_rank) holding a replica of a tensor after the save's gathers:
-    every rank for a dense tensor; for expert `expert` of `experts`, the ranks whose EP position holds it."""
+    every rank for a dense tensor; for expert `expert` of `experts`, the ranks whose EP position holds it
+    (mesh.ep_rank_of: counted over dp ranks, or over all ranks with whole experts, etp = 1)."""
     if expert is None:
         return tuple(range(dp * tp))
     position = expert // (experts // ep)
-    return tuple(r for r in range(dp * tp) if (r // tp) % ep == position)
+    return tuple(r for r in range(dp * tp) if ep_rank_of(r, ep, tp, tp if etp is None else etp) == position)
 
 
-def plan_writers(entries: list[Entry], dp: int, ep: int, tp: int) -> dict[str, int]:
+def plan_writers(entries: list[Entry], dp: int, ep: int, tp: int, etp: int | None = None) -> dict[str, int]:
     """{stored tensor name: the rank that writes it}: every tensor exactly once, balanced by bytes."""
     load = [0] * (dp * tp)
     heaps: dict[tuple[int, ...], list[tuple[int, int]]] = {}  # one heap of (load, rank) per holder set
     plan = {}
     for name, entry, expert in sorted(tensors_in_order(entries), key=lambda t: (-math.prod(t[1].shape), t[0])):
-        ranks = holders(entry.experts, expert, dp, ep, tp)
+        ranks = holders(entry.experts, expert, dp, ep, tp, etp)
         heap = heaps.setdefault(ranks, [(0, r) for r in ranks])
         while heap[0][0] != load[heap[0][1]]:  # stale entry: that rank took a tensor through another holder set
             heapq.heapreplace(heap, (load[heap[0][1]], heap[0][1]))

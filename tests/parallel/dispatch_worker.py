@@ -4,9 +4,13 @@ Each rank builds the same 4-expert MoE layer (`layer_config(dtype)`: fp32 at d_m
 keeps its expert shard behind the all-to-all dispatcher (the real `apply_ep`), runs forward and backward on its
 own tokens for every scenario and dtype, and again through the chunked dispatcher (`CHUNKS`), runs the uneven TP
 row collectives, and saves its outputs and gradients as OUT_DIR/<case>_rank<R>.safetensors (`case_name`) for the
-test to compare against one process. One world serves every case: its start-up costs more than all the cases.
+test to compare against one process. The same world then serves as (dp, ep, tp, etp) = (1, 2, 2, 1), expert
+parallelism folded across TP (the EP group is the TP group: both ranks hold the same tokens, each dispatches its
+half to whole experts), for the folded scenarios (OUT_DIR/folded_<scenario>_<dtype>_rank<R>.safetensors). One
+world serves every case: its start-up costs more than all the cases together.
 """
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -21,6 +25,7 @@ from moe_dist.parallel.comm import gather_rows, reduce_scatter_rows
 from moe_dist.parallel.expert_parallel import apply_ep
 from moe_dist.parallel.mesh import init_distributed
 from moe_dist.parallel.overlap import ChunkedAllToAllDispatcher
+from moe_dist.parallel.tensor_parallel import apply_tp
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 SCENARIOS = ["all_to_other_rank", "rank_routes_nothing_locally", "rank_has_no_tokens"]
@@ -105,6 +110,51 @@ def run_case(out_dir: Path, mesh, scenario: str, dtype: str, chunks: int = 1) ->
     )
 
 
+FOLDED_SCENARIOS = ["all_to_one_rank", "one_slice_empty", "no_tokens"]
+
+
+def folded_inputs(scenario: str, d_model: int = 8) -> torch.Tensor:
+    """(T, D) tokens, the same on both TP ranks; rank s dispatches the s-th half of them.
+
+    all_to_one_rank: every token prefers experts 2, 3 (rank 1's): rank 0 receives nothing and its experts get no
+    token; one_slice_empty: a single token (slice 1 is empty: rank 1 dispatches nothing), to rank 0's experts;
+    no_tokens: an empty micro-batch, every all-to-all still issued."""
+    n = {"all_to_one_rank": 6, "one_slice_empty": 1, "no_tokens": 0}[scenario]
+    x = torch.zeros(n, d_model)
+    first = 0 if scenario == "one_slice_empty" else 2
+    x[:, first], x[:, first + 1] = 3.0, 2.0 + 0.1 * torch.arange(n)
+    return x + 0.01 * torch.randn(n, d_model, generator=torch.Generator().manual_seed(0))
+
+
+def run_folded_case(out_dir: Path, mesh, scenario: str, dtype: str, chunks: int = 1) -> None:
+    """The MoE layer under apply_ep then apply_tp with whole experts (etp = 1) on the 2-rank EP group as TP group,
+    through the chunked dispatcher when `chunks` > 1."""
+    folded = dataclasses.replace(mesh, dp=1, dp_rank=0, tp=2, tp_rank=mesh.rank, tp_group=mesh.ep_group, etp=1)
+    cfg = _config(dtype)
+    model = materialize(apply_ep(build_model(cfg.model), folded, chunks), "cpu", seed=0).to(DTYPES[dtype])
+    model = apply_tp(model, folded)
+    moe = next(m for m in model.modules() if isinstance(m, MoE))
+    assert not hasattr(moe.experts.w13, "tp_dim") and moe.dispatcher.split.gather is False  # whole experts
+    assert isinstance(moe.dispatcher, ChunkedAllToAllDispatcher) == (chunks > 1)
+    with torch.no_grad():
+        moe.router.weight.zero_()
+        moe.router.weight[:, :4] = 4.0 * torch.eye(4)
+    x = folded_inputs(scenario, cfg.model.d_model).to(DTYPES[dtype]).requires_grad_()
+    out, stats = moe(x)
+    (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+    tensors = {
+        "out": out.detach(),
+        "x_grad": x.grad,
+        "router_grad": moe.router.weight.grad,
+        "sent_bytes": torch.tensor(float(stats.sent_bytes)),
+        **{f"{n}_grad": getattr(moe.experts, n).grad for n in ("w13", "w2")},
+    }
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()},
+        str(out_dir / f"folded_{case_name(scenario, dtype, chunks)}_rank{mesh.rank}.safetensors"),
+    )
+
+
 ROW_SIZES = {"uneven": [3, 1], "one_empty": [0, 2], "all_empty": [0, 0]}
 
 
@@ -133,9 +183,13 @@ def main(out_dir: str) -> None:
     for dtype in DTYPES:
         for scenario in SCENARIOS:
             run_case(Path(out_dir), mesh, scenario, dtype)
+        for scenario in FOLDED_SCENARIOS:
+            run_folded_case(Path(out_dir), mesh, scenario, dtype)
     for chunks in CHUNKS:
         for scenario in SCENARIOS:
             run_case(Path(out_dir), mesh, scenario, "fp32", chunks)
+        for scenario in FOLDED_SCENARIOS:
+            run_folded_case(Path(out_dir), mesh, scenario, "fp32", chunks)
     run_row_collectives(Path(out_dir), mesh.rank)
     dist.barrier()
     dist.destroy_process_group()

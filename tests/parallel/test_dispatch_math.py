@@ -6,7 +6,7 @@ import torch
 from moe_dist.config import MoEConfig
 from moe_dist.layers.moe import Router
 from moe_dist.parallel.dispatch import segment_permutation
-from moe_dist.parallel.mesh import ep_layout
+from moe_dist.parallel.mesh import ep_layout, ep_rank_of, layout_groups
 from moe_dist.parallel.overlap import token_parts
 
 
@@ -14,6 +14,33 @@ def test_ep_groups_are_consecutive_and_edp_groups_strided():
     assert ep_layout(4, 2) == ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
     assert ep_layout(4, 4) == ([[0, 1, 2, 3]], [[0], [1], [2], [3]])
     assert ep_layout(8, 2)[1] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+
+
+@pytest.mark.parametrize("dp, ep, tp", [(2, 2, 2), (2, 4, 2), (1, 4, 4), (1, 2, 4), (4, 2, 2), (4, 8, 2)])
+def test_folded_groups_span_tp_and_cover_every_expert_once(dp, ep, tp):
+    """etp = 1: EP groups are `ep` consecutive ranks (one node's first), EDP groups the ranks at the same EP
+    position; every rank is in exactly one group of each kind, the dense (tp, dp) groups are unchanged, and each
+    EP group holds every expert slice once."""
+    folded, split = layout_groups(dp, ep, tp, etp=1), layout_groups(dp, 1, tp)
+    world = list(range(dp * tp))
+    assert folded["tp"] == split["tp"] and folded["dp"] == split["dp"]
+    for kind, size in (("ep", ep), ("edp", dp * tp // ep)):
+        assert sorted(r for g in folded[kind] for r in g) == world and {len(g) for g in folded[kind]} == {size}
+    assert all(g == list(range(g[0], g[0] + ep)) for g in folded["ep"])
+    for g in folded["ep"]:
+        assert sorted(ep_rank_of(r, ep, tp, 1) for r in g) == list(range(ep))
+    for g in folded["edp"]:
+        assert len({ep_rank_of(r, ep, tp, 1) for r in g}) == 1
+
+
+def test_folded_layout_examples():
+    assert layout_groups(2, 2, 2, etp=1) == {
+        "tp": [[0, 1], [2, 3]], "dp": [[0, 2], [1, 3]], "ep": [[0, 1], [2, 3]], "edp": [[0, 2], [1, 3]]
+    }  # fmt: skip
+    assert layout_groups(2, 4, 2, etp=1)["edp"] == [[0], [1], [2], [3]]
+    assert layout_groups(2, 2, 2, etp=2)["ep"] == [[0, 2], [1, 3]]  # experts split over TP: EP inside a tp_rank
+    assert [ep_rank_of(r, 2, 2, 2) for r in range(4)] == [0, 0, 1, 1]
+    assert [ep_rank_of(r, 2, 2, 1) for r in range(4)] == [0, 1, 0, 1]
 
 
 def _brute_force(counts):

@@ -1,5 +1,6 @@
 """The all-to-all dispatcher on 2 gloo ranks (torchrun) against one process, with adversarial routings (a rank
-that receives nothing, a rank that keeps nothing), in fp32 and bf16. One spawned world runs every case."""
+that receives nothing, a rank that keeps nothing), in fp32 and bf16, with experts sharded over EP and with expert
+parallelism folded across TP (parallel.etp = 1). One spawned world runs every case."""
 
 import importlib.util
 from pathlib import Path
@@ -83,6 +84,50 @@ def test_all_to_all_dispatch_matches_one_process(results, scenario, dtype, chunk
         # experts 0 and 1 received no token anywhere: rank 0's expert gradients exist and are exactly zero
         assert all(torch.count_nonzero(got[0][f"{n}_grad"]) == 0 for n in ("w13", "w2"))
         assert torch.count_nonzero(got[1]["w13_grad"]) > 0
+
+
+def _folded_reference(scenario: str, dtype: str) -> dict:
+    """One process, all experts local, on the tokens both TP ranks of the folded layout hold."""
+    worker = _worker_module()
+    cfg = load_config(None, worker.layer_config(dtype))
+    model = materialize(build_model(cfg.model), "cpu", seed=0).to(worker.DTYPES[dtype])
+    moe = next(m for m in model.modules() if isinstance(m, MoE))
+    with torch.no_grad():
+        moe.router.weight.zero_()
+        moe.router.weight[:, :4] = 4.0 * torch.eye(4)
+    x = worker.folded_inputs(scenario, cfg.model.d_model).to(worker.DTYPES[dtype]).requires_grad_()
+    out, _ = moe(x)
+    (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+    grads = {f"{n}_grad": getattr(moe.experts, n).grad for n in ("w13", "w2")}
+    return {"out": out.detach(), "x_grad": x.grad, "router_grad": moe.router.weight.grad, **grads}
+
+
+@pytest.mark.parametrize("dtype, chunks", CASES, ids=[f"{d}-chunks{c}" for d, c in CASES])
+@pytest.mark.parametrize("scenario", ["all_to_one_rank", "one_slice_empty", "no_tokens"])
+def test_folded_dispatch_matches_one_process(results, scenario, dtype, chunks):
+    """(dp, ep, tp, etp) = (1, 2, 2, 1): each TP rank dispatches its half of the same tokens to whole experts; the
+    sum where the output leaves the TP region gives every token once (output, input and router gradients equal
+    one process on both ranks), and each rank's experts get exactly their tokens' gradients. Chunked or not."""
+    name = _worker_module().case_name(scenario, dtype, chunks)
+    got = [load_file(str(results / f"folded_{name}_rank{rank}.safetensors")) for rank in range(2)]
+    ref = _folded_reference(scenario, dtype)
+    rtol, atol = TOLERANCES[dtype]
+    for rank in range(2):
+        for key in ("out", "x_grad", "router_grad"):
+            torch.testing.assert_close(got[rank][key], ref[key], rtol=rtol, atol=atol, msg=f"{key} rank {rank}")
+        for name in ("w13_grad", "w2_grad"):  # rank r holds experts 2r, 2r+1, whole
+            shard = ref[name][2 * rank : 2 * rank + 2]
+            torch.testing.assert_close(got[rank][name], shard, rtol=rtol, atol=atol, msg=f"{name} rank {rank}")
+    row = 8 * got[0]["out"].element_size() if dtype == "fp32" else 32 * 2
+    if scenario == "all_to_one_rank":  # rank 0 sends its 3 tokens' 6 rows to rank 1 and receives nothing
+        assert all(torch.count_nonzero(got[0][n]) == 0 for n in ("w13_grad", "w2_grad"))
+        assert got[0]["sent_bytes"].item() == 6 * row and got[1]["sent_bytes"].item() == 0
+    if scenario == "one_slice_empty":  # rank 1 dispatches nothing; rank 0 keeps its token's rows local
+        assert all(torch.count_nonzero(got[1][n]) == 0 for n in ("w13_grad", "w2_grad"))
+        assert torch.count_nonzero(got[0]["w13_grad"]) > 0
+        assert got[0]["sent_bytes"].item() == got[1]["sent_bytes"].item() == 0
+    if scenario == "no_tokens":
+        assert got[0]["out"].shape[0] == got[1]["out"].shape[0] == 0
 
 
 @pytest.mark.parametrize("case", ["uneven", "one_empty", "all_empty"])

@@ -1,11 +1,13 @@
 """Tensor parallelism end to end under DeepSpeed: (dp, ep, tp) layouts, with and without sequence parallelism,
 equal one process with gradient accumulation step by step (losses, clipped-gradient norms, expert load, final
 parameters and Adam moments), and checkpoints reshard tp=2 → tp=1 → tp=2 and across combined layouts on the
-same trajectory. (dp, ep, tp) = (4, 4, 1) from scratch is test_ep_e2e.py's; the single-process reference is the
-session's, shared with it."""
+same trajectory; the same for expert parallelism folded across TP (parallel.etp = 1), and checkpoints reshard
+between etp = 1 and etp = tp. (dp, ep, tp) = (4, 4, 1) from scratch is test_ep_e2e.py's; the single-process
+reference is the session's, shared with it."""
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -34,6 +36,22 @@ LAYOUTS = {  # dp-ep-tp: world size, overrides
     # Activation checkpointing of every part (models/recompute.py) under EP and TP: also compared with the same
     # layout without it, exactly (test_recompute_changes_nothing_under_ep_and_tp).
     "dp2-ep2-tp2-recompute": (4, ["parallel.tp=2", "parallel.ep=2", "train.activation_checkpointing=full"]),
+}
+
+
+# Expert parallelism folded across TP (parallel.etp = 1: whole experts, EP groups spanning dp × tp): world, single-
+# process reference mode (support.E2E_MODES), overrides. ZeRO 1 and 2, with and without sequence parallelism.
+_FOLD, _SP_ZERO2 = ["parallel.etp=1"], ["parallel.sequence_parallel=true", "deepspeed.zero_stage=2"]
+FOLDED = {
+    "dp2-ep2-tp2-etp1": (4, "capacity", ["parallel.tp=2", "parallel.ep=2", *_FOLD]),
+    "dp2-ep2-tp2-etp1-sequence-parallel-zero2": (4, "capacity", ["parallel.tp=2", "parallel.ep=2", *_FOLD, *_SP_ZERO2]),
+    "dp2-ep4-tp2-etp1-sequence-parallel-zero2": (4, "capacity", ["parallel.tp=2", "parallel.ep=4", *_FOLD, *_SP_ZERO2]),
+    "dp1-ep4-tp4-etp1": (4, "kv4", ["parallel.tp=4", "parallel.ep=4", *_FOLD, *E2E_MODES["kv4"]]),
+    "dp1-ep4-tp4-etp1-sequence-parallel-zero2": (
+        4,
+        "kv4",
+        ["parallel.tp=4", "parallel.ep=4", *_FOLD, *_SP_ZERO2, *E2E_MODES["kv4"]],
+    ),
 }
 
 
@@ -137,3 +155,49 @@ def test_checkpoint_reshards_across_combined_layouts(
         [r for r in train_records(metrics(d)) if r["step"] > E2E_SAVE], metrics(ref), first_step=E2E_SAVE + 1
     )
     same_final_state(d, ref, ATOL_OF_SCALE)
+
+
+@pytest.fixture(scope="module")
+def folded_runs(tmp_path_factory, run_train):
+    root = tmp_path_factory.mktemp("folded")
+    out = {}
+    for layout, (world, _, extra) in FOLDED.items():
+        out[layout] = root / layout
+        run_train("torchrun", world, _args(out[layout], *extra))
+    return out
+
+
+@pytest.mark.parametrize("layout", list(FOLDED))
+def test_folded_run_equals_one_process(folded_runs, reference, metrics, same_trajectory, same_final_state, layout):
+    """Whole experts behind an all-to-all across TP ranks: losses, clipped-gradient norms (each expert parameter
+    counted once), expert load and the final parameters and moments equal one process."""
+    world, mode, _ = FOLDED[layout]
+    records = train_records(metrics(folded_runs[layout]))
+    same_trajectory(records, metrics(reference(mode)))
+    assert all(layer["a2a_bytes_per_rank"] > 0 for r in records for layer in r["moe"])
+    got = same_final_state(folded_runs[layout], reference(mode), ATOL_OF_SCALE)
+    assert sum(1 for k in got if k.startswith("blocks.0.ffn.experts.w13.")) == 4  # every expert once, whole
+    meta = json.loads((folded_runs[layout] / "checkpoints/step_3/meta.json").read_text())
+    assert meta["layout"]["etp"] == 1 and meta["layout"]["tp"] * meta["layout"]["dp"] == world
+
+
+def test_checkpoint_reshards_between_etp1_and_etp_tp(
+    tmp_path, folded_runs, reference, run_train, metrics, same_trajectory, same_final_state
+):
+    """The (2, 2, 2, etp 1) run's step-3 checkpoint resumed with experts split over TP (etp = tp = 2, saving every
+    2 steps), then that run's step-4 checkpoint resumed folded again at (2, 4, 2, etp 1): every step continues the
+    uninterrupted single-process trajectory."""
+    ref = reference("capacity")
+    split, folded = tmp_path / "resume_etp2", tmp_path / "resume_etp1"
+    _resume(run_train, folded_runs["dp2-ep2-tp2-etp1"], split, 4, "parallel.tp=2", "parallel.ep=2",
+            "train.save_every=2", from_step=E2E_SAVE)  # fmt: skip
+    same_trajectory(
+        [r for r in train_records(metrics(split)) if r["step"] > E2E_SAVE], metrics(ref), first_step=E2E_SAVE + 1
+    )
+    same_final_state(split, ref, ATOL_OF_SCALE)
+
+    _resume(run_train, split, folded, 4, "parallel.tp=2", "parallel.ep=4", "parallel.etp=1", from_step=E2E_SAVE + 1)
+    same_trajectory(
+        [r for r in train_records(metrics(folded)) if r["step"] > E2E_SAVE + 1], metrics(ref), first_step=E2E_SAVE + 2
+    )
+    same_final_state(folded, ref, ATOL_OF_SCALE)

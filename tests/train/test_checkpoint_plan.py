@@ -60,6 +60,20 @@ def test_every_tensor_once_by_a_holder_and_bytes_balanced(mixtral_small, dp, ep,
     assert plan_writers(mixtral_small, dp, ep, tp) == plan  # deterministic: every rank computes the same plan
 
 
+@pytest.mark.parametrize("dp, ep, tp", [(2, 2, 2), (2, 4, 2), (1, 4, 4)])
+def test_folded_experts_are_written_by_a_rank_holding_them(mixtral_small, dp, ep, tp):
+    """parallel.etp = 1: expert e is held by the ranks at EP position rank mod ep (TP peers hold other experts);
+    every tensor still has exactly one writer among its holders, balanced."""
+    plan = plan_writers(mixtral_small, dp, ep, tp, etp=1)
+    for name, entry, expert in tensors_in_order(mixtral_small):
+        ranks = holders(entry.experts, expert, dp, ep, tp, etp=1)
+        assert plan[name] in ranks, name
+        if expert is not None:
+            assert ranks == tuple(r for r in range(dp * tp) if r % ep == expert // (entry.experts // ep))
+    after = bytes_per_rank(mixtral_small, plan, dp * tp)
+    assert max(after) <= 1.25 * sum(after) / len(after)
+
+
 def test_experts_stay_on_their_ep_position_and_a_huge_dense_tensor_is_still_written_once(mixtral_small):
     dp, ep, tp = 8, 4, 1
     plan = plan_writers(mixtral_small, dp, ep, tp)
