@@ -7,11 +7,11 @@ that split the dispatch), plus C chunks and X = S·C token parts.
 What is chunked, and why so:
 - Routing is not. The router runs once on the whole micro-batch, so capacity, drops, the aux/z losses and the
   routing statistics are exactly those of the unchunked layer (DESIGN.md §5: per micro-batch per rank).
-- The kept rows are cut by token ranges: part u of X covers the tokens t with ⌊t·X / T⌋ = u (`token_parts`).
-  Under a token split (TP) part u belongs to slice ⌊u / C⌋ — the same slices `TokenSplit` takes, so the chunks
-  are chunks *within* this rank's slice. With whole experts (`parallel.etp = 1`) the TP peers gather nothing:
-  the chunks that meet on a rank are those its EP peers sent it. Each chunk is then a complete dispatch →
-  experts → combine pipeline of its own rows; a row's output depends only on its token and expert, never on which chunk carried it, so the
+- The kept rows are cut by token ranges: part u of X covers the tokens t with ⌊t·X / T⌋ = u (`token_parts`). Under a
+  token split (TP) part u belongs to slice ⌊u / C⌋ — the same slices `TokenSplit` takes, so the chunks are chunks
+  *within* this rank's slice. With whole experts (`parallel.etp = 1`) the TP peers gather nothing: the chunks that
+  meet on a rank are those its EP peers sent it. Each chunk is then a complete dispatch → experts → combine pipeline
+  of its own rows; a row's output depends only on its token and expert, never on which chunk carried it, so the
   layer's outputs equal the unchunked ones (up to the row order inside the grouped GEMMs' sums in backward).
 - One count exchange per layer, as before: the per-expert counts of all X parts travel in one fixed-size
   all-to-all, from which every rank knows every chunk's splits without another host synchronization.
