@@ -273,7 +273,8 @@ def step_calls(cfg: JobConfig, layout: Layout, ranks_per_node: int, cost: ModelC
 
 def expert_gemm_s(cfg: JobConfig, layout: Layout, hw: Hardware, ranks_per_device: int, cost: ModelCost) -> float:
     """Forward expert-GEMM seconds of one MoE layer and micro-batch on one rank (balanced routing, no drops): its
-    share of the k·T rows (all TP peers' rows, 1/tp of each expert's hidden units) × the active expert weights."""
+    share of the k·T rows × the active expert weights, 1/tp of them either way: all TP peers' rows through 1/tp of
+    each expert's hidden units (etp = tp), or its own 1/tp token slice's rows through whole experts (etp = 1)."""
     t, moe = cfg.train, cfg.model.moe
     weights_per_row = cost.expert_params / max(cost.n_moe_layers, 1) / moe.num_experts  # one expert's 3·d·f
     flops = 2.0 * t.micro_batch_size * t.seq_len * moe.top_k * weights_per_row / layout.tp

@@ -40,12 +40,17 @@ LAYOUTS = {  # dp-ep-tp: world size, overrides
 
 
 # Expert parallelism folded across TP (parallel.etp = 1: whole experts, EP groups spanning dp × tp): world, single-
-# process reference mode (support.E2E_MODES), overrides. ZeRO 1 and 2, with and without sequence parallelism.
+# process reference mode (support.E2E_MODES), overrides. ZeRO 1 and 2, with and without sequence parallelism, one
+# with the chunked dispatch.
 _FOLD, _SP_ZERO2 = ["parallel.etp=1"], ["parallel.sequence_parallel=true", "deepspeed.zero_stage=2"]
 FOLDED = {
     "dp2-ep2-tp2-etp1": (4, "capacity", ["parallel.tp=2", "parallel.ep=2", *_FOLD]),
     "dp2-ep2-tp2-etp1-sequence-parallel-zero2": (4, "capacity", ["parallel.tp=2", "parallel.ep=2", *_FOLD, *_SP_ZERO2]),
-    "dp2-ep4-tp2-etp1-sequence-parallel-zero2": (4, "capacity", ["parallel.tp=2", "parallel.ep=4", *_FOLD, *_SP_ZERO2]),
+    "dp2-ep4-tp2-etp1-sequence-parallel-zero2-chunks2": (
+        4,
+        "capacity",
+        ["parallel.tp=2", "parallel.ep=4", *_FOLD, *_SP_ZERO2, "parallel.a2a_chunks=2"],
+    ),
     "dp1-ep4-tp4-etp1": (4, "kv4", ["parallel.tp=4", "parallel.ep=4", *_FOLD, *E2E_MODES["kv4"]]),
     "dp1-ep4-tp4-etp1-sequence-parallel-zero2": (
         4,
