@@ -67,9 +67,22 @@ def sorted_by_expert(expert_A: torch.Tensor, priority_A: Optional[torch.Tensor])
 
 
 def top_k_lower_index_first(choice_TE: torch.Tensor, k: int) -> torch.Tensor:
-    """(T, K) indices of each row's k largest values, exact ties broken by the lower expert index: a stable
-    descending sort keeps equal values in index order on every device, where torch.topk leaves ties unspecified."""
-    return torch.sort(choice_TE, dim=-1, descending=True, stable=True).indices[:, :k]
+    """(T, K) indices of each row's k largest values in descending order, exact ties broken by the lower expert
+    index: the first k of a stable descending sort, on every device (torch.topk leaves the order of ties
+    unspecified). For 16- and 32-bit floats, one topk over an int64 key that holds the value's order-preserving
+    32-bit pattern above E - 1 - index: keys are distinct within a row and compare as (value, -index), so the topk
+    is unique and exact, at the cost of a topk (a stable sort of every row cost 2-3x that). -0.0 counts as +0.0 and
+    every NaN as the largest value, as the sort orders them. fp64 takes the sort (no room for the index)."""
+    E = choice_TE.shape[-1]
+    if choice_TE.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return torch.sort(choice_TE, dim=-1, descending=True, stable=True).indices[:, :k]
+    v_TE = choice_TE.float() + 0.0  # exact widening; adding +0.0 turns -0.0 into +0.0
+    bits_TE = v_TE.view(torch.int32)
+    ordered_TE = bits_TE ^ ((bits_TE >> 31) & 0x7FFFFFFF)  # negatives' magnitude bits flipped: int order = float order
+    ordered_TE = ordered_TE.masked_fill(v_TE.isnan(), torch.iinfo(torch.int32).max)
+    lower_first_E = E - 1 - torch.arange(E, device=choice_TE.device, dtype=torch.int64)
+    key_TE = ordered_TE.to(torch.int64).mul_(1 << 32).add_(lower_first_E)
+    return key_TE.topk(k, dim=-1).indices
 
 
 def limit_to_groups(choice_TE: torch.Tensor, n_groups: int, topk_groups: int) -> torch.Tensor:
