@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moe_dist.layers.moe import Routing
+from moe_dist.layers.moe import Routing, count_per_expert
 from moe_dist.layers.permutation import Permutation, reorder_rows
 from moe_dist.parallel.comm import all_to_all_equal, all_to_all_rows, gather_rows, reduce_scatter_rows
 
@@ -89,24 +89,28 @@ class AllToAllDispatcher:
         return AllToAllDispatcher(self.group, self.ep, self.ep_rank, self.num_experts, self.permutation, split)
 
     def _slice_counts(self, routing: Routing) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Kept rows per (token slice, expert) (S, E), on the routing's device, and the kept rows' order by slice
-        (None without a token split)."""
+        """Kept rows per (token slice, expert) (S, E), on the routing's device, and the positions in
+        `routing.order_A` of the kept rows ordered by slice (None without a token split). Fixed-size index math
+        over all A assignments (a dropped one counts in a spare bin and sorts last): nothing reads the device."""
         E, counts_E = self.num_experts, routing.tokens_per_expert_E
         if self.split is None:
             return counts_E.view(1, E), None
-        S, T, rows_R = self.split.size, max(routing.num_tokens, 1), routing.rows_R
-        expert_R = torch.repeat_interleave(torch.arange(E, device=rows_R.device), counts_E, output_size=len(rows_R))
-        slice_R = (rows_R % T) * S // T  # balanced contiguous token slices
-        counts_SE = torch.bincount(slice_R * E + expert_R, minlength=S * E).view(S, E)
-        return counts_SE, torch.argsort(slice_R, stable=True)  # a stable sort keeps expert order in each slice
+        S, T, order_A = self.split.size, max(routing.num_tokens, 1), routing.order_A
+        A = order_A.numel()
+        expert_A = torch.repeat_interleave(torch.arange(E, device=order_A.device), routing.counts_E, output_size=A)
+        slice_A = (order_A % T) * S // T  # balanced contiguous token slices
+        if routing.kept_A is not None:
+            slice_A = slice_A.masked_fill(~routing.kept_A, S)
+        counts_SE = count_per_expert(slice_A * E + expert_A, (S + 1) * E)[: S * E].view(S, E)
+        return counts_SE, torch.argsort(slice_A, stable=True)  # a stable sort keeps expert order in each slice
 
     def _own_rows(self, routing: Routing, by_slice: torch.Tensor | None, counts_SE: torch.Tensor) -> torch.Tensor:
         """This rank's kept rows, in expert order: all of them, or its token slice's (`counts_SE` on the host)."""
         if by_slice is None:
-            return routing.rows_R
+            return routing.kept_rows(counts_SE[0])
         rows_S = counts_SE.sum(1)
         lo = int(rows_S[: self.split.rank].sum())
-        return routing.rows_R[by_slice[lo : lo + int(rows_S[self.split.rank])]]
+        return routing.order_A[by_slice[lo : lo + int(rows_S[self.split.rank])]]
 
     def dispatch(self, x_TD: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, _A2AState]:
         P, L = self.ep, self.num_local
