@@ -84,7 +84,7 @@ def activations(args) -> None:
             loss = lm_loss(out.logits, batch[:, 1:]) + out.aux_loss
         loss.backward()
         peak = rss_bytes("VmHWM") - base
-        plan = memory_plan(cfg, world_size=1)
+        plan = memory_plan(cfg, world_size=1, device="cpu")
         print(
             json.dumps(
                 {
@@ -106,28 +106,28 @@ def activations(args) -> None:
 def train_run(args) -> None:
     import deepspeed  # noqa: F401  (imported before the baseline: its import is not the run's memory)
 
-    import moe_dist.train.loop as loop
     from moe_dist.config import load_config
     from moe_dist.memory import memory_plan
+    from moe_dist.train.checkpoint import Checkpointer
     from moe_dist.train.loop import train
 
     cfg = load_config(args.config, args.set)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     peaks: list[int] = []
-    save = loop.save_checkpoint
+    save = Checkpointer.save
 
-    def save_after_noting_the_peak(*a, **kw):  # the plan is of training: the peak up to the first save
+    def save_after_noting_the_peak(self, *a, **kw):  # the plan is of training: the peak up to the first save
         peaks.append(rss_bytes("VmHWM"))
-        return save(*a, **kw)
+        return save(self, *a, **kw)
 
-    loop.save_checkpoint = save_after_noting_the_peak
+    Checkpointer.save = save_after_noting_the_peak
     gc.collect()
     reset_peak()
     base = rss_bytes()
     train(cfg, args.run_dir)
     peak = (peaks[0] if peaks else rss_bytes("VmHWM")) - base
     rank = int(os.environ.get("RANK", "0"))
-    plan = memory_plan(cfg, world_size=world)
+    plan = memory_plan(cfg, world_size=world, device="cpu")
     out = {"rank": rank, "world_size": world, "measured_peak_gb": peak / GB, "plan": plan}
     (args.run_dir / f"memory_rank{rank}.json").write_text(json.dumps(out))
 

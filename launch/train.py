@@ -46,6 +46,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=None,
         help="--dry-run: plan for this many ranks (default: parallel.tp * parallel.ep, the smallest the layout takes)",
     )
+    p.add_argument(
+        "--device",
+        choices=["cuda", "cpu"],
+        default="cuda",
+        help="--dry-run: plan device memory of GPU ranks (default) or resident memory of CPU ranks",
+    )
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # set by `deepspeed`
     return p.parse_args(argv)
 
@@ -63,7 +69,7 @@ def main(argv=None) -> int:
 
         world = args.world_size or cfg.parallel.tp * cfg.parallel.ep
         try:
-            plan = memory_plan(cfg, world)
+            plan = memory_plan(cfg, world, args.device)
         except ConfigError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

@@ -11,8 +11,10 @@ Counted from the meta model (no storage) and the config's layout at the given wo
                  dp·tp/ep with parallel.etp = 1)
     activations  what autograd keeps for the backward of one micro-batch, per layer kind (below), with the
                  configured recompute
-    total        params + optimizer + the larger of the backward phase (accumulating gradients, activations, the
-                 largest backward buffer; ZeRO 2's reduce bucket) and the boundary phase (all gradients, the bucket)
+    runtime      the framework's own memory per process, which no tensor of ours accounts for (`runtime_bytes`)
+    total        params + optimizer + runtime + the larger of the backward phase (accumulating gradients,
+                 activations, the largest backward buffer; ZeRO 2's reduce bucket) and the boundary phase (all
+                 gradients, the bucket)
     transient    the largest buffer that lives only briefly: the logits with their log-softmax and gradient, one
                  sublayer's backward (the gradients of its interior; under recompute also the recomputed interior),
                  the MoE all-to-all send/receive rows, DeepSpeed's reduce bucket
@@ -65,6 +67,20 @@ _TP_SPLIT = (
     "head.weight",
 )
 _REDUCE_BUCKET = 5e8  # elements: DeepSpeed's default reduce_bucket_size
+
+# The framework's memory per rank beside our tensors (docs/memory.md, "runtime"), in bytes.
+# CPU (the plan is of resident host memory): measured on this project's CPU runs, the peak of a training run of a
+# tiny model less that model's own plan: DeepSpeed's engine and shared-memory all-reduce buffers, gloo, TensorBoard,
+# the token data; the same at 1, 2 and 4 ranks.
+CPU_RUNTIME = 0.27e9
+# CUDA (the plan is of device memory): the CUDA context with lazy module loading, about 0.3 GB (pytorch/pytorch
+# #107667; over 1 GB before CUDA 11.7), with cuBLAS/cuDNN workspaces 0.5 GB; NCCL's buffers, about 1.6 GB for a
+# communicator that runs ring/tree collectives (NVIDIA/nccl #864; "more communicators, more memory", #986) and
+# 3.3 GB more for the all-to-all's direct connections between 8 H100s, buffers per pair of GPUs (NVIDIA/nccl
+# #1685): 3.3/7 GB per peer. Figures from those threads, not measured here.
+CUDA_CONTEXT = 0.5e9
+NCCL_PER_GROUP = 1.6e9
+NCCL_ALL_TO_ALL_PER_PEER = 3.3e9 / 7
 
 
 def local_param_counts(cfg: JobConfig, tp: int, ep: int, etp: int | None = None) -> tuple[int, int]:
@@ -130,11 +146,25 @@ def activation_bytes(cfg: JobConfig, tp: int = 1) -> dict[str, float]:
     return {**per_token, "total": sum(per_token.values()), "transient": transient}
 
 
-def memory_plan(cfg: JobConfig, world_size: int) -> dict:
-    """The plan for one rank at `world_size` under the config's layout (checked as at start-up)."""
+def runtime_bytes(device: str, world_size: int, dp: int, tp: int, ep: int, edp: int) -> float:
+    """The framework's memory on one rank of `device` ("cuda" or "cpu"): a constant per process on the CPU; on
+    CUDA the context plus NCCL's buffers for each process group that communicates (world, dp, tp, expert-data-
+    parallel: ring/tree collectives; ep: the all-to-all, per peer)."""
+    if device == "cpu":
+        return CPU_RUNTIME
+    if device != "cuda":
+        raise ValueError(f"memory plan: device must be 'cuda' or 'cpu', got {device!r}")
+    groups = [n for n in (world_size, dp if dp != world_size else 1, tp, edp) if n > 1]
+    return CUDA_CONTEXT + NCCL_PER_GROUP * len(groups) + NCCL_ALL_TO_ALL_PER_PEER * (ep - 1)
+
+
+def memory_plan(cfg: JobConfig, world_size: int, device: str = "cuda") -> dict:
+    """The plan for one rank at `world_size` under the config's layout (checked as at start-up), on `device`
+    ("cuda": device memory of a GPU rank; "cpu": resident memory of a CPU rank, as measured in docs/memory.md)."""
     dp = check_layout(cfg, world_size)
     tp, ep, etp = cfg.parallel.tp, cfg.parallel.ep, expert_tp(cfg)
     edp = dp * tp // (ep * etp)  # the ranks holding the same experts
+    runtime = runtime_bytes(device, world_size, dp, tp, ep, edp)
     dense, expert = local_param_counts(cfg, tp, ep, etp)
     w = 2 if cfg.train.dtype == "bf16" else 4
     stage = cfg.deepspeed.zero_stage
@@ -161,9 +191,17 @@ def memory_plan(cfg: JobConfig, world_size: int) -> dict:
     backward = accumulating + act["total"] + max(v for k, v in transient.items() if k != "reduce_bucket")
     backward += transient["reduce_bucket"] if stage == 2 else 0.0
     boundary = grads + (transient["reduce_bucket"] if stage < 2 else 0.0)
-    total = params + optimizer + max(backward, boundary)
+    total = params + optimizer + runtime + max(backward, boundary)
     return {
-        "layout": {"world_size": world_size, "dp": dp, "tp": tp, "ep": ep, "edp": edp, "zero_stage": stage},
+        "layout": {
+            "world_size": world_size,
+            "dp": dp,
+            "tp": tp,
+            "ep": ep,
+            "edp": edp,
+            "zero_stage": stage,
+            "device": device,
+        },
         "params_local": {"dense": dense, "expert": expert},
         "activations_by_part_gb": {k: act[k] / GB for k in ("attention", "mamba", "mlp", "moe", "head")},
         "transient_gb": {k: val / GB for k, val in transient.items()},
@@ -173,6 +211,7 @@ def memory_plan(cfg: JobConfig, world_size: int) -> dict:
             "optimizer": optimizer / GB,
             "activations": act["total"] / GB,
             "transient": largest / GB,
+            "runtime": runtime / GB,
             "total": total / GB,
         },
     }

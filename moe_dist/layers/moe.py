@@ -14,7 +14,7 @@ experts (it is handed them) so that one may pipeline the three steps over chunks
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Protocol
 
 import torch
@@ -49,13 +49,48 @@ class RoutingStats:
 
 @dataclass
 class Routing:
-    """What the dispatcher needs: which assignment goes where, with which weight."""
+    """What the dispatcher needs: which assignment goes where, with which weight. Every tensor has a size known
+    without reading the device (A, E): the kept rows' count R is data, so the kept rows themselves are cut from
+    `order_A` only by `kept_rows`, where the dispatcher holds the kept counts on the host (DESIGN.md §9)."""
 
-    rows_R: torch.Tensor  # assignment indices a (slot-major) that are kept, sorted by expert
+    order_A: torch.Tensor  # every assignment index a (slot-major), grouped by expert, in drop-priority order inside
+    counts_E: torch.Tensor  # assignments per expert before drops (int64), sums to A
+    kept_A: Optional[torch.Tensor]  # in order_A's order, True where kept (a prefix of each expert's); None: dropless
     tokens_per_expert_E: torch.Tensor  # kept rows per expert (int64), sums to R
     weight_A: torch.Tensor  # combine weight of every assignment (fp32, differentiable)
     num_tokens: int  # T
     top_k: int  # K (explicit: a micro-batch with no tokens has no assignments to infer it from)
+    _rows_R: Optional[torch.Tensor] = field(default=None, init=False, repr=False, compare=False)
+
+    def kept_rows(self, kept_E_host: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """rows_R: the kept assignment indices, sorted by expert (R,). Dropless, `order_A` itself. With capacity
+        the size R = Σ kept is needed on the host: from `kept_E_host` (the kept counts the caller already moved
+        to the host, so no transfer here) or else by one device-to-host copy of `tokens_per_expert_E`. The
+        indices are then gathered with sizes known on the host: no boolean mask, no other sync."""
+        if self._rows_R is not None:
+            return self._rows_R
+        if self.kept_A is None:
+            self._rows_R = self.order_A
+            return self._rows_R
+        if kept_E_host is None:
+            kept_E_host = self.tokens_per_expert_E.cpu()  # the local dispatcher's one transfer, with capacity
+        R, kept_E = int(kept_E_host.sum()), self.tokens_per_expert_E
+        skip_E = self.counts_E - kept_E  # each expert's dropped assignments, after its kept ones in order_A
+        shift_R = torch.repeat_interleave(torch.cumsum(skip_E, 0) - skip_E, kept_E, output_size=R)
+        self._rows_R = self.order_A.index_select(0, torch.arange(R, device=self.order_A.device) + shift_R)
+        return self._rows_R
+
+    @property
+    def rows_R(self) -> torch.Tensor:
+        return self.kept_rows()
+
+
+def count_per_expert(index_N: torch.Tensor, n: int) -> torch.Tensor:
+    """How often each value in [0, n) occurs in `index_N`, (n,) int64: `torch.bincount(index, minlength=n)` with a
+    static size. CUDA's bincount reads the input's min and max on the host whatever `minlength` (aten
+    SummaryOps.cu: `self.min().cpu()`, `self.max().item()`): two syncs per call; a scatter-add into n zeros none."""
+    index_N = index_N.reshape(-1)
+    return torch.zeros(n, dtype=torch.int64, device=index_N.device).scatter_add_(0, index_N, torch.ones_like(index_N))
 
 
 def sorted_by_expert(expert_A: torch.Tensor, priority_A: Optional[torch.Tensor]) -> torch.Tensor:
@@ -68,9 +103,22 @@ def sorted_by_expert(expert_A: torch.Tensor, priority_A: Optional[torch.Tensor])
 
 
 def top_k_lower_index_first(choice_TE: torch.Tensor, k: int) -> torch.Tensor:
-    """(T, K) indices of each row's k largest values, exact ties broken by the lower expert index: a stable
-    descending sort keeps equal values in index order on every device, where torch.topk leaves ties unspecified."""
-    return torch.sort(choice_TE, dim=-1, descending=True, stable=True).indices[:, :k]
+    """(T, K) indices of each row's k largest values in descending order, exact ties broken by the lower expert
+    index: the first k of a stable descending sort, on every device (torch.topk leaves the order of ties
+    unspecified). For 16- and 32-bit floats, one topk over an int64 key that holds the value's order-preserving
+    32-bit pattern above E - 1 - index: keys are distinct within a row and compare as (value, -index), so the topk
+    is unique and exact, at the cost of a topk (a stable sort of every row cost 2-3x that). -0.0 counts as +0.0 and
+    every NaN as the largest value, as the sort orders them. fp64 takes the sort (no room for the index)."""
+    E = choice_TE.shape[-1]
+    if choice_TE.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return torch.sort(choice_TE, dim=-1, descending=True, stable=True).indices[:, :k]
+    v_TE = choice_TE.float() + 0.0  # exact widening; adding +0.0 turns -0.0 into +0.0
+    bits_TE = v_TE.view(torch.int32)
+    ordered_TE = bits_TE ^ ((bits_TE >> 31) & 0x7FFFFFFF)  # negatives' magnitude bits flipped: int order = float order
+    ordered_TE = ordered_TE.masked_fill(v_TE.isnan(), torch.iinfo(torch.int32).max)
+    lower_first_E = E - 1 - torch.arange(E, device=choice_TE.device, dtype=torch.int64)
+    key_TE = ordered_TE.to(torch.int64).mul_(1 << 32).add_(lower_first_E)
+    return key_TE.topk(k, dim=-1).indices
 
 
 def limit_to_groups(choice_TE: torch.Tensor, n_groups: int, topk_groups: int) -> torch.Tensor:
@@ -149,13 +197,13 @@ class Router(nn.Module):
         if self.cfg.aux_loss_scope == "sequence":
             B = T // seq_len
             seq_TK = torch.arange(T, device=p_TE.device).div(seq_len, rounding_mode="floor")[:, None]
-            counts_BE = torch.bincount((seq_TK * E + expert_TK).flatten(), minlength=B * E).view(B, E)
+            counts_BE = count_per_expert(seq_TK * E + expert_TK, B * E).view(B, E)
             f_BE = counts_BE.float() / (K * seq_len)
             return E * (f_BE * p_TE.view(B, seq_len, E).mean(dim=1)).sum(-1).mean()
         if self.cfg.aux_loss_scope == "global_batch":
             f_E = self.load_E.float()
         else:
-            f_E = torch.bincount(expert_TK.flatten(), minlength=E).float() / (K * T)
+            f_E = count_per_expert(expert_TK, E).float() / (K * T)
         return E * torch.sum(f_E * p_TE.mean(dim=0))
 
     def forward(self, x_TD: torch.Tensor, seq_len: Optional[int] = None) -> tuple[Routing, RoutingStats]:
@@ -190,7 +238,7 @@ class Router(nn.Module):
         # Slot-major flattening: all first choices, then all second choices, ... (GShard's priority order).
         expert_A = expert_TK.t().reshape(-1)
         weight_A = weight_TK.t().reshape(-1)
-        counts_E = torch.bincount(expert_A, minlength=E)
+        counts_E = count_per_expert(expert_A, E)
 
         # "probability": highest router score first; "position": earlier tokens, first choices first, which is the
         # slot-major assignment order itself.
@@ -198,11 +246,10 @@ class Router(nn.Module):
         order_A = sorted_by_expert(expert_A, priority_A)
         cap = expert_capacity(cfg, T)
         if cap is None:
-            rows_R, kept_E = order_A, counts_E
-        else:
+            kept_A, kept_E = None, counts_E
+        else:  # an assignment's rank within its expert, from fixed-size index math (no mask indexing: no sync)
             starts_E = torch.cumsum(counts_E, 0) - counts_E
-            position_A = torch.arange(K * T, device=x_TD.device) - starts_E[expert_A[order_A]]  # rank within expert
-            rows_R = order_A[position_A < cap]
+            kept_A = torch.arange(K * T, device=x_TD.device) - starts_E[expert_A[order_A]] < cap
             kept_E = counts_E.clamp(max=cap)
 
         n = max(T, 1)  # a micro-batch without tokens: zero losses and entropy, no division by zero
@@ -214,7 +261,8 @@ class Router(nn.Module):
             z_loss=lse_T.square().sum() / n,
             entropy=entropy_T.sum() / n,
         )
-        return Routing(rows_R=rows_R, tokens_per_expert_E=kept_E, weight_A=weight_A, num_tokens=T, top_k=K), stats
+        routing = Routing(order_A, counts_E, kept_A, kept_E, weight_A, num_tokens=T, top_k=K)
+        return routing, stats
 
 
 @dataclass

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moe_dist.layers.moe import Dispatcher, Routing
+from moe_dist.layers.moe import Dispatcher, Routing, count_per_expert
 from moe_dist.layers.permutation import Permutation, reorder_rows
 from moe_dist.parallel.comm import all_to_all_equal, all_to_all_rows, gather_rows, reduce_scatter_rows
 
@@ -48,6 +48,14 @@ def segment_permutation(counts_XY: torch.Tensor) -> torch.Tensor:
     dst_start_YX = torch.cumsum(counts_YX, 0) - counts_YX
     shift = torch.repeat_interleave(src_start_XY.t().flatten() - dst_start_YX, counts_YX)
     return torch.arange(int(counts_YX.sum()), device=counts_XY.device) + shift
+
+
+def token_parts(index_N: torch.Tensor, num_tokens: int, parts: int) -> torch.Tensor:
+    """(N,) part of each row (or assignment) index: its token t = index % T falls in part ⌊t · parts / T⌋ (balanced
+    contiguous token ranges). With parts = S·C, ⌊part / C⌋ is TokenSplit's slice ⌊t · S / T⌋ (⌊⌊y⌋ / C⌋ = ⌊y / C⌋),
+    so a split's chunks nest inside its slices."""
+    T = max(num_tokens, 1)
+    return (index_N % T) * parts // T
 
 
 @dataclass(frozen=True)
@@ -99,30 +107,37 @@ class AllToAllDispatcher(Dispatcher):
         """Whether the TP peers gather each other's received rows (experts split over TP)."""
         return self.split is not None and self.split.gather
 
-    def _slice_counts(self, routing: Routing) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Kept rows per (token slice, expert) (S, E), on the routing's device, and the kept rows' order by slice
-        (None without a token split)."""
+    def _part_counts(self, routing: Routing, parts: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Kept rows per (token part, expert) (parts, E), on the routing's device, and the positions in
+        `routing.order_A` of the kept rows ordered by part, expert order inside each (None for a single part).
+        Parts are `token_parts`' contiguous token ranges: TP slices, or chunks of them. Fixed-size index math over
+        all A assignments (a dropped one counts in a spare bin and sorts last): nothing reads the device."""
         E, counts_E = self.num_experts, routing.tokens_per_expert_E
-        if self.split is None:
+        if parts == 1:
             return counts_E.view(1, E), None
-        S, T, rows_R = self.split.size, max(routing.num_tokens, 1), routing.rows_R
-        expert_R = torch.repeat_interleave(torch.arange(E, device=rows_R.device), counts_E, output_size=len(rows_R))
-        slice_R = (rows_R % T) * S // T  # balanced contiguous token slices
-        counts_SE = torch.bincount(slice_R * E + expert_R, minlength=S * E).view(S, E)
-        return counts_SE, torch.argsort(slice_R, stable=True)  # a stable sort keeps expert order in each slice
+        order_A = routing.order_A
+        expert_A = torch.repeat_interleave(
+            torch.arange(E, device=order_A.device), routing.counts_E, output_size=order_A.numel()
+        )
+        part_A = token_parts(order_A, routing.num_tokens, parts)
+        if routing.kept_A is not None:
+            part_A = part_A.masked_fill(~routing.kept_A, parts)
+        counts_XE = count_per_expert(part_A * E + expert_A, (parts + 1) * E)[: parts * E].view(parts, E)
+        return counts_XE, torch.argsort(part_A, stable=True)  # a stable sort keeps expert order in each part
 
-    def _own_rows(self, routing: Routing, by_slice: torch.Tensor | None, counts_SE: torch.Tensor) -> torch.Tensor:
-        """This rank's kept rows, in expert order: all of them, or its token slice's (`counts_SE` on the host)."""
-        if by_slice is None:
-            return routing.rows_R
-        rows_S = counts_SE.sum(1)
-        lo = int(rows_S[: self.split.rank].sum())
-        return routing.rows_R[by_slice[lo : lo + int(rows_S[self.split.rank])]]
+    @staticmethod
+    def _rows_of_parts(routing: Routing, by_part: torch.Tensor | None, counts_XE: torch.Tensor, mine: slice):
+        """The kept rows of the parts `mine` (consecutive), in (part, expert) order; `counts_XE` on the host."""
+        if by_part is None:
+            return routing.kept_rows(counts_XE[0])
+        rows_X = counts_XE.sum(1)
+        lo = int(rows_X[: mine.start].sum())
+        return routing.order_A[by_part[lo : lo + int(rows_X[mine].sum())]]
 
     def dispatch(self, x_TD: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, _A2AState]:
         P, L = self.ep, self.num_local
         S, s = (self.split.size, self.split.rank) if self.split else (1, 0)
-        counts_SE, by_slice = self._slice_counts(routing)
+        counts_SE, by_slice = self._part_counts(routing, S)
         # The slices whose rows meet here: every TP peer's when they gather (X = S), else this rank's own (X = 1).
         X, x = (S, s) if self._gathers else (1, 0)
         sent_XE = counts_SE if self._gathers else counts_SE[s : s + 1]
@@ -130,7 +145,7 @@ class AllToAllDispatcher(Dispatcher):
         # The uneven all-to-all needs both split lists on the host: one device-to-host transfer for the two.
         host = torch.cat([counts_SE.flatten(), recv_PXL.flatten()]).cpu()
         counts_SE, recv_PXL = host[: counts_SE.numel()].view(S, P * L), host[counts_SE.numel() :].view(P, X, L)
-        rows_R = self._own_rows(routing, by_slice, counts_SE)
+        rows_R = self._rows_of_parts(routing, by_slice, counts_SE, slice(s, s + 1))
         x_RD = self.permutation.permute(x_TD, rows_R, routing.top_k)
         send_splits = counts_SE[s].view(P, L).sum(1).tolist()
         recv_splits = recv_PXL[:, x].sum(1).tolist()

@@ -51,13 +51,6 @@ from moe_dist.parallel.comm import all_to_all_equal, all_to_all_rows_async, gath
 from moe_dist.parallel.dispatch import AllToAllDispatcher, TokenSplit, segment_permutation
 
 
-def token_parts(rows_R: torch.Tensor, num_tokens: int, parts: int) -> torch.Tensor:
-    """(R,) part of each routed row: its token t = row % T falls in part ⌊t · parts / T⌋ (balanced contiguous token
-    ranges). With parts = S·C, ⌊part / C⌋ is TokenSplit's slice ⌊t · S / T⌋ (⌊⌊y⌋ / C⌋ = ⌊y / C⌋)."""
-    T = max(num_tokens, 1)
-    return (rows_R % T) * parts // T
-
-
 class ChunkedAllToAllDispatcher(AllToAllDispatcher):
     """`AllToAllDispatcher` whose `run` pipelines `chunks` token chunks (see the module docstring); `dispatch` and
     `combine` (the unchunked steps, for tools that call them one by one) are inherited unchanged."""
@@ -81,14 +74,6 @@ class ChunkedAllToAllDispatcher(AllToAllDispatcher):
             self.group, self.ep, self.ep_rank, self.num_experts, self.permutation, split, chunks=self.chunks
         )
 
-    def _part_counts(self, routing: Routing, X: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Kept rows per (token part, expert) (X, E) and the kept rows' order by part (expert order inside each)."""
-        E, counts_E, rows_R = self.num_experts, routing.tokens_per_expert_E, routing.rows_R
-        expert_R = torch.repeat_interleave(torch.arange(E, device=rows_R.device), counts_E, output_size=len(rows_R))
-        part_R = token_parts(rows_R, routing.num_tokens, X)
-        counts_XE = torch.bincount(part_R * E + expert_R, minlength=X * E).view(X, E)
-        return counts_XE, torch.argsort(part_R, stable=True)
-
     def run(self, x_TD: torch.Tensor, routing: Routing, experts) -> tuple[torch.Tensor, int]:
         P, L, C = self.ep, self.num_local, self.chunks
         S, s = (self.split.size, self.split.rank) if self.split else (1, 0)
@@ -101,9 +86,7 @@ class ChunkedAllToAllDispatcher(AllToAllDispatcher):
         host = torch.cat([counts_XE.flatten(), recv_PXL.flatten()]).cpu()  # one device-to-host transfer
         counts_XPL = host[: counts_XE.numel()].view(S * C, P, L)
         recv_PXL = host[counts_XE.numel() :].view(P, G * C, L)
-        rows_X = counts_XPL.sum((1, 2))
-        lo = int(rows_X[: s * C].sum())
-        rows_R = routing.rows_R[by_part[lo : lo + int(rows_X[mine].sum())]]  # by chunk, then expert
+        rows_R = self._rows_of_parts(routing, by_part, counts_XPL.view(S * C, P * L), mine)  # by chunk, then expert
         x_RD = self.permutation.permute(x_TD, rows_R, routing.top_k)
 
         send_CP = counts_XPL[mine].sum(2).tolist()  # rows to each EP rank, per chunk

@@ -187,6 +187,58 @@ def test_exact_ties_go_to_the_lower_expert_index(score):
     assert top_k_lower_index_first(torch.tensor([[3.0, 5.0, 5.0, 5.0, 3.0]]), 4).tolist() == [[1, 2, 3, 0]]
 
 
+def stable_sort_top_k(choice_TE, k):
+    """The tie-break's definition: the first k of a stable descending sort (equal values keep index order)."""
+    return torch.sort(choice_TE, dim=-1, descending=True, stable=True).indices[:, :k]
+
+
+def tie_cases(dtype):
+    """(T, E) score rows full of exact ties: all equal, ties across the k-th place, ties among the chosen, a grid of
+    few distinct values (so most rows tie somewhere), signed zeros, infinities (masked groups) and NaN."""
+    E, inf, nan = 16, float("inf"), float("nan")
+    g = torch.Generator().manual_seed(0)
+    rows = [
+        [0.5] * E,  # all equal: experts 0..k-1
+        [0.0] * E,
+        [0.1] * 5 + [0.9] + [0.3] * 10,  # one winner, then ties across every boundary
+        [0.9, 0.9, 0.9] + [0.2] * 13,  # ties among the chosen
+        [0.2] * 12 + [0.7] * 4,  # the tied winners at the highest indices
+        [-0.0, 0.0] * 8,  # -0.0 == +0.0
+        [-inf] * 8 + [0.25] * 8,  # a masked group
+        [inf, -inf, 1.0, inf] + [-1.0] * 12,
+        [nan, 1.0, nan] + [0.5] * 13,  # NaN sorts first
+    ]
+    grid = torch.randint(0, 4, (200, E), generator=g).float() / 4 - 0.25  # 4 values: ties everywhere
+    near = torch.rand(200, E, generator=g) * 1e-3 + 0.3  # distinct in fp32, many ties once rounded to 16 bits
+    return torch.cat([torch.tensor(rows), grid, near]).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("k", [1, 2, 6, 16])
+def test_top_k_equals_the_stable_sort_on_ties(dtype, k):
+    scores = tie_cases(dtype)
+    got = top_k_lower_index_first(scores, k)
+    assert torch.equal(got, stable_sort_top_k(scores, k))  # the same experts, in the same order
+    assert got.dtype == torch.int64 and got.shape == (scores.shape[0], k)
+    # and where there are no ties it is torch.topk's selection (values descending)
+    distinct = torch.randperm(64, generator=torch.Generator().manual_seed(1)).float().view(4, 16).to(dtype)
+    assert torch.equal(top_k_lower_index_first(distinct, k), distinct.topk(k, dim=-1).indices)
+
+
+def test_group_limited_choice_on_ties_equals_the_stable_sort_reference():
+    # limit_to_groups picks its groups with the same tie-break; on a grid of few values the group scores tie
+    # often, and the experts chosen inside the kept groups must equal a sort-based reference end to end.
+    T, E, G, M, K = 300, 16, 4, 2, 4
+    choice = torch.randint(0, 3, (T, E), generator=torch.Generator().manual_seed(2)).float() / 2
+    best_TG = choice.view(T, G, E // G).topk(2, dim=-1).values.sum(-1)
+    keep_TG = torch.zeros(T, G, dtype=torch.bool).scatter_(1, stable_sort_top_k(best_TG, M), True)
+    ref = choice.view(T, G, E // G).masked_fill(~keep_TG[..., None], float("-inf")).view(T, E)
+    masked = limit_to_groups(choice, G, M)
+    assert torch.equal(masked, ref)
+    assert torch.equal(top_k_lower_index_first(masked, K), stable_sort_top_k(ref, K))
+    assert (best_TG.sort(dim=-1).values.diff(dim=-1) == 0).any(-1).float().mean() > 0.5  # ties were the rule
+
+
 @pytest.mark.parametrize(
     "cfg_kw",
     [

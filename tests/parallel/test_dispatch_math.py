@@ -5,9 +5,8 @@ import torch
 
 from moe_dist.config import MoEConfig
 from moe_dist.layers.moe import Router
-from moe_dist.parallel.dispatch import segment_permutation
+from moe_dist.parallel.dispatch import segment_permutation, token_parts
 from moe_dist.parallel.mesh import ep_layout, ep_rank_of, layout_groups
-from moe_dist.parallel.overlap import token_parts
 
 
 def test_ep_groups_are_consecutive_and_edp_groups_strided():
@@ -115,8 +114,8 @@ def test_token_split_partitions_the_kept_rows_by_token_slice(tp):
     parts = []
     for s in range(tp):
         d = AllToAllDispatcher(None, 2, 0, 8, permutation=None, split=TokenSplit(None, tp, s))
-        counts_SE, by_slice = d._slice_counts(routing)
-        rows = d._own_rows(routing, by_slice, counts_SE)
+        counts_SE, by_slice = d._part_counts(routing, tp)
+        rows = d._rows_of_parts(routing, by_slice, counts_SE, slice(s, s + 1))
         tokens = rows % T
         assert bool(((tokens * tp // T) == s).all())  # only this peer's slice
         assert torch.equal(expert_of_a[rows], torch.sort(expert_of_a[rows]).values)  # still in expert order
