@@ -29,21 +29,39 @@ def _slots(rows_R: torch.Tensor, num_tokens: int, top_k: int) -> tuple[torch.Ten
     return row_A.view(top_k, num_tokens), kept_A.view(top_k, num_tokens)
 
 
+_BLOCK = 512  # token rows per block: one block's fp32 temporaries stay in cache (the arithmetic is unchanged)
+
+
 def _sum_slots(rows_RD: torch.Tensor, row_KT: torch.Tensor, scale_KT: torch.Tensor) -> torch.Tensor:
     """out[t] = Σ_k scale_KT[k, t] · rows[row_KT[k, t]] in the compute dtype (fp32 at least). (T, D).
 
-    One (T, D) gather and fused multiply-add per top-k slot: gathers instead of a scatter-add, and the rows are
-    widened inside the multiply (type promotion), never copied to fp32. A dropped slot reads row 0 with scale 0
-    (so an inf in row 0 would reach it as NaN: such a step is non-finite anyway, and the guard skips it)."""
+    One gather and fused multiply-add per top-k slot: gathers instead of a scatter-add. On CPU a bf16 row meets
+    its fp32 scale through a widened temporary copy, so tokens go in blocks of `_BLOCK` rows whose temporaries
+    stay in cache; the sum per element is the same, in the same order, as without blocks. A dropped slot reads
+    row 0 with scale 0 (so an inf in row 0 would reach it as NaN: such a step is non-finite anyway, and the guard
+    skips it)."""
     compute = torch.promote_types(rows_RD.dtype, torch.float32)
     K, T = row_KT.shape
     if rows_RD.shape[0] == 0:  # every assignment dropped: nothing to gather from
         return rows_RD.new_zeros(T, rows_RD.shape[1], dtype=compute)
     scale_KT1 = scale_KT.to(compute).unsqueeze(-1)
-    out_TD = torch.mul(rows_RD.index_select(0, row_KT[0]), scale_KT1[0])
-    for k in range(1, K):  # K ≤ a handful: a loop over slots, never over tokens or experts
-        out_TD.addcmul_(rows_RD.index_select(0, row_KT[k]), scale_KT1[k])
+    out_TD = rows_RD.new_empty(T, rows_RD.shape[1], dtype=compute)
+    for lo in range(0, T, _BLOCK):
+        blk, out = slice(lo, lo + _BLOCK), out_TD[lo : lo + _BLOCK]
+        torch.mul(rows_RD.index_select(0, row_KT[0, blk]), scale_KT1[0, blk], out=out)
+        for k in range(1, K):  # K ≤ a handful: a loop over slots, never over tokens or experts
+            out.addcmul_(rows_RD.index_select(0, row_KT[k, blk]), scale_KT1[k, blk])
     return out_TD
+
+
+def _row_dots(a_RD: torch.Tensor, b_RD: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(R,) Σ_d a·b per row: products in the rows' dtype summed in `dtype`, in blocks of rows so the products
+    stay in cache (a whole (R, D) product written out and read back cost several times the arithmetic)."""
+    out_R = a_RD.new_empty(a_RD.shape[0], dtype=dtype)
+    for lo in range(0, a_RD.shape[0], 8 * _BLOCK):
+        blk = slice(lo, lo + 8 * _BLOCK)
+        torch.sum(torch.mul(a_RD[blk], b_RD[blk]), -1, dtype=dtype, out=out_R[blk])
+    return out_R
 
 
 class _PermuteRows(torch.autograd.Function):
@@ -85,7 +103,7 @@ class _UnpermuteRows(torch.autograd.Function):
             # rows' dtype (as torch's own autograd of y * w in that dtype; widening both (R, D) operands to fp32
             # first cost more than the rest of the combine's backward); dropped assignments get 0
             grad_weight_A = torch.zeros_like(weight_A)
-            dots_R = torch.mul(grad_R, y_RD).sum(-1, dtype=compute)
+            dots_R = _row_dots(grad_R, y_RD, compute)
             grad_weight_A.index_copy_(0, rows_R, dots_R.to(weight_A.dtype))
         # times its weight, in the gradient's dtype (the weight rounded to it once)
         grad_y = grad_R.mul_(weight_A.index_select(0, rows_R).to(grad_TD.dtype)[:, None])

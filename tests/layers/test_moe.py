@@ -585,7 +585,10 @@ def test_moe_float64_with_aligned_sizes_takes_the_fallback():
 # ------------------------------------------------------------------ PyTorch permutation path vs reference
 
 
-@pytest.mark.parametrize("T, K, keep", [(7, 2, "some"), (13, 3, "all"), (5, 1, "none"), (1, 4, "some")])
+# (1100, 4): more tokens than one block of the combine (512) and more rows than one block of its weight gradient
+@pytest.mark.parametrize(
+    "T, K, keep", [(7, 2, "some"), (13, 3, "all"), (5, 1, "none"), (1, 4, "some"), (1100, 4, "some")]
+)
 @pytest.mark.parametrize("dtype, tol", [(F64, 1e-12), (torch.bfloat16, 2e-2)])
 def test_permute_rows_match_reference(T, K, keep, dtype, tol):
     """The gather-only PyTorch path equals `(un)permute_tokens_ref`: outputs, and the gradients of x, y and the
