@@ -27,6 +27,7 @@ gather or reduce-scatter and each rank exchanges only its own slice's counts.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -100,7 +101,10 @@ class AllToAllDispatcher(Dispatcher):
         self.split = split
 
     def with_split(self, split: TokenSplit) -> "AllToAllDispatcher":
-        return AllToAllDispatcher(self.group, self.ep, self.ep_rank, self.num_experts, self.permutation, split)
+        """This dispatcher (of whichever class, with all its settings) with the token split set."""
+        twin = copy.copy(self)
+        twin.split = split
+        return twin
 
     @property
     def _gathers(self) -> bool:

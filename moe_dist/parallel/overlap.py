@@ -69,11 +69,6 @@ class ChunkedAllToAllDispatcher(AllToAllDispatcher):
         super().__init__(group, ep, ep_rank, num_experts, permutation, split)
         self.chunks = chunks
 
-    def with_split(self, split: TokenSplit) -> "ChunkedAllToAllDispatcher":
-        return ChunkedAllToAllDispatcher(
-            self.group, self.ep, self.ep_rank, self.num_experts, self.permutation, split, chunks=self.chunks
-        )
-
     def run(self, x_TD: torch.Tensor, routing: Routing, experts) -> tuple[torch.Tensor, int]:
         P, L, C = self.ep, self.num_local, self.chunks
         S, s = (self.split.size, self.split.rank) if self.split else (1, 0)

@@ -87,23 +87,34 @@ def _config(dtype: str):
     )
 
 
+def route_by_dimension(moe: MoE) -> None:
+    """Router weights that send an input large in dimension e to expert e (what the scenarios' inputs rely on)."""
+    with torch.no_grad():
+        moe.router.weight.zero_()
+        moe.router.weight[:, :4] = 4.0 * torch.eye(4)
+
+
+def forward_backward(moe: MoE, x: torch.Tensor) -> dict:
+    """Output, input, router and expert gradients of a fixed weighted sum of the layer's output; `sent_bytes`."""
+    x = x.requires_grad_()
+    out, stats = moe(x)
+    (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+    return {
+        "out": out.detach(),
+        "x_grad": x.grad,
+        "router_grad": moe.router.weight.grad.clone(),
+        "sent_bytes": torch.tensor(float(stats.sent_bytes)),
+        **{f"{n}_grad": getattr(moe.experts, n).grad for n in ("w13", "w2")},
+    }
+
+
 def run_case(out_dir: Path, mesh, scenario: str, dtype: str, chunks: int = 1) -> None:
     cfg = _config(dtype)
     model = materialize(apply_ep(build_model(cfg.model), mesh, chunks), "cpu", seed=0).to(DTYPES[dtype])
     moe = next(m for m in model.modules() if isinstance(m, MoE))
     assert isinstance(moe.dispatcher, ChunkedAllToAllDispatcher) == (chunks > 1)
-    with torch.no_grad():
-        moe.router.weight.zero_()
-        moe.router.weight[:, :4] = 4.0 * torch.eye(4)
-    x = scenario_inputs(scenario, mesh.rank, cfg.model.d_model).to(DTYPES[dtype]).requires_grad_()
-    out, stats = moe(x)
-    (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
-    tensors = {
-        "out": out.detach(),
-        "x_grad": x.grad,
-        "router_grad": moe.router.weight.grad,
-        **{f"{n}_grad": getattr(moe.experts, n).grad for n in ("w13", "w2")},
-    }
+    route_by_dimension(moe)
+    tensors = forward_backward(moe, scenario_inputs(scenario, mesh.rank, cfg.model.d_model).to(DTYPES[dtype]))
     save_file(
         {k: v.contiguous() for k, v in tensors.items()},
         str(out_dir / f"{case_name(scenario, dtype, chunks)}_rank{mesh.rank}.safetensors"),
@@ -136,19 +147,8 @@ def run_folded_case(out_dir: Path, mesh, scenario: str, dtype: str, chunks: int 
     moe = next(m for m in model.modules() if isinstance(m, MoE))
     assert not hasattr(moe.experts.w13, "tp_dim") and moe.dispatcher.split.gather is False  # whole experts
     assert isinstance(moe.dispatcher, ChunkedAllToAllDispatcher) == (chunks > 1)
-    with torch.no_grad():
-        moe.router.weight.zero_()
-        moe.router.weight[:, :4] = 4.0 * torch.eye(4)
-    x = folded_inputs(scenario, cfg.model.d_model).to(DTYPES[dtype]).requires_grad_()
-    out, stats = moe(x)
-    (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
-    tensors = {
-        "out": out.detach(),
-        "x_grad": x.grad,
-        "router_grad": moe.router.weight.grad,
-        "sent_bytes": torch.tensor(float(stats.sent_bytes)),
-        **{f"{n}_grad": getattr(moe.experts, n).grad for n in ("w13", "w2")},
-    }
+    route_by_dimension(moe)
+    tensors = forward_backward(moe, folded_inputs(scenario, cfg.model.d_model).to(DTYPES[dtype]))
     save_file(
         {k: v.contiguous() for k, v in tensors.items()},
         str(out_dir / f"folded_{case_name(scenario, dtype, chunks)}_rank{mesh.rank}.safetensors"),

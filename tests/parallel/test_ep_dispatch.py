@@ -42,16 +42,12 @@ def _reference(scenario: str, dtype: str):
     cfg = load_config(None, worker.layer_config(dtype))
     model = materialize(build_model(cfg.model), "cpu", seed=0).to(worker.DTYPES[dtype])
     moe = next(m for m in model.modules() if isinstance(m, MoE))
-    with torch.no_grad():
-        moe.router.weight.zero_()
-        moe.router.weight[:, :4] = 4.0 * torch.eye(4)
+    worker.route_by_dimension(moe)
     per_rank = []
     for rank in range(2):
-        moe.router.weight.grad = None
-        x = worker.scenario_inputs(scenario, rank, cfg.model.d_model).to(worker.DTYPES[dtype]).requires_grad_()
-        out, _ = moe(x)
-        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
-        per_rank.append({"out": out.detach(), "x_grad": x.grad, "router_grad": moe.router.weight.grad.clone()})
+        moe.router.weight.grad = None  # per rank; the expert gradients accumulate over both ranks' tokens
+        x = worker.scenario_inputs(scenario, rank, cfg.model.d_model).to(worker.DTYPES[dtype])
+        per_rank.append(worker.forward_backward(moe, x))
     expert_grads = {n: getattr(moe.experts, n).grad for n in ("w13", "w2")}
     return per_rank, expert_grads
 
@@ -92,14 +88,8 @@ def _folded_reference(scenario: str, dtype: str) -> dict:
     cfg = load_config(None, worker.layer_config(dtype))
     model = materialize(build_model(cfg.model), "cpu", seed=0).to(worker.DTYPES[dtype])
     moe = next(m for m in model.modules() if isinstance(m, MoE))
-    with torch.no_grad():
-        moe.router.weight.zero_()
-        moe.router.weight[:, :4] = 4.0 * torch.eye(4)
-    x = worker.folded_inputs(scenario, cfg.model.d_model).to(worker.DTYPES[dtype]).requires_grad_()
-    out, _ = moe(x)
-    (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
-    grads = {f"{n}_grad": getattr(moe.experts, n).grad for n in ("w13", "w2")}
-    return {"out": out.detach(), "x_grad": x.grad, "router_grad": moe.router.weight.grad, **grads}
+    worker.route_by_dimension(moe)
+    return worker.forward_backward(moe, worker.folded_inputs(scenario, cfg.model.d_model).to(worker.DTYPES[dtype]))
 
 
 @pytest.mark.parametrize("dtype, chunks", CASES, ids=[f"{d}-chunks{c}" for d, c in CASES])
