@@ -100,6 +100,9 @@ class ParallelConfig:
     etp: Optional[int] = None  # expert tensor-parallel size: tp (null, experts split over TP) or 1 (whole experts)
     sequence_parallel: bool = False  # with tp > 1: norms and residuals hold 1/tp of the sequence (less memory)
     a2a_chunks: int = 1  # ep > 1: dispatch in this many token chunks, all-to-alls overlapping other chunks' experts
+    a2a_dedup: Literal["none", "rank", "node"] = (
+        "none"  # ep > 1: a token crosses once per node/rank holding any of its experts; none: once per assignment
+    )
     timeout_s: float = 600.0  # rendezvous and collective timeout: a missing or hung rank fails the job after this
 
 
@@ -495,6 +498,13 @@ def check_layout(cfg: JobConfig, world_size: int) -> int:
         )
     chunks = cfg.parallel.a2a_chunks
     _check(chunks >= 1, f"parallel.a2a_chunks: must be at least 1, got {chunks}")
+    if cfg.parallel.a2a_dedup != "none" and ep > 1:
+        _check(chunks == 1, f"parallel.a2a_dedup: {cfg.parallel.a2a_dedup!r} takes parallel.a2a_chunks=1, got {chunks}")
+        _check(
+            expert_tp(cfg) == 1,
+            f"parallel.a2a_dedup: {cfg.parallel.a2a_dedup!r} needs whole experts: parallel.tp=1 or parallel.etp=1 "
+            f"(got tp {tp}, etp {cfg.parallel.etp})",
+        )
     ranks = f"{dp} data-parallel ranks (world size {world_size} / parallel.tp={tp})"
     # The engine's, checked here (at start-up) rather than in validate(): tools that build no engine (bench) take it.
     _check(

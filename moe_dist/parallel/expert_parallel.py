@@ -20,8 +20,9 @@ import torch
 from torch import nn
 
 from moe_dist.config import ConfigError
-from moe_dist.layers.moe import MoE
+from moe_dist.layers.moe import LocalDispatcher, MoE
 from moe_dist.parallel import private_api
+from moe_dist.parallel.dedup import DedupAllToAllDispatcher
 from moe_dist.parallel.dispatch import AllToAllDispatcher
 from moe_dist.parallel.mesh import Mesh, layout_groups
 from moe_dist.parallel.overlap import ChunkedAllToAllDispatcher
@@ -39,9 +40,27 @@ def check_node_groups(n_groups: int, mesh: Mesh) -> None:
         )
 
 
+def _dispatcher(mesh: Mesh, num_experts: int, permutation, a2a_chunks: int) -> AllToAllDispatcher:
+    """The all-to-all dispatcher of the layout: deduplicated (mesh.ep_dedup), chunked, or plain."""
+    args = (mesh.ep_group, mesh.ep, mesh.ep_rank, num_experts, permutation)
+    groups = mesh.ep_dedup
+    if groups is not None:  # stage 2 inside the block: the plain dispatcher over it, or local for single ranks
+        block_experts = num_experts // groups.blocks
+        inner = (
+            AllToAllDispatcher(groups.block, groups.size, groups.position, block_experts, permutation)
+            if groups.size > 1
+            else LocalDispatcher(permutation)
+        )
+        return DedupAllToAllDispatcher(*args, groups=groups, inner=inner)
+    if a2a_chunks > 1:
+        return ChunkedAllToAllDispatcher(*args, chunks=a2a_chunks)
+    return AllToAllDispatcher(*args)
+
+
 def apply_ep(model: nn.Module, mesh: Mesh, a2a_chunks: int = 1) -> nn.Module:
     """Shard every MoE layer's experts over the EP group; call on the meta-device model. `a2a_chunks` > 1
-    pipelines each dispatch over that many token chunks (parallel/overlap.py); 1 is the plain dispatcher."""
+    pipelines each dispatch over that many token chunks (parallel/overlap.py); 1 is the plain dispatcher; with
+    `mesh.ep_dedup` the deduplicated one (parallel/dedup.py)."""
     if mesh.ep == 1:
         return model
     num_experts = None
@@ -59,11 +78,7 @@ def apply_ep(model: nn.Module, mesh: Mesh, a2a_chunks: int = 1) -> nn.Module:
             private_api.mark_expert_parameter(shard, mesh.ep_group_name)  # reduced over the EDP group only
             setattr(experts, name, shard)
         experts.expert_offset = mesh.ep_rank * local
-        args = (mesh.ep_group, mesh.ep, mesh.ep_rank, num_experts, module.dispatcher.permutation)
-        if a2a_chunks == 1:
-            module.dispatcher = AllToAllDispatcher(*args)
-        else:
-            module.dispatcher = ChunkedAllToAllDispatcher(*args, chunks=a2a_chunks)
+        module.dispatcher = _dispatcher(mesh, num_experts, module.dispatcher.permutation, a2a_chunks)
     if num_experts is not None:
         model.deepspeed_moe_marker = private_api.deepspeed_moe_marker(num_experts, mesh.ep, mesh.ep_group_name)
     return model

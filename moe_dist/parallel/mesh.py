@@ -37,8 +37,22 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from moe_dist.config import JobConfig, check_layout, expert_tp
+from moe_dist.config import ConfigError, JobConfig, check_layout, expert_tp
 from moe_dist.parallel import private_api
+
+
+@dataclass(frozen=True)
+class DedupGroups:
+    """This rank's place in the deduplicated dispatch (`parallel.a2a_dedup`, parallel/dedup.py): the EP group is
+    `blocks` blocks of `size` consecutive EP ranks; `rail` links the ranks at this rank's `position` in every block
+    (group-rank order = block order), `block` the ranks of this rank's block `index` (None when size is 1)."""
+
+    rail: dist.ProcessGroup
+    blocks: int
+    index: int
+    block: dist.ProcessGroup | None
+    size: int
+    position: int
 
 
 @dataclass(frozen=True)
@@ -60,6 +74,7 @@ class Mesh:
     tp_group: dist.ProcessGroup | None = None  # the `tp` neighbouring ranks (None when tp == 1)
     dp_group: dist.ProcessGroup | None = None  # ranks with this tp_rank (None when tp == 1: the world)
     etp: int | None = None  # expert tensor-parallel size: tp (None too: experts split over TP) or 1 (whole)
+    ep_dedup: DedupGroups | None = None  # the deduplicated dispatch's groups (None: one row per assignment)
 
     @property
     def experts_split(self) -> bool:
@@ -125,6 +140,41 @@ def layout_groups(dp: int, ep: int, tp: int, etp: int | None = None) -> dict[str
     groups["ep"] = [[d * tp + t for d in g] for t in range(tp) for g in ep_dp]
     groups["edp"] = [[d * tp + t for d in g] for t in range(tp) for g in edp_dp]
     return groups
+
+
+def dedup_blocks(ep_ranks: list[int], local_world_size: int, unit: str) -> list[list[int]]:
+    """The blocks of an EP group (its global ranks in EP order) for `parallel.a2a_dedup` `unit`: single ranks
+    ("rank"), or each node's ranks ("node": rank // local_world_size), which must be consecutive in the group and
+    equally many on every node. Pure index math; a ConfigError names the key otherwise."""
+    if unit == "rank":
+        return [[r] for r in ep_ranks]
+    blocks: list[list[int]] = []
+    for r in ep_ranks:
+        if blocks and blocks[-1][0] // local_world_size == r // local_world_size:
+            blocks[-1].append(r)
+        else:
+            blocks.append([r])
+    nodes = [b[0] // local_world_size for b in blocks]
+    if len(set(nodes)) != len(nodes) or len({len(b) for b in blocks}) != 1:
+        raise ConfigError(
+            f"parallel.a2a_dedup: 'node' needs the expert-parallel group's ranks in equal consecutive blocks per "
+            f"node; group {ep_ranks} on nodes of {local_world_size} ranks has blocks {blocks}"
+        )
+    return blocks
+
+
+def _dedup_groups(ep_groups: list[list[int]], local_world_size: int, unit: str, rank: int, ep_group):
+    """Create the rails and blocks of every EP group (a collective: all ranks, same order); this rank's
+    DedupGroups, or None where its EP group is one block (one node: nothing to deduplicate across)."""
+    layout = [dedup_blocks(g, local_world_size, unit) for g in ep_groups]
+    mine = next(blocks for blocks in layout if any(rank in b for b in blocks))
+    index = next(i for i, b in enumerate(mine) if rank in b)
+    size, position = len(mine[0]), mine[index].index(rank)
+    if size == 1:  # a rail per EP group: the EP group itself; blocks of one rank need no group
+        return DedupGroups(ep_group, len(mine), index, None, 1, 0)
+    rail, _ = _new_groups([[b[j] for b in blocks] for blocks in layout for j in range(size)], rank)
+    block, _ = _new_groups([b for blocks in layout for b in blocks], rank)
+    return DedupGroups(rail, len(mine), index, block, size, position) if len(mine) > 1 else None
 
 
 def ep_rank_of(rank: int, ep: int, tp: int, etp: int | None) -> int:
@@ -290,9 +340,12 @@ def init_distributed(cfg: JobConfig, timeout_s: float | None = None) -> Mesh:
         if private_api.expert_groups(name) is None:
             private_api.register_expert_groups(name, _new_groups(layout["ep"], rank), _new_groups(layout["edp"], rank))
         ep_group, edp_group = private_api.expert_groups(name)
-    set_group_timeouts(timeout_s if timeout_s is not None else cfg.parallel.timeout_s)
     # torchrun and accelerate set LOCAL_WORLD_SIZE, the deepspeed launcher LOCAL_SIZE
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", world_size)))
+    dedup = None
+    if ep > 1 and cfg.parallel.a2a_dedup != "none":
+        dedup = _dedup_groups(layout["ep"], local_world, cfg.parallel.a2a_dedup, rank, ep_group)
+    set_group_timeouts(timeout_s if timeout_s is not None else cfg.parallel.timeout_s)
     return Mesh(
         rank=rank,
         world_size=world_size,
@@ -311,4 +364,5 @@ def init_distributed(cfg: JobConfig, timeout_s: float | None = None) -> Mesh:
         tp_group=tp_group,
         dp_group=dp_group,
         etp=etp,
+        ep_dedup=dedup,
     )
