@@ -12,11 +12,11 @@ from moe_dist.config import (
     ConfigError,
     JobConfig,
     TrainConfig,
-    check_layout,
     config_from_dict,
     config_to_dict,
     load_config,
 )
+from moe_dist.config_checks import check_layout
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((REPO / "configs").glob("*.json"))
@@ -240,7 +240,7 @@ def test_dry_run_reports_published_parameter_counts(name, total, active):
     [("mixtral_small", (1, 2, 4, 8)), ("mixtral_8x7b", (8, 64, 256)), ("jamba_v0.1", (8, 64, 256))],
 )
 def test_shipped_layouts_divide_for_their_world_sizes(name, worlds):
-    from moe_dist.config import grad_accum_steps
+    from moe_dist.config_checks import grad_accum_steps
 
     cfg = load_config(REPO / f"configs/{name}.json")
     for world in worlds:
