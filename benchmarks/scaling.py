@@ -169,6 +169,7 @@ def fit_and_predict(rows: list[dict], config: str, overrides: list[str], steps: 
     import numpy as np
 
     from moe_dist import perfmodel as pm
+    from moe_dist import perfmodel_fit as fit
     from moe_dist.config import load_config
 
     runs = []
@@ -177,7 +178,7 @@ def fit_and_predict(rows: list[dict], config: str, overrides: list[str], steps: 
         # The "device" is one core (one thread per rank); all nodes' ranks share this machine's cores.
         share = max(1, -(-r["world"] // cores))
         runs.append(
-            pm.MeasuredRun(
+            fit.MeasuredRun(
                 r["name"],
                 cfg,
                 pm.Layout(r["world"], r["ep"], 1),
@@ -191,8 +192,8 @@ def fit_and_predict(rows: list[dict], config: str, overrides: list[str], steps: 
     for r in rows:
         for _kind, n, g, hops, wire, seconds, _source in r["samples"]:
             samples["intra" if g == n else "inter"].append((hops, wire, seconds))
-    hw = pm.fit_hardware(runs, {k: np.array(v) for k, v in samples.items() if v}, name="this machine (fitted)")
-    errors = pm.fit_errors(runs, hw)
+    hw = fit.fit_hardware(runs, {k: np.array(v) for k, v in samples.items() if v}, name="this machine (fitted)")
+    errors = fit.fit_errors(runs, hw)
     for r, e, run in zip(rows, errors, runs, strict=True):
         pred = pm.predict_step(
             run.cfg, run.layout, hw, ranks_per_device=run.ranks_per_device, ranks_per_node=run.ranks_per_node

@@ -40,7 +40,8 @@ from __future__ import annotations
 
 import math
 
-from moe_dist.config import JobConfig, check_layout, expert_tp
+from moe_dist.config import JobConfig
+from moe_dist.config_checks import check_layout, expert_tp
 from moe_dist.models.decoder import build_model, layer_kinds
 from moe_dist.models.recompute import checkpointed_parts
 

@@ -12,11 +12,11 @@ from moe_dist.config import (
     ConfigError,
     JobConfig,
     TrainConfig,
-    check_layout,
     config_from_dict,
     config_to_dict,
     load_config,
 )
+from moe_dist.config_checks import check_layout
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((REPO / "configs").glob("*.json"))
@@ -190,6 +190,37 @@ def test_folded_expert_layout_against_world_size():
     assert load_config(debug, ["parallel.tp=2", *folded[2:]]).parallel.etp is None  # default: experts split over TP
 
 
+def test_dedup_dispatch_layout_checks():
+    """parallel.a2a_dedup: whole experts only, unchunked; node blocks are each node's consecutive EP ranks."""
+    from moe_dist.parallel.mesh import dedup_blocks
+
+    debug = REPO / "configs/debug.json"
+    assert (
+        check_layout(load_config(debug, ["parallel.ep=4", "parallel.a2a_dedup=node", "train.eval_batches=4"]), 4) == 4
+    )
+    folded = [
+        "parallel.tp=2",
+        "parallel.etp=1",
+        "model.attention.n_kv_heads=4",
+        "parallel.ep=4",
+        "train.eval_batches=4",
+    ]
+    assert check_layout(load_config(debug, [*folded, "parallel.a2a_dedup=rank"]), 4) == 2
+    with pytest.raises(ConfigError, match=r"^parallel.a2a_dedup: 'node' takes parallel.a2a_chunks=1, got 2$"):
+        check_layout(load_config(debug, ["parallel.ep=2", "parallel.a2a_dedup=node", "parallel.a2a_chunks=2"]), 2)
+    with pytest.raises(ConfigError, match=r"^parallel.a2a_dedup: 'rank' needs whole experts: parallel.tp=1 or "):
+        check_layout(load_config(debug, [*folded[:1], *folded[2:], "parallel.a2a_dedup=rank"]), 8)
+    with pytest.raises(ConfigError, match=r"^parallel.a2a_dedup: expected one of"):
+        load_config(debug, ["parallel.a2a_dedup=host"])
+    assert dedup_blocks([0, 1, 2, 3], 2, "node") == [[0, 1], [2, 3]]
+    assert dedup_blocks([4, 5, 6, 7], 4, "node") == [[4, 5, 6, 7]]
+    assert dedup_blocks([0, 1, 2, 3], 2, "rank") == [[0], [1], [2], [3]]
+    with pytest.raises(ConfigError, match=r"^parallel.a2a_dedup: 'node' needs the expert-parallel group's ranks in "):
+        dedup_blocks([0, 2, 1, 3], 2, "node")  # a node's ranks apart in the group: its experts are not one block
+    with pytest.raises(ConfigError, match=r"blocks \[\[2, 3\], \[4\]\]$"):
+        dedup_blocks([2, 3, 4], 4, "node")  # unequal nodes
+
+
 def test_cli_reports_bad_config_in_one_line_with_exit_2(tmp_path):
     proc = subprocess.run(
         [
@@ -240,7 +271,7 @@ def test_dry_run_reports_published_parameter_counts(name, total, active):
     [("mixtral_small", (1, 2, 4, 8)), ("mixtral_8x7b", (8, 64, 256)), ("jamba_v0.1", (8, 64, 256))],
 )
 def test_shipped_layouts_divide_for_their_world_sizes(name, worlds):
-    from moe_dist.config import grad_accum_steps
+    from moe_dist.config_checks import grad_accum_steps
 
     cfg = load_config(REPO / f"configs/{name}.json")
     for world in worlds:

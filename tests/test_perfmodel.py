@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from moe_dist import perfmodel as pm
+from moe_dist import perfmodel_fit as fit
 from moe_dist.config import load_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -38,14 +39,14 @@ def _samples(link: pm.Link, rng, n_samples=400, noise=0.02, span_nodes=False):
 )
 def test_fit_link_recovers_alpha_and_beta(link):
     s = _samples(link, np.random.default_rng(0))
-    got = pm.fit_link(s[:, 0], s[:, 1], s[:, 2])
+    got = fit.fit_link(s[:, 0], s[:, 1], s[:, 2])
     assert got.alpha_s == pytest.approx(link.alpha_s, rel=0.05)
     assert got.beta_Bps == pytest.approx(link.beta_Bps, rel=0.05)
 
 
 def test_fit_link_exact_without_noise():
     s = _samples(pm.Link(3e-5, 7e8), np.random.default_rng(1), noise=0.0)
-    got = pm.fit_link(s[:, 0], s[:, 1], s[:, 2])
+    got = fit.fit_link(s[:, 0], s[:, 1], s[:, 2])
     assert got.alpha_s == pytest.approx(3e-5, rel=1e-9) and got.beta_Bps == pytest.approx(7e8, rel=1e-9)
 
 
@@ -54,7 +55,7 @@ def test_fit_link_never_returns_negative_constants():
     # coefficient comes out negative, so it is dropped (β = ∞) and α refitted alone.
     hops = np.array([1, 2, 3, 6, 7, 14], float)
     wire = np.array([1e3, 5e5, 1e2, 3e6, 2e4, 8e5])
-    got = pm.fit_link(hops, wire, 1e-4 * hops - 1e-12 * wire)
+    got = fit.fit_link(hops, wire, 1e-4 * hops - 1e-12 * wire)
     assert got.alpha_s == pytest.approx(1e-4, rel=0.01) and got.beta_Bps == float("inf")
 
 
@@ -80,7 +81,7 @@ def _measured_runs(hw: pm.Hardware):
         p = pm.predict_step(cfg, layout, hw, ranks_per_device=share, ranks_per_node=world // nodes)
         comm = sum(p.comm_s.values())
         runs.append(
-            pm.MeasuredRun(f"w{world}n{nodes}b{gbs}", cfg, layout, world // nodes, share, p.step_s, p.step_s - comm)
+            fit.MeasuredRun(f"w{world}n{nodes}b{gbs}", cfg, layout, world // nodes, share, p.step_s, p.step_s - comm)
         )
     return runs
 
@@ -89,12 +90,12 @@ def test_fit_hardware_recovers_every_constant_and_predicts_the_runs():
     rng = np.random.default_rng(2)
     runs = _measured_runs(TRUE)
     samples = {"intra": _samples(TRUE.intra, rng), "inter": _samples(TRUE.inter, rng, span_nodes=True)}
-    hw = pm.fit_hardware(runs, samples)
+    hw = fit.fit_hardware(runs, samples)
     assert hw.flops_per_s == pytest.approx(TRUE.flops_per_s, rel=1e-6)
     for got, want in ((hw.intra, TRUE.intra), (hw.inter, TRUE.inter)):
         assert got.alpha_s == pytest.approx(want.alpha_s, rel=0.05)
         assert got.beta_Bps == pytest.approx(want.beta_Bps, rel=0.05)
-    for e in pm.fit_errors(runs, hw):
+    for e in fit.fit_errors(runs, hw):
         assert abs(e["rel_error"]) < 0.03, e
 
 

@@ -7,7 +7,8 @@ router `mlp.gate`, softmax top-k renormalized when `norm_topk_prob`.
 
 from __future__ import annotations
 
-from moe_dist.config import AttentionConfig, ModelConfig, MoEConfig, shared_d_ff
+from moe_dist.config import AttentionConfig, ModelConfig, MoEConfig
+from moe_dist.config_checks import shared_d_ff
 from moe_dist.hf.common import (
     Family,
     HFConfigError,

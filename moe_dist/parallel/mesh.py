@@ -37,7 +37,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from moe_dist.config import ConfigError, JobConfig, check_layout, expert_tp
+from moe_dist.config import ConfigError, JobConfig
+from moe_dist.config_checks import check_layout, expert_tp
 from moe_dist.parallel import private_api
 
 

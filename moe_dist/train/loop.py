@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from moe_dist.config import ConfigError, JobConfig, check_layout, config_to_dict
+from moe_dist.config import ConfigError, JobConfig, config_to_dict
+from moe_dist.config_checks import check_layout
 from moe_dist.layers.moe import moe_routers
 from moe_dist.models.decoder import build_model, lm_loss
 from moe_dist.models.recompute import apply_activation_checkpointing

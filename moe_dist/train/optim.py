@@ -7,7 +7,8 @@ import math
 import torch
 from torch import nn
 
-from moe_dist.config import JobConfig, grad_accum_steps
+from moe_dist.config import JobConfig
+from moe_dist.config_checks import grad_accum_steps
 from moe_dist.parallel import private_api
 
 
@@ -70,7 +71,7 @@ def deepspeed_config(cfg: JobConfig, dp: int) -> dict:
         # Summing many micro-batches' bf16 gradients in bf16 loses low bits at every addition (16 micro-batches:
         # errors of ~1e-3 relative, tests/train/test_grad_accum.py). With fp32, ZeRO 2 reduces each micro-batch's
         # gradient over the data-parallel ranks in fp32 and adds it into an fp32 partition. (DeepSpeed routes
-        # ZeRO 1 with fp32 accumulation to another optimizer class, BF16_Optimizer: config.py requires stage 2.)
+        # ZeRO 1 with fp32 accumulation to another optimizer class, BF16_Optimizer: config_checks.py requires stage 2.)
         ds["data_types"] = {"grad_accum_dtype": t.grad_accum_dtype}
         ds["communication_data_type"] = t.grad_accum_dtype
     ds.update(cfg.deepspeed.extra)

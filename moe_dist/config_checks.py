@@ -1,0 +1,251 @@
+"""The rules a loaded config must satisfy beyond its types, and the layout derived from it.
+
+`validate` holds the cross-field checks that need only the config (load_config runs it); `check_layout` those
+that need the world size too (the launcher's WORLD_SIZE, at start-up and in --dry-run). `expert_tp`,
+`grad_accum_steps` and `shared_d_ff` derive sizes from the config for the modules that build the layout.
+Every failure is a ConfigError with one line naming the key. The schema and the loading are in moe_dist/config.py.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: config.py imports this module to validate what it loads
+    from moe_dist.config import JobConfig, ModelConfig, MoEConfig
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message is one line naming the dotted key."""
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+def validate(cfg: JobConfig) -> None:
+    """Cross-field checks that do not depend on the world size (see `check_layout` for those)."""
+    m, a, mb, moe, t = cfg.model, cfg.model.attention, cfg.model.mamba, cfg.model.moe, cfg.train
+    _check(
+        a.mask == "causal" or cfg.data.document_masking,
+        "model.attention.mask: 'prefix' needs data.document_masking=true (the prompt is found per document)",
+    )
+    for name in ("vocab_size", "d_model", "n_layers", "d_ff"):
+        _check(getattr(m, name) > 0, f"model.{name}: must be positive, got {getattr(m, name)}")
+    _check(
+        bool(m.mixer_pattern) and set(m.mixer_pattern) <= {"A", "M"},
+        f"model.mixer_pattern: letters A (attention) and M (Mamba) only, got {m.mixer_pattern!r}",
+    )
+    _check(
+        bool(m.ffn_pattern) and set(m.ffn_pattern) <= {"D", "E"},
+        f"model.ffn_pattern: letters D (dense) and E (MoE) only, got {m.ffn_pattern!r}",
+    )
+    for name in ("mixer_pattern", "ffn_pattern"):
+        n = len(getattr(m, name))
+        _check(m.n_layers % n == 0, f"model.{name}: length {n} must divide model.n_layers={m.n_layers}")
+    _check(
+        a.n_heads > 0 and a.n_kv_heads > 0 and a.n_heads % a.n_kv_heads == 0,
+        f"model.attention.n_kv_heads: must divide n_heads={a.n_heads}, got {a.n_kv_heads}",
+    )
+    if a.head_dim is None:
+        _check(
+            m.d_model % a.n_heads == 0,
+            f"model.attention.n_heads: must divide d_model={m.d_model} when head_dim is null, got {a.n_heads}",
+        )
+    _check(
+        mb.d_state > 0 and mb.d_conv > 0 and mb.expand > 0 and mb.chunk_size > 0,
+        "model.mamba: d_state, d_conv, expand and chunk_size must be positive",
+    )
+    _check(moe.num_experts > 0, f"model.moe.num_experts: must be positive, got {moe.num_experts}")
+    _check(
+        0 < moe.top_k <= moe.num_experts,
+        f"model.moe.top_k: must be in [1, num_experts={moe.num_experts}], got {moe.top_k}",
+    )
+    _check(
+        moe.capacity_factor is None or moe.capacity_factor > 0,
+        f"model.moe.capacity_factor: must be positive or null (dropless), got {moe.capacity_factor}",
+    )
+    _check_moe_recipes(moe)
+    _check(cfg.parallel.tp >= 1 and cfg.parallel.ep >= 1, "parallel.tp and parallel.ep must be >= 1")
+    etp = cfg.parallel.etp
+    _check(
+        etp is None or etp in (1, cfg.parallel.tp),
+        f"parallel.etp: must be 1 or parallel.tp={cfg.parallel.tp} (or null: tp), got {etp}",
+    )
+    _check(
+        etp != 1 or cfg.parallel.tp == 1 or cfg.parallel.ep > 1,
+        f"parallel.etp: 1 with parallel.tp={cfg.parallel.tp} needs parallel.ep > 1 (whole experts replicated over "
+        "TP would compute every token tp times); set parallel.ep or leave parallel.etp null",
+    )
+    if cfg.parallel.tp > 1:
+        _check_tensor_parallel(cfg)
+        _check(
+            not t.compile,
+            "train.compile: not supported with parallel.tp > 1 (the tensor-parallel region hooks "
+            "issue collectives inside the compiled modules)",
+        )
+    _check(
+        cfg.parallel.ep == 1 or cfg.deepspeed.zero_stage >= 1,
+        "deepspeed.zero_stage: expert parallelism (parallel.ep > 1) needs ZeRO stage 1 or 2 (stage 0's gradient "
+        "clipping in DeepSpeed averages per-rank norms instead of computing the global norm)",
+    )
+    _check(
+        t.dtype == "fp32" or cfg.deepspeed.zero_stage >= 1,
+        "deepspeed.zero_stage: bf16 training needs ZeRO stage 1 or 2 here (checkpoints read its fp32 master weights)",
+    )
+    _check(
+        moe.num_experts % cfg.parallel.ep == 0,
+        f"parallel.ep: must divide model.moe.num_experts={moe.num_experts}, got {cfg.parallel.ep}",
+    )
+    _check(t.steps > 0, f"train.steps: must be positive, got {t.steps}")
+    _check(t.seq_len > 0, f"train.seq_len: must be positive, got {t.seq_len}")
+    _check(t.micro_batch_size > 0, f"train.micro_batch_size: must be positive, got {t.micro_batch_size}")
+    _check(
+        t.global_batch_size % t.micro_batch_size == 0,
+        f"train.global_batch_size: must be a multiple of train.micro_batch_size={t.micro_batch_size}, "
+        f"got {t.global_batch_size}",
+    )
+    _check(len(t.betas) == 2, f"train.betas: expected two numbers, got {t.betas}")
+    parts = {"attention", "mamba", "moe_experts", "mlp"}
+    _check(
+        set(t.checkpoint_parts) <= parts,
+        f"train.checkpoint_parts: expected a subset of {sorted(parts)}, got {t.checkpoint_parts}",
+    )
+    _check(
+        t.activation_checkpointing == "selective" or not t.checkpoint_parts,
+        f"train.checkpoint_parts: only used with train.activation_checkpointing='selective', "
+        f"not {t.activation_checkpointing!r}",
+    )
+    _check(0.0 < cfg.data.val_fraction < 1.0, f"data.val_fraction: must be in (0, 1), got {cfg.data.val_fraction}")
+    _check(
+        cfg.data.source == "stdlib" or bool(cfg.data.paths),
+        f"data.paths: required when data.source is {cfg.data.source!r}",
+    )
+
+
+def _check_moe_recipes(moe: MoEConfig) -> None:
+    """The routing options of model.moe beyond top-k (scores, balancing, groups, shared experts)."""
+    _check(moe.route_scale > 0, f"model.moe.route_scale: must be positive, got {moe.route_scale}")
+    _check(moe.bias_update_rate >= 0, f"model.moe.bias_update_rate: must be >= 0, got {moe.bias_update_rate}")
+    _check(
+        moe.n_groups >= 1 and moe.num_experts % moe.n_groups == 0,
+        f"model.moe.n_groups: must divide model.moe.num_experts={moe.num_experts}, got {moe.n_groups}",
+    )
+    _check(
+        1 <= moe.topk_groups <= moe.n_groups,
+        f"model.moe.topk_groups: must be in [1, n_groups={moe.n_groups}], got {moe.topk_groups}",
+    )
+    reachable = moe.topk_groups * (moe.num_experts // moe.n_groups)
+    _check(
+        moe.top_k <= reachable,
+        f"model.moe.top_k: {moe.top_k} experts cannot be chosen from topk_groups={moe.topk_groups} groups of "
+        f"{moe.num_experts // moe.n_groups} experts",
+    )
+    _check(moe.n_shared_experts >= 0, f"model.moe.n_shared_experts: must be >= 0, got {moe.n_shared_experts}")
+    _check(
+        moe.shared_d_ff is None or moe.shared_d_ff > 0,
+        f"model.moe.shared_d_ff: must be positive or null, got {moe.shared_d_ff}",
+    )
+    _check(moe.dead_expert_window >= 1, f"model.moe.dead_expert_window: must be >= 1, got {moe.dead_expert_window}")
+
+
+def shared_d_ff(m: ModelConfig) -> int:
+    """Hidden size of an MoE layer's shared SwiGLU (0 without shared experts)."""
+    moe = m.moe
+    if moe.n_shared_experts == 0:
+        return 0
+    return moe.shared_d_ff or moe.n_shared_experts * (moe.d_ff or m.d_ff)
+
+
+def _check_tensor_parallel(cfg: JobConfig) -> None:
+    """Every dimension tensor parallelism splits must divide evenly by parallel.tp (see parallel/tensor_parallel.py)."""
+    m, tp = cfg.model, cfg.parallel.tp
+    a, mb, moe = m.attention, m.mamba, m.moe
+
+    def divides(value: int, key: str, what: str) -> None:
+        _check(value % tp == 0, f"{key}: {what} {value} is not divisible by parallel.tp={tp}")
+
+    divides(m.vocab_size, "model.vocab_size", "the vocabulary (split across tensor-parallel ranks)")
+    if "A" in m.mixer_pattern:
+        _check(
+            a.qk_norm != "full",
+            "model.attention.qk_norm: 'full' (one norm over all heads) is not supported with parallel.tp > 1",
+        )
+        divides(a.n_heads, "model.attention.n_heads", "query heads")
+        divides(a.n_kv_heads, "model.attention.n_kv_heads", "key/value heads")
+    if "M" in m.mixer_pattern:
+        divides(mb.expand * m.d_model, "model.mamba.expand", "d_inner = expand * d_model =")
+        _check(
+            not mb.proj_bias,
+            "model.mamba.proj_bias: biases of Mamba's in/out projections are not supported with parallel.tp > 1",
+        )
+    if "D" in m.ffn_pattern:
+        divides(m.d_ff, "model.d_ff", "the dense FFN hidden size")
+    if "E" in m.ffn_pattern:
+        if expert_tp(cfg) > 1:  # parallel.etp=1 keeps the experts whole
+            divides(moe.d_ff or m.d_ff, "model.moe.d_ff", "the expert hidden size")
+        if shared_d_ff(m):
+            divides(shared_d_ff(m), "model.moe.shared_d_ff", "the shared experts' hidden size")
+    if cfg.parallel.sequence_parallel:
+        divides(cfg.train.seq_len, "train.seq_len", "with parallel.sequence_parallel, the sequence length")
+
+
+def check_layout(cfg: JobConfig, world_size: int) -> int:
+    """Validate the parallel layout against the world size; return the data-parallel degree. Each error is one
+    line naming the key, its value and the world size (the launcher's WORLD_SIZE, checked before start-up)."""
+    tp, ep, etp = cfg.parallel.tp, cfg.parallel.ep, expert_tp(cfg)
+    _check(world_size % tp == 0, f"parallel.tp: {tp} does not divide the world size {world_size}")
+    dp = world_size // tp
+    if etp == tp:
+        _check(
+            dp % ep == 0,
+            f"parallel.ep: {ep} must divide the data-parallel degree {dp} (world {world_size} / tp {tp}; "
+            f"parallel.etp=1 lets it divide dp × tp)",
+        )
+    else:
+        _check(
+            world_size % ep == 0,
+            f"parallel.ep: {ep} must divide dp × tp = world size {world_size} with parallel.etp=1 (tp {tp})",
+        )
+    chunks = cfg.parallel.a2a_chunks
+    _check(chunks >= 1, f"parallel.a2a_chunks: must be at least 1, got {chunks}")
+    if cfg.parallel.a2a_dedup != "none" and ep > 1:
+        _check(chunks == 1, f"parallel.a2a_dedup: {cfg.parallel.a2a_dedup!r} takes parallel.a2a_chunks=1, got {chunks}")
+        _check(
+            expert_tp(cfg) == 1,
+            f"parallel.a2a_dedup: {cfg.parallel.a2a_dedup!r} needs whole experts: parallel.tp=1 or parallel.etp=1 "
+            f"(got tp {tp}, etp {cfg.parallel.etp})",
+        )
+    ranks = f"{dp} data-parallel ranks (world size {world_size} / parallel.tp={tp})"
+    # The engine's, checked here (at start-up) rather than in validate(): tools that build no engine (bench) take it.
+    _check(
+        cfg.train.dtype == "fp32" or cfg.train.grad_accum_dtype == "bf16" or cfg.deepspeed.zero_stage == 2,
+        "deepspeed.zero_stage: bf16 training with fp32 gradient accumulation (train.grad_accum_dtype, the default) "
+        "needs ZeRO stage 2; set deepspeed.zero_stage=2, or train.grad_accum_dtype=bf16 to accumulate in bf16",
+    )
+    micro = cfg.train.global_batch_size // cfg.train.micro_batch_size
+    _check(
+        micro % dp == 0,
+        f"train.global_batch_size: {cfg.train.global_batch_size} sequences = {micro} micro-batches of "
+        f"train.micro_batch_size={cfg.train.micro_batch_size}, not divisible among {ranks}",
+    )
+    _check(
+        cfg.train.eval_batches % dp == 0,
+        f"train.eval_batches: {cfg.train.eval_batches} is not divisible among {ranks}",
+    )
+    if ep > 1 and cfg.model.moe.group_by == "ep_rank":
+        _check(
+            cfg.model.moe.n_groups == ep,
+            f"model.moe.n_groups: group_by 'ep_rank' needs one group per EP rank, n_groups = parallel.ep = {ep}, "
+            f"got {cfg.model.moe.n_groups}",
+        )
+    return dp
+
+
+def expert_tp(cfg: JobConfig) -> int:
+    """The expert tensor-parallel size: `parallel.etp`, or `parallel.tp` when unset."""
+    return cfg.parallel.tp if cfg.parallel.etp is None else cfg.parallel.etp
+
+
+def grad_accum_steps(cfg: JobConfig, dp: int) -> int:
+    return cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)
