@@ -20,7 +20,9 @@ REPO = Path(__file__).resolve().parents[1]
 TRAIN = str(REPO / "launch" / "train.py")
 NETNS = str(REPO / "tests" / "netns_cluster.sh")
 STEPS = 4
-# ep = 4 on a 4-rank world: every MoE all-to-all spans both nodes.
+# ep = 4 on a 4-rank world: every MoE all-to-all spans both nodes. On two nodes the dispatch is deduplicated per node
+# (a token crosses once per node it reaches), on one node it is the plain one (one block: nothing to deduplicate),
+# under routing limited to one group of two experts (the experts of one node) per token.
 ARGS = [
     "--config",
     "configs/debug.json",
@@ -30,6 +32,9 @@ ARGS = [
     "train.save_every=0",
     "train.eval_batches=4",
     "parallel.ep=4",
+    "parallel.a2a_dedup=node",
+    "model.moe.n_groups=2",
+    "model.moe.topk_groups=1",
     "parallel.timeout_s=120",
 ]
 

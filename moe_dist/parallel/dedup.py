@@ -33,11 +33,12 @@ from moe_dist.parallel.dispatch import AllToAllDispatcher, token_parts
 from moe_dist.parallel.mesh import DedupGroups
 
 
-def block_routing(expert_VK: torch.Tensor, weight_VK: torch.Tensor, num_experts: int) -> Routing:
+def block_routing(expert_VK: torch.Tensor, weight_VK: torch.Tensor, num_experts: int, kept: int) -> Routing:
     """The routing of a block's received rows over its `num_experts` experts: slot (v, k) goes to block-local
-    expert expert_VK[v, k] with weight weight_VK[v, k]; -1 marks an empty slot. Empty slots sort after the last
-    expert's rows and count as its dropped assignments, so `Routing`'s contract (kept rows a prefix of each
-    expert's, counts summing to K·V) holds and `kept_rows` cuts them off. Fixed-size index math: no sync."""
+    expert expert_VK[v, k] with weight weight_VK[v, k]; -1 marks an empty slot, `kept` (known on the host) counts
+    the others. Empty slots sort after the last expert's rows and count as its dropped assignments, so `Routing`'s
+    contract (kept rows a prefix of each expert's, counts summing to K·V) holds, and the kept rows are the first
+    `kept` of the order: fixed-size index math and a slice of known size, no sync."""
     V, K = expert_VK.shape
     B = num_experts
     expert_A = expert_VK.t().reshape(-1)  # slot-major a = k·V + v, as the router's
@@ -46,7 +47,9 @@ def block_routing(expert_VK: torch.Tensor, weight_VK: torch.Tensor, num_experts:
     per_key = count_per_expert(key_A, B + 1)
     kept_E = per_key[:B]
     counts_E = torch.cat([kept_E[:-1], kept_E[-1:] + per_key[B:]])
-    return Routing(order_A, counts_E, key_A[order_A] < B, kept_E, weight_VK.t().reshape(-1), num_tokens=V, top_k=K)
+    routing = Routing(order_A, counts_E, key_A[order_A] < B, kept_E, weight_VK.t().reshape(-1), num_tokens=V, top_k=K)
+    routing._rows_R = order_A[:kept]
+    return routing
 
 
 @dataclass
@@ -91,10 +94,13 @@ class DedupAllToAllDispatcher(AllToAllDispatcher):
         # Each sent assignment's (block, token) pair n·T + t; unsent ones go to a spare pair N·T.
         pair_A = torch.where(send_A, block_A * T + order_A % T, N * T)
         present_P = torch.zeros(N * T + 1, dtype=torch.bool, device=dev).index_fill_(0, pair_A, True)[: N * T]
-        sent_N = present_P.view(N, T).sum(1)
-        recv_N = all_to_all_equal(sent_N, self.groups.rail)
-        host = torch.cat([sent_N, recv_N]).cpu()  # both split lists in one device-to-host transfer
-        send_splits, recv_splits = host[:N].tolist(), host[N:].tolist()
+        # Per block: the pairs sent there and their assignments (the receiver's kept slots).
+        sent_N2 = torch.stack(
+            [present_P.view(N, T).sum(1), count_per_expert(torch.where(send_A, block_A, N), N + 1)[:N]], 1
+        )
+        recv_N2 = all_to_all_equal(sent_N2, self.groups.rail)
+        host = torch.cat([sent_N2, recv_N2]).cpu()  # every split list and count in one device-to-host transfer
+        send_splits, recv_splits, kept = host[:N, 0].tolist(), host[N:, 0].tolist(), int(host[N:, 1].sum())
         U = sum(send_splits)
         # The present pairs in order, cut with the host count (a scatter to their ranks among the present: no mask).
         slot_P = torch.where(present_P, torch.cumsum(present_P, 0) - 1, U)
@@ -112,7 +118,7 @@ class DedupAllToAllDispatcher(AllToAllDispatcher):
         x_UD = self.permutation.permute(x_TD, pairs_U, N)  # pair n·T + t reads token t: a gather with N "slots"
         x_VD = all_to_all_rows(x_UD, recv_splits, send_splits, self.groups.rail)
         meta_VK2 = all_to_all_rows(meta_UK2, recv_splits, send_splits, self.groups.rail)
-        inner_routing = block_routing(meta_VK2[:, K:].detach().long(), meta_VK2[:, :K], B)
+        inner_routing = block_routing(meta_VK2[:, K:].detach().long(), meta_VK2[:, :K], B, kept)
         x_RD, rows_per_expert, inner_state = self.inner.dispatch(x_VD, inner_routing)
 
         remote = U - send_splits[self.groups.index]

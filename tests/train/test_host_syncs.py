@@ -28,9 +28,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from moe_dist.config import MoEConfig, load_config
-from moe_dist.layers.moe import MoE, Router
+from moe_dist.layers.moe import LocalDispatcher, MoE, Router
 from moe_dist.models.decoder import build_model, lm_loss, materialize
+from moe_dist.parallel.dedup import DedupAllToAllDispatcher
 from moe_dist.parallel.dispatch import AllToAllDispatcher, TokenSplit
+from moe_dist.parallel.mesh import DedupGroups
 from moe_dist.parallel.overlap import ChunkedAllToAllDispatcher
 from moe_dist.train.metrics import StepAccumulator
 
@@ -229,6 +231,26 @@ def test_all_to_all_dispatcher_makes_one_transfer_per_layer(solo_group, kind, ca
     local = moe_layer(capacity_factor=capacity_factor)  # the same weights: the same output as the local dispatcher
     exact = kind != "ep-chunks3"  # chunks run the expert GEMMs on fewer rows at a time: fp32 rounding may differ
     torch.testing.assert_close(moe(x)[0], local(x)[0], rtol=0 if exact else 1e-5, atol=0 if exact else 1e-5)
+
+
+@pytest.mark.parametrize("unit, transfers", [("rank", 1), ("node", 2)])
+@pytest.mark.parametrize("capacity_factor", [1.0, None], ids=["capacity", "dropless"])
+def test_dedup_dispatcher_transfers_once_per_stage(solo_group, unit, transfers, capacity_factor, one_thread):
+    """The deduplicated dispatch moves its counts to the host once per all-to-all stage: one count exchange carries
+    the pairs and the assignments sent to each block, so single-rank blocks ("rank") need no second transfer;
+    node blocks add the plain dispatcher's inside the node."""
+    moe = moe_layer(capacity_factor=capacity_factor)
+    perm = moe.dispatcher.permutation
+    groups = DedupGroups(solo_group, 1, 0, solo_group if unit == "node" else None, 1, 0)
+    inner = AllToAllDispatcher(solo_group, 1, 0, 8, perm) if unit == "node" else LocalDispatcher(perm)
+    moe.dispatcher = DedupAllToAllDispatcher(solo_group, 1, 0, 8, perm, groups=groups, inner=inner)
+    x = torch.randn(2, 40, 16, generator=torch.Generator().manual_seed(2))
+    with HostSyncs() as s:
+        fwd_bwd(moe, x)
+    assert [what for what, _ in s.events] == ["cpu()"] * transfers, s.events
+    assert all(where.startswith(("parallel/dedup.py", "parallel/dispatch.py")) for _, where in s.events), s.events
+    local = moe_layer(capacity_factor=capacity_factor)
+    torch.testing.assert_close(moe(x)[0], local(x)[0], rtol=1e-6, atol=1e-6)
 
 
 def test_decoder_step_syncs_once_per_moe_layer_at_most(one_thread):
