@@ -24,10 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from moe_dist.layers.moe import Dispatcher, Routing, count_per_expert
-from moe_dist.layers.permutation import Permutation
 from moe_dist.parallel.comm import all_to_all_equal, all_to_all_rows
 from moe_dist.parallel.dispatch import AllToAllDispatcher, token_parts
 from moe_dist.parallel.mesh import DedupGroups
@@ -67,18 +65,9 @@ class DedupAllToAllDispatcher(AllToAllDispatcher):
     experts, the token split of folded TP: each rank dispatches its own slice, `with_split`); the experts must be
     whole (a split with `gather` is refused by the config check)."""
 
-    def __init__(
-        self,
-        group: dist.ProcessGroup,
-        ep: int,
-        ep_rank: int,
-        num_experts: int,
-        permutation: Permutation,
-        *,
-        groups: DedupGroups,
-        inner: Dispatcher,
-    ):
-        super().__init__(group, ep, ep_rank, num_experts, permutation)
+    def __init__(self, *args, groups: DedupGroups, inner: Dispatcher):
+        """`args` as `AllToAllDispatcher`'s (the whole EP group); `inner`: stage 2's dispatcher over the block."""
+        super().__init__(*args)
         self.groups, self.inner = groups, inner
 
     def dispatch(self, x_TD: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, _DedupState]:

@@ -26,6 +26,9 @@ from moe_dist.parallel.dedup import DedupAllToAllDispatcher
 from moe_dist.parallel.expert_parallel import apply_ep
 from moe_dist.parallel.tensor_parallel import apply_tp
 
+sys.path.insert(0, str(Path(__file__).parent))  # loaded by path in the test: the sibling imports as under torchrun
+from dispatch_worker import forward_backward  # noqa: E402
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TOKENS = 12
 # scenario -> extra model.moe overrides
@@ -73,20 +76,6 @@ def prepare(moe: MoE, scenario: str) -> None:
         with torch.no_grad():
             moe.router.weight.zero_()
             moe.router.weight[:, :8] = 4.0 * torch.eye(8)
-
-
-def forward_backward(moe: MoE, x: torch.Tensor) -> dict:
-    """Output, input, router and expert gradients of a fixed weighted sum of the layer's output."""
-    x = x.requires_grad_()
-    out, stats = moe(x)
-    (out * torch.linspace(-1, 1, out.numel()).view_as(out).to(out.dtype)).sum().backward()
-    return {
-        "out": out.detach(),
-        "x_grad": x.grad,
-        "router_grad": moe.router.weight.grad.clone(),
-        "sent_bytes": torch.tensor(float(stats.sent_bytes)),
-        **{f"{n}_grad": getattr(moe.experts, n).grad for n in ("w13", "w2")},
-    }
 
 
 def run_case(out_dir: Path, mesh, unit: str, scenario: str, dtype: str) -> None:
