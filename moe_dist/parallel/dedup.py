@@ -100,9 +100,13 @@ class DedupAllToAllDispatcher(AllToAllDispatcher):
         expert_PK = torch.full((N * T + 1, K), -1, dtype=torch.long, device=dev)
         expert_PK = expert_PK.index_put_((pair_A, slot_A), expert_A - block_A * B)
         weight_PK = torch.zeros(N * T + 1, K, dtype=routing.weight_A.dtype, device=dev)
-        weight_PK = weight_PK.index_put((pair_A, slot_A), routing.weight_A[order_A])  # spare pair: discarded
+        weight_PK = weight_PK.index_put(
+            (pair_A, slot_A), routing.weight_A.index_select(0, order_A)
+        )  # spare pair: discarded
         # fp32 carries the expert ids exactly (< 2^24): one all-to-all for weights and ids; the ids' gradient is 0
-        meta_UK2 = torch.cat([weight_PK[pairs_U], expert_PK[pairs_U].to(weight_PK.dtype)], 1)
+        meta_UK2 = torch.cat(
+            [weight_PK.index_select(0, pairs_U), expert_PK.index_select(0, pairs_U).to(weight_PK.dtype)], 1
+        )
 
         x_UD = self.permutation.permute(x_TD, pairs_U, N)  # pair n·T + t reads token t: a gather with N "slots"
         x_VD = all_to_all_rows(x_UD, recv_splits, send_splits, self.groups.rail)
