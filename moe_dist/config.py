@@ -69,7 +69,8 @@ class MoEConfig:
         "micro_batch"  # load fractions f_i of the aux loss: per micro-batch, per sequence, or the whole step
     )
     global_batch_load: Literal["this_step", "previous_step"] = (
-        "this_step"  # global_batch's f_i: this step's (a no-grad routing pre-pass, one extra forward per micro-batch)  # or the previous step's (no extra forward, one step stale); only read with aux_loss_scope global_batch
+        "this_step"  # aux_loss_scope global_batch's f_i: this step's, from a no-grad routing pre-pass (one extra
+        # forward per micro-batch), or the previous step's (no extra forward, one step stale)
     )
     n_groups: int = 1  # expert groups for group-limited routing (contiguous blocks of experts); 1 = off
     topk_groups: int = 1  # groups a token may choose its experts from (best by the sum of their top-2 scores)
