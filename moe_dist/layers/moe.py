@@ -199,9 +199,10 @@ class Router(nn.Module):
           global_batch f_i over every assignment of a whole global batch (`load_E`): all micro-batches on all
                        data-parallel ranks, each token once (tensor-parallel peers route the same tokens, so
                        only TP rank 0's are counted); P_i this micro-batch's (Qwen's global-batch balance). f is
-                       a constant (no gradient) that depends only on the global batch, not on how it is cut into
-                       micro-batches and ranks, and each micro-batch's loss is averaged as the LM loss is, so
-                       every layout equals one process with gradient accumulation. Which batch
+                       a constant (no gradient) of the global batch alone, not of how it is cut into micro-batches
+                       and ranks, and the step averages the micro-batches' losses as it does the LM loss, so the
+                       step's aux loss is E · Σ_i f_i · mean over its M micro-batches of P_i, the same for every
+                       layout and for one process with gradient accumulation. Which step's f
                        (`global_batch_load`):
                          this_step      the current optimizer step's, exactly: each micro-batch's backward runs
                                         before the next forward, so the step's routing is known in advance only
