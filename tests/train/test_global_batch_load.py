@@ -123,3 +123,32 @@ def test_prepass_load_is_the_training_forwards_own_load_on_a_decoder(one_thread)
         assert out.aux_loss.item() != pytest.approx(ref.aux_loss.item(), rel=1e-6)
         for s, t in zip(out.moe_stats, ref.moe_stats):
             assert torch.equal(s.tokens_per_expert_E, t.tokens_per_expert_E) and torch.equal(s.dropped, t.dropped)
+
+
+def test_prepass_changes_nothing_under_activation_recompute(one_thread):
+    """The pre-pass's no-grad forwards bypass the recompute wrappers: a step of four micro-batches (pre-pass, then
+    forward and backward of each) gives the same aux losses, loads and gradients with every part recomputed as
+    without recompute, bitwise."""
+    from moe_dist.models.recompute import apply_activation_checkpointing
+
+    cfg = load_config(
+        "configs/debug.json", ["model.moe.aux_loss_scope=global_batch", "train.activation_checkpointing=full"]
+    )
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, cfg.model.vocab_size, (2, 32), generator=g) for _ in range(4)]
+    results = []
+    for recompute in (False, True):
+        model = materialize(build_model(cfg.model), "cpu", seed=0)
+        if recompute:
+            apply_activation_checkpointing(model, cfg.train)
+        route_step_ahead(moe_routers(model), lambda x, m=model: m(x).moe_stats, batches, counted=True)
+        aux = []
+        for x in batches:
+            out = model(x)
+            (out.aux_loss + out.logits.float().square().mean()).backward()
+            aux.append(out.aux_loss.item())
+        loads = [r.load_E.clone() for r in moe_routers(model)]
+        results.append((aux, loads, {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (aux, loads, grads), (aux_r, loads_r, grads_r) = results
+    assert aux == aux_r and all(torch.equal(a, b) for a, b in zip(loads, loads_r))
+    assert grads.keys() == grads_r.keys() and all(torch.equal(grads[n], grads_r[n]) for n in grads)
