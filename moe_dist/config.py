@@ -69,6 +69,10 @@ class MoEConfig:
     aux_loss_scope: Literal["micro_batch", "sequence", "global_batch"] = (
         "micro_batch"  # load fractions f_i of the aux loss: per micro-batch, per sequence, or the whole step
     )
+    global_batch_load: Literal["this_step", "previous_step"] = (
+        "this_step"  # aux_loss_scope global_batch's f_i: this step's, from a no-grad routing pre-pass (one extra
+        # forward per micro-batch), or the previous step's (no extra forward, one step stale)
+    )
     n_groups: int = 1  # expert groups for group-limited routing (contiguous blocks of experts); 1 = off
     topk_groups: int = 1  # groups a token may choose its experts from (best by the sum of their top-2 scores)
     group_by: Literal["experts", "ep_rank", "node"] = "experts"  # what the groups must coincide with under EP

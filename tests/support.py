@@ -80,8 +80,9 @@ E2E_MODES = {
     "capacity": [],
     "kv4": ["model.attention.n_kv_heads=4"],  # capacity, with kv heads that tp = 4 divides
     "dropless": ["model.moe.capacity_factor=null"],
-    # today's MoE recipes at once: sigmoid scores, loss-free balancing with the aux loss over the global batch,
-    # one group per EP rank, a gated shared expert (test_ep_e2e.py runs it at ep = 2, test_tp_e2e.py at tp = 2)
+    # today's MoE recipes at once: sigmoid scores, loss-free balancing with the aux loss over the global batch
+    # (this step's f, from the routing pre-pass), one group per EP rank, a gated shared expert (test_ep_e2e.py runs
+    # it at dp = ep = 2, test_tp_e2e.py at tp = 2; both compare the aux loss of every step too)
     "recipes": [
         "model.moe.top_k=1",
         "model.moe.score=sigmoid",

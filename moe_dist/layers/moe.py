@@ -141,8 +141,10 @@ class Router(nn.Module):
     them), present only when their option is on, and identical on every rank (set from all-reduced counts):
       bias_E  loss-free balancing (DeepSeek-V3, `bias_update_rate` > 0): added to the scores to choose experts,
               never to the combine weights; `end_step` moves it by rate · sign(mean load − load) per optimizer step.
-      load_E  `aux_loss_scope` "global_batch": the load fractions f_i of the previous optimizer step over its whole
-              global batch (see `aux_loss`)."""
+      load_E  `aux_loss_scope` "global_batch": the load fractions f_i over a whole global batch, of this optimizer
+              step (`global_batch_load` "this_step": set by `set_load` from a routing pre-pass before the step's
+              first forward with gradients) or of the previous one ("previous_step": set by `end_step`); see
+              `aux_loss`."""
 
     def __init__(self, d_model: int, cfg: MoEConfig, init_std: float):
         super().__init__()
@@ -167,15 +169,26 @@ class Router(nn.Module):
             self.load_E.fill_(1.0 / self.cfg.num_experts)  # uniform before the first step: the aux gradient is 0
 
     @torch.no_grad()
+    def set_load(self, tokens_per_expert_E: torch.Tensor) -> None:
+        """The global-batch load fractions f_i from a global batch's assignments per expert (before drops; all
+        ranks, all micro-batches, the same on every rank). A batch without assignments keeps the last f."""
+        if self.load_E is None:
+            return
+        load_E = tokens_per_expert_E.to(device=self.load_E.device, dtype=torch.float64)
+        total = load_E.sum()  # compared on the device: no host sync
+        self.load_E = torch.where(total > 0, load_E / total.clamp(min=1), self.load_E.double()).float()
+
+    @torch.no_grad()
     def end_step(self, tokens_per_expert_E: torch.Tensor) -> None:
         """After optimizer step: the step's global assignments per expert (all ranks, all micro-batches; the same
-        on every rank). Updates the bias by its sign (DeepSeek-V3) and the global-batch load fractions."""
+        on every rank). Updates the bias by its sign (DeepSeek-V3) and, with `global_batch_load` "previous_step",
+        the global-batch load fractions the next step uses ("this_step" sets them at the start of each step)."""
         load_E = tokens_per_expert_E.to(torch.float64)
         if self.bias_E is not None:  # fp32 even where the module was cast (bf16): steps of 1e-3 must not round away
             step_E = torch.sign(load_E.mean() - load_E).float() * self.cfg.bias_update_rate
             self.bias_E = self.bias_E.float() + step_E.to(self.bias_E.device)
-        if self.load_E is not None and load_E.sum() > 0:
-            self.load_E = (load_E / load_E.sum()).float().to(self.load_E.device)
+        if self.cfg.global_batch_load == "previous_step":
+            self.set_load(load_E)
 
     def aux_loss(self, p_TE: torch.Tensor, expert_TK: torch.Tensor, seq_len: int) -> torch.Tensor:
         """Switch/GShard balance loss E · Σ_i f_i · P_i; P_i = mean over tokens of the normalized score p_ti,
@@ -183,12 +196,20 @@ class Router(nn.Module):
           micro_batch  this micro-batch on this rank (T tokens);
           sequence     each sequence alone (its S tokens), the loss averaged over the B sequences (DeepSeek-V3's
                        complementary sequence-wise loss);
-          global_batch f_i over every token of the previous optimizer step's global batch (all data-parallel
-                       ranks, all micro-batches: `load_E`), P_i this micro-batch's. The current step's own f is
-                       not known until its last micro-batch is routed, while each micro-batch's backward runs
-                       before the next forward (an exact one would need a second forward pass); the previous
-                       step's is the same whatever the layout, so every layout equals one process with gradient
-                       accumulation. Step 1 uses uniform f, whose gradient is zero for softmax scores.
+          global_batch f_i over every assignment of a whole global batch (`load_E`): all micro-batches on all
+                       data-parallel ranks, each token once (tensor-parallel peers route the same tokens, so
+                       only TP rank 0's are counted); P_i this micro-batch's (Qwen's global-batch balance). f is
+                       a constant (no gradient) of the global batch alone, not of how it is cut into micro-batches
+                       and ranks, and the step averages the micro-batches' losses as it does the LM loss, so the
+                       step's aux loss is E · Σ_i f_i · mean over its M micro-batches of P_i, the same for every
+                       layout and for one process with gradient accumulation. Which step's f
+                       (`global_batch_load`):
+                         this_step      the current optimizer step's, exactly: each micro-batch's backward runs
+                                        before the next forward, so the step's routing is known in advance only
+                                        from a no-grad routing pre-pass over all its micro-batches (train/loop.py
+                                        `route_step_ahead`: one extra forward per micro-batch, `set_load`);
+                         previous_step  the previous optimizer step's (`end_step`, no extra forward, one step
+                                        stale); step 1 uses uniform f, whose gradient is zero for softmax scores.
         Zero, not NaN, for a micro-batch without tokens."""
         T, E = p_TE.shape
         K = expert_TK.shape[1]

@@ -13,6 +13,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 from tqdm import tqdm
@@ -59,17 +60,23 @@ def maybe_compile(model, cfg: JobConfig):
     return model
 
 
-def _forward_loss(engine, cfg: JobConfig, batch: Batch, mesh: Mesh):
-    def to_device(t: torch.Tensor) -> torch.Tensor:
-        if mesh.device.type == "cuda":  # from pinned host memory, without waiting for the copy
-            return t.pin_memory().to(mesh.device, non_blocking=True)
-        return t
+def _to_device(t: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    if mesh.device.type == "cuda":  # from pinned host memory, without waiting for the copy
+        return t.pin_memory().to(mesh.device, non_blocking=True)
+    return t
 
-    targets = to_device(batch.targets())
-    extra = {} if batch.document_ids is None else {"document_ids": to_device(batch.document_ids[:, :-1])}
+
+def _forward(engine, cfg: JobConfig, batch: Batch, mesh: Mesh):
+    """The model's forward of one micro-batch (DecoderOutput)."""
+    extra = {} if batch.document_ids is None else {"document_ids": _to_device(batch.document_ids[:, :-1], mesh)}
     if cfg.model.attention.mask == "prefix" and batch.loss_mask is not None:
-        extra["prefix"] = to_device(batch.prefix())
-    out = engine(to_device(batch.tokens[:, :-1]), **extra)
+        extra["prefix"] = _to_device(batch.prefix(), mesh)
+    return engine(_to_device(batch.tokens[:, :-1], mesh), **extra)
+
+
+def _forward_loss(engine, cfg: JobConfig, batch: Batch, mesh: Mesh):
+    targets = _to_device(batch.targets(), mesh)
+    out = _forward(engine, cfg, batch, mesh)
     lm = lm_loss(out.logits, targets) if mesh.tp == 1 else vocab_parallel_lm_loss(out.logits, targets, mesh)
     moe = cfg.model.moe
     return lm + moe.aux_loss_coef * out.aux_loss + moe.z_loss_coef * out.z_loss, lm, out
@@ -97,6 +104,15 @@ def _train_step(
     tic = time.perf_counter()
     acc = StepAccumulator(n_moe, cfg.model.moe.num_experts, counted=mesh.tp_rank == 0)
     batches = data.micro_batches(step - 1, t.global_batch_size, t.micro_batch_size, mesh.dp_rank, mesh.dp)
+    moe = cfg.model.moe
+    if n_moe and moe.aux_loss_scope == "global_batch" and moe.global_batch_load == "this_step":
+        with operation(f"step {step}: routing pre-pass of the global-batch load (MoE all-to-all)", timeout):
+            route_step_ahead(
+                moe_routers(engine.module),
+                lambda b: _forward(engine, cfg, b, mesh).moe_stats,
+                batches,
+                counted=mesh.tp_rank == 0,
+            )
     for i, batch in enumerate(batches):
         last = i == len(batches) - 1
         with operation(f"step {step}: forward of micro-batch {i} (MoE all-to-all)", timeout):
@@ -121,6 +137,29 @@ def _train_step(
         skipped_steps=guard.skipped_total,
     )
     return record
+
+
+@torch.no_grad()
+def route_step_ahead(routers: list, forward: Callable[[Batch], list], batches: list, counted: bool) -> None:
+    """`aux_loss_scope` global_batch with `global_batch_load` this_step: before the step's first forward with
+    gradients, a no-grad forward of each of this rank's micro-batches of the step (the same batches in the same
+    order as the training forwards, so every rank issues the same all-to-alls), of which only each MoE layer's
+    assignments per expert before drops are kept. Summed over the micro-batches and all-reduced over the world
+    (`counted` False on tensor-parallel peers of a counted rank: they routed the same tokens), they set every
+    router's `load_E` to the step's f. `forward(batch)` returns the model's RoutingStats in layer order.
+
+    The training forwards that follow route the same way (same weights and bias; `load_E` only enters the aux
+    loss; the model's forward draws no random numbers), so this is the f of their own assignments, and the step's
+    metrics count only theirs. Activation recompute wraps only forwards with gradients: none happens here. On a
+    GPU whose kernels are not bitwise reproducible a near-tie could route differently in the two forwards; f is
+    then off by that assignment, still the same on every rank. The counts stay on the device (no host sync)."""
+    total_LE = None
+    for batch in batches:
+        counts_LE = torch.stack([s.tokens_per_expert_E.double() for s in forward(batch)])
+        total_LE = counts_LE if total_LE is None else total_LE + counts_LE
+    total_LE = all_reduce_sum(total_LE if counted else torch.zeros_like(total_LE))
+    for router, counts_E in zip(routers, total_LE, strict=True):
+        router.set_load(counts_E)
 
 
 def end_router_step(model, layers: list[dict], update: bool) -> None:

@@ -140,7 +140,7 @@ def test_sequence_aux_loss_hand_worked():
 
 
 def test_global_batch_aux_loss_uses_the_previous_steps_global_load():
-    router, x = router_for(SEQ_LOGITS, top_k=1, aux_loss_scope="global_batch")
+    router, x = router_for(SEQ_LOGITS, top_k=1, aux_loss_scope="global_batch", global_batch_load="previous_step")
     p = [softmax_row(r) for r in SEQ_LOGITS]
     P = [sum(p[t][e] for t in range(4)) / 4 for e in range(3)]
     _, stats = router(x)

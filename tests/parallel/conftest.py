@@ -35,6 +35,18 @@ def _same_trajectory(got: list[dict], ref: list[dict], first_step: int = 1) -> N
             assert lg.get("bias") == lr.get("bias")  # loss-free balancing bias: from the same global counts
 
 
+def _same_aux(got: list[dict], ref: list[dict], first_step: int = 1) -> None:
+    """Per-step aux losses agree (rel 1e-5): with `aux_loss_scope` global_batch every micro-batch's f is the whole
+    step's (`global_batch_load` this_step, the default), whatever the layout cuts the global batch into. At step 1
+    it is not uniform: the previous step's f (uniform before any step) would give exactly Σ_i P_i = 1."""
+    got, ref = train_records(got), [r for r in train_records(ref) if r["step"] >= first_step]
+    assert [r["step"] for r in got] == [r["step"] for r in ref]
+    for g, r in zip(got, ref):
+        assert g["aux_loss"] == pytest.approx(r["aux_loss"], rel=1e-5), g["step"]
+    if first_step == 1:
+        assert abs(got[0]["aux_loss"] - 1.0) > 1e-4, got[0]["aux_loss"]
+
+
 def _same_final_state(got_dir: Path, ref_dir: Path, atol_of_scale: float) -> dict[str, torch.Tensor]:
     """The last checkpoints hold the same tensors (parameters and Adam moments, each once under its global name),
     equal in fp32 up to `atol_of_scale` of each tensor's largest magnitude (summation order differs between
@@ -57,6 +69,11 @@ def _same_dispatch(got: list[dict], ref: list[dict]) -> None:
         for lg, lr in zip(g["moe"], r["moe"], strict=True):
             assert lg["a2a_bytes_per_rank"] == lr["a2a_bytes_per_rank"] > 0, g["step"]
             assert lg["tokens_per_expert"] == lr["tokens_per_expert"], g["step"]
+
+
+@pytest.fixture(scope="session")
+def same_aux():
+    return _same_aux
 
 
 @pytest.fixture(scope="session")

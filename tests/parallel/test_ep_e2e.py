@@ -72,12 +72,13 @@ def runs(tmp_path_factory, run_train):
     list(LAYOUTS),
     ids=lambda t: f"dp{t[0]}-ep{t[1]}-{t[2]}-zero{t[3]}" + (f"-chunks{t[4]}" if t[4] > 1 else ""),
 )
-def test_ep_run_equals_one_process(runs, reference, metrics, same_trajectory, same_final_state, layout):
+def test_ep_run_equals_one_process(runs, reference, metrics, same_trajectory, same_final_state, same_aux, layout):
     _check_against_reference(
         runs[layout], reference(layout[2]), layout[1], 1, metrics, same_trajectory, same_final_state
     )
     if layout[2] == "recipes":  # the bias moved, identically in both runs (conftest compares it every step)
         assert all(any(layer["bias"]) for r in train_records(metrics(runs[layout])) for layer in r["moe"])
+        same_aux(metrics(runs[layout]), metrics(reference("recipes")))  # the global batch's f: this step's
 
 
 @pytest.mark.parametrize(
@@ -98,6 +99,7 @@ def test_checkpoint_reshards_across_ep_sizes(
     metrics,
     same_trajectory,
     same_final_state,
+    same_aux,
     source,
     mode,
     resume_world,
@@ -115,6 +117,8 @@ def test_checkpoint_reshards_across_ep_sizes(
     proc = run_train(launcher, resume_world, _args(d, mode, resume_ep, 1, "--resume"))
     assert f"resuming from {d / 'checkpoints' / f'step_{E2E_SAVE}'} (step {E2E_SAVE})" in proc.stderr
     _check_against_reference(d, reference(mode), resume_ep, E2E_SAVE + 1, metrics, same_trajectory, same_final_state)
+    if mode == "recipes":  # the resumed step recomputes its global-batch f (this_step), as the uninterrupted run did
+        same_aux([r for r in metrics(d) if r["step"] > E2E_SAVE], metrics(reference(mode)), first_step=E2E_SAVE + 1)
 
 
 def test_chunked_dispatch_sends_the_same_rows(runs, metrics, same_dispatch):

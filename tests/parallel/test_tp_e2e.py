@@ -107,9 +107,11 @@ def _resume(run_train, src, dst, world: int, *overrides: str, from_step: int) ->
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_tp_run_equals_one_process(runs, reference, metrics, same_trajectory, same_final_state, layout):
+def test_tp_run_equals_one_process(runs, reference, metrics, same_trajectory, same_final_state, same_aux, layout):
     same_trajectory(metrics(runs[layout]), metrics(reference(_mode(layout))))
     same_final_state(runs[layout], reference(_mode(layout)), ATOL_OF_SCALE)  # every tensor whole, once, by global name
+    if _mode(layout) == "recipes":  # the global batch's f (this step's): TP peers route the same tokens, counted once
+        same_aux(metrics(runs[layout]), metrics(reference("recipes")))
 
 
 def test_recompute_changes_nothing_under_ep_and_tp(runs, metrics, checkpoint_tensors):
