@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from moe_dist.layers.impl import Kernel, resolve
 
@@ -32,25 +33,33 @@ def _slots(rows_R: torch.Tensor, num_tokens: int, top_k: int) -> tuple[torch.Ten
 _BLOCK = 512  # token rows per block: one block's fp32 temporaries stay in cache (the arithmetic is unchanged)
 
 
-def _sum_slots(rows_RD: torch.Tensor, row_KT: torch.Tensor, scale_KT: torch.Tensor) -> torch.Tensor:
-    """out[t] = Σ_k scale_KT[k, t] · rows[row_KT[k, t]] in the compute dtype (fp32 at least). (T, D).
+def _sum_slots(rows_RD: torch.Tensor, row_KT: torch.Tensor, scale_KT: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """out[t] = Σ_k scale_KT[k, t] · rows[row_KT[k, t]] summed in the compute dtype (fp32 at least), returned in
+    `dtype`. (T, D).
 
-    One gather and fused multiply-add per top-k slot: gathers instead of a scatter-add. On CPU a bf16 row meets
-    its fp32 scale through a widened temporary copy, so tokens go in blocks of `_BLOCK` rows whose temporaries
-    stay in cache; the sum per element is the same, in the same order, as without blocks. A dropped slot reads
-    row 0 with scale 0 (so an inf in row 0 would reach it as NaN: such a step is non-finite anyway, and the guard
-    skips it)."""
+    The sum is one product then fused multiply-adds over the slots in slot order, gathers instead of a scatter-add.
+    Rows in the compute dtype take one `embedding_bag` (fbgemm's fused gather and multiply-add, the same arithmetic
+    in the same order: tests/layers/test_moe.py checks it bitwise). Narrower rows (bf16 on CPU) meet their fp32
+    scale through a widened temporary copy, so they go in blocks of `_BLOCK` tokens whose temporaries stay in
+    cache, each block rounded into the output while it is there; embedding_bag would want the scales in the rows'
+    dtype. A dropped slot reads row 0 with scale 0 (so an inf in row 0 would reach it as NaN: such a step is
+    non-finite anyway, and the guard skips it)."""
     compute = torch.promote_types(rows_RD.dtype, torch.float32)
     K, T = row_KT.shape
     if rows_RD.shape[0] == 0:  # every assignment dropped: nothing to gather from
-        return rows_RD.new_zeros(T, rows_RD.shape[1], dtype=compute)
+        return rows_RD.new_zeros(T, rows_RD.shape[1], dtype=dtype)
+    if rows_RD.dtype == compute:
+        out_TD = F.embedding_bag(row_KT.t(), rows_RD, mode="sum", per_sample_weights=scale_KT.t().to(compute))
+        return out_TD.to(dtype)
     scale_KT1 = scale_KT.to(compute).unsqueeze(-1)
-    out_TD = rows_RD.new_empty(T, rows_RD.shape[1], dtype=compute)
+    out_TD = rows_RD.new_empty(T, rows_RD.shape[1], dtype=dtype)
+    acc_BD = rows_RD.new_empty(min(T, _BLOCK), rows_RD.shape[1], dtype=compute)
     for lo in range(0, T, _BLOCK):
-        blk, out = slice(lo, lo + _BLOCK), out_TD[lo : lo + _BLOCK]
-        torch.mul(rows_RD.index_select(0, row_KT[0, blk]), scale_KT1[0, blk], out=out)
+        blk, acc = slice(lo, lo + _BLOCK), acc_BD[: min(_BLOCK, T - lo)]
+        torch.mul(rows_RD.index_select(0, row_KT[0, blk]), scale_KT1[0, blk], out=acc)
         for k in range(1, K):  # K ≤ a handful: a loop over slots, never over tokens or experts
-            out.addcmul_(rows_RD.index_select(0, row_KT[k, blk]), scale_KT1[k, blk])
+            acc.addcmul_(rows_RD.index_select(0, row_KT[k, blk]), scale_KT1[k, blk])
+        out_TD[blk] = acc
     return out_TD
 
 
@@ -78,7 +87,7 @@ class _PermuteRows(torch.autograd.Function):
     def backward(ctx, grad_RD: torch.Tensor):
         (rows_R,) = ctx.saved_tensors
         row_KT, kept_KT = _slots(rows_R, ctx.num_tokens, ctx.top_k)
-        return _sum_slots(grad_RD, row_KT, kept_KT).to(grad_RD.dtype), None, None
+        return _sum_slots(grad_RD, row_KT, kept_KT, grad_RD.dtype), None, None
 
 
 class _UnpermuteRows(torch.autograd.Function):
@@ -90,7 +99,7 @@ class _UnpermuteRows(torch.autograd.Function):
         row_KT, kept_KT = _slots(rows_R, num_tokens, K)
         ctx.save_for_backward(y_RD, rows_R, weight_A)
         ctx.num_tokens = num_tokens
-        return _sum_slots(y_RD, row_KT, weight_A.view(K, num_tokens) * kept_KT).to(y_RD.dtype)
+        return _sum_slots(y_RD, row_KT, weight_A.view(K, num_tokens) * kept_KT, y_RD.dtype)
 
     @staticmethod
     def backward(ctx, grad_TD: torch.Tensor):
