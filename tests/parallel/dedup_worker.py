@@ -28,6 +28,7 @@ from moe_dist.parallel.tensor_parallel import apply_tp
 
 sys.path.insert(0, str(Path(__file__).parent))  # loaded by path in the test: the sibling imports as under torchrun
 from dispatch_worker import forward_backward  # noqa: E402
+from dispatch_worker import layer_config as dispatch_layer_config  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TOKENS = 12
@@ -46,19 +47,8 @@ FOLDED = ["spread", "capacity", "node_limited"]
 
 
 def layer_config(scenario: str, dtype: str) -> list:
-    """Config overrides of the one-MoE-layer model; bf16 at sizes torch's grouped GEMM takes (16-byte rows)."""
-    size = ["model.d_model=8", "model.d_ff=16"] if dtype == "fp32" else ["model.d_model=32", "model.d_ff=32"]
-    return [
-        *size,
-        "model.n_layers=1",
-        "model.mixer_pattern=A",
-        "model.attention.n_heads=2",
-        "model.attention.n_kv_heads=2",
-        "model.moe.num_experts=8",
-        "model.moe.top_k=3",
-        "model.moe.capacity_factor=null",
-        *SCENARIOS[scenario],
-    ]
+    """dispatch_worker's one-MoE-layer model with 8 experts, top-3, and the scenario's routing options."""
+    return [*dispatch_layer_config(dtype), "model.moe.num_experts=8", "model.moe.top_k=3", *SCENARIOS[scenario]]
 
 
 def scenario_inputs(scenario: str, rank: int, d_model: int) -> torch.Tensor:
