@@ -39,7 +39,7 @@ def _sum_slots(rows_RD: torch.Tensor, row_KT: torch.Tensor, scale_KT: torch.Tens
 
     The sum is one product then fused multiply-adds over the slots in slot order, gathers instead of a scatter-add.
     Rows in the compute dtype take one `embedding_bag` (fbgemm's fused gather and multiply-add, the same arithmetic
-    in the same order: tests/layers/test_moe.py checks it bitwise). Narrower rows (bf16 on CPU) meet their fp32
+    in the same order: tests/layers/test_permutation.py checks it bitwise). Narrower rows (bf16 on CPU) meet their fp32
     scale through a widened temporary copy, so they go in blocks of `_BLOCK` tokens whose temporaries stay in
     cache, each block rounded into the output while it is there; embedding_bag would want the scales in the rows'
     dtype. A dropped slot reads row 0 with scale 0 (so an inf in row 0 would reach it as NaN: such a step is
