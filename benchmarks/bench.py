@@ -19,6 +19,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import resource
+import statistics
 import subprocess
 import sys
 
@@ -167,6 +169,16 @@ def _moe_parts(moe, x, dy) -> dict:
     return parts
 
 
+def _minor_faults(fn, calls: int = 3) -> int:
+    """Page faults (minor: pages the kernel had to map in again) per call of `fn`, the median of `calls`."""
+    counts = []
+    for _ in range(calls):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        fn()
+        counts.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    return int(statistics.median(counts))
+
+
 def _rss_mb(field: str) -> float:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) / 1024  # kB → MiB
@@ -220,20 +232,30 @@ def bench_moe(args) -> dict:
     kept = stats.assignments - int(stats.dropped.item())
     T, D, Fh, E, K = args.tokens, args.d_model, args.d_ff, args.experts, args.top_k
     parts = _moe_parts(moe, x, dy)
+
+    def layer():
+        _moe_fwd_bwd(moe, x, dy)
+
+    # vs_plain from rounds of the two layers alone, each first in half of them: on CPU, glibc hands large freed
+    # blocks back to the kernel, and the page faults of touching them again land on whichever call comes next,
+    # so the other closures' live buffers and the order within a round would otherwise decide the ratio.
+    pair = {"layer": layer, "plain": plain_fwd_bwd}
+    halves = [interleaved_ms(order, device, args.repeats) for order in (pair, dict(reversed(pair.items())))]
+    fwd_bwd_ms, plain_ms = (statistics.mean(h[name] for h in halves) for name in pair)
+    faults = {name: _minor_faults(fn) for name, fn in pair.items()} if device.type == "cpu" else None
     # Peak reference: dense matmuls with all T·K rows as one expert, in the shapes of the forward and both
-    # gradient GEMMs of w1/w3 (D → F) and w2 (F → D), timed in turn with the layer.
+    # gradient GEMMs of w1/w3 (D → F) and w2 (F → D), timed in turn with the breakdown right after the layers.
     fns = {
-        "layer": lambda: _moe_fwd_bwd(moe, x, dy),
-        "plain": plain_fwd_bwd,
         "gemms": _expert_gemms(moe, x.detach()),
         **{f"part:{name}": fn for name, fn in parts.items()},
         **matmul_fns([(T * K, D, Fh), (T * K, Fh, D), (D, T * K, Fh), (Fh, T * K, D)], dtype, device),
     }
     torch_moe = _moe_setup(args, impl="torch")[0]
-    if torch_moe.implementations != moe.implementations:  # the same layer (same weights) on the PyTorch paths
+    if torch_moe.implementations != moe.implementations:  # the same layer (same weights) on the PyTorch paths,
+        fns["layer"] = layer  # and the layer beside it in these rounds
         fns["layer_torch_impl"] = lambda: _moe_fwd_bwd(torch_moe, x, dy)
     ms = interleaved_ms(fns, device, args.repeats)
-    fwd_bwd_ms, gemms_ms, plain_ms, peak = ms["layer"], ms["gemms"], ms["plain"], matmul_gflops(ms)
+    gemms_ms, peak = ms["gemms"], matmul_gflops(ms)
     vs_plain = sig(plain_ms / fwd_bwd_ms)
     gemm_flops = 3 * 3 * 2 * kept * D * Fh  # gate, up, down (D·F each), ×3 for forward + the two backward GEMMs
     peak_mem, mem_note = _peak_mem_mb(moe, x, dy, device)
@@ -265,6 +287,7 @@ def bench_moe(args) -> dict:
         "fwd_bwd_ms": sig(fwd_bwd_ms),
         "plain_ms": sig(plain_ms),
         "vs_plain": vs_plain,
+        **({"minor_faults_per_call": faults} if faults else {}),
         "gemm_peak_gflops": sig(peak),
         "achieved_gemm_gflops": sig(gemm_flops / fwd_bwd_ms / 1e6),
         "roofline_fraction": sig(gemm_flops / fwd_bwd_ms / 1e6 / peak),
@@ -275,7 +298,7 @@ def bench_moe(args) -> dict:
         **(
             {
                 "torch_impl_ms": sig(ms["layer_torch_impl"]),
-                "speedup_vs_torch_impl": sig(ms["layer_torch_impl"] / fwd_bwd_ms),
+                "speedup_vs_torch_impl": sig(ms["layer_torch_impl"] / ms["layer"]),
             }
             if "layer_torch_impl" in ms
             else {}

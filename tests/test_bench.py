@@ -59,7 +59,8 @@ def test_moe(dtype, cf):
     assert out["dtype"] == dtype and out["tokens"] == 64 and out["impl"] == "auto"
     assert out["implementations"] == ON_CPU
     assert "torch_impl_ms" not in out  # "auto" is the PyTorch path here: nothing else to compare with
-    # ours against the plain layer, timed in the same rounds; the readable line says the same
+    # ours against the plain layer, timed in rounds of their own (with page faults per call); the line says the same
+    assert set(out["minor_faults_per_call"]) == {"layer", "plain"}
     assert out["vs_plain"] == pytest.approx(out["plain_ms"] / out["fwd_bwd_ms"], rel=0.01)
     assert f"vs_plain {out['vs_plain']} " in proc.stdout
     # where the time outside the expert GEMMs goes: each part alone, forward and backward

@@ -186,9 +186,11 @@ def test_unreachable_master_fails_within_the_timeout(tmp_path):
 
 
 def test_a_run_directory_not_shared_between_nodes_stops_every_rank_before_writing(tmp_path, netns):
-    """Node 1's run directory is a private tmpfs (the same path, another directory): at start-up every rank of
-    both nodes exits with one line naming the directory and node 1, under deepspeed (whose store binds node 0's
-    MASTER_ADDR) and torchrun, and nothing of the run is written on either side."""
+    """Node 1's run directory is a private tmpfs (the same path, another directory): at start-up the ranks of
+    both nodes stop with one line naming the directory and node 1, under deepspeed (whose store binds node 0's
+    MASTER_ADDR) and torchrun, and nothing of the run is written on either side. Every rank raises the same
+    error, but once one rank of a node has exited its launcher may stop the others before they print: each
+    node's log holds at least one such line, and no other error."""
     run = tmp_path / "unshared"
     cmd = ["bash", NETNS, "--nodes", "2", "--nproc", "2", "--launchers", "deepspeed,torchrun", "--run-dir", str(run)]
     cmd += ["--port", str(free_port()), "--timeout", "300", "--private-run-dir", "1", "--", *ARGS]
@@ -199,7 +201,7 @@ def test_a_run_directory_not_shared_between_nodes_stops_every_rank_before_writin
         for node in (0, 1):
             text = (out / f"node{node}.log").read_text()
             errors = [line[line.index("error: ") :] for line in text.splitlines() if "error: " in line]
-            assert len(errors) >= 2, (launcher, node, text[-3000:])  # both ranks of the node
+            assert errors, (launcher, node, text[-3000:])
             for line in errors:
                 assert line.startswith(f"error: {out}: not shared by every node: node 1 ("), line
         assert sorted(p.name for p in out.iterdir()) == ["hostfile", "node0.log", "node1.log"]  # no run files

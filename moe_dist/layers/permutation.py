@@ -64,11 +64,13 @@ def _sum_slots(rows_RD: torch.Tensor, row_KT: torch.Tensor, scale_KT: torch.Tens
 
 
 def _row_dots(a_RD: torch.Tensor, b_RD: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """(R,) Σ_d a·b per row: products in the rows' dtype summed in `dtype`, in blocks of rows so the products
-    stay in cache (a whole (R, D) product written out and read back cost several times the arithmetic)."""
+    """(R,) Σ_d a·b per row: products in the rows' dtype summed in `dtype`, in blocks of `_BLOCK` rows so that the
+    products and the widened copy `sum` makes of them stay in cache (a whole (R, D) product written out and read
+    back cost several times the arithmetic, and blocks of megabytes were handed back to the kernel and faulted in
+    again on every call)."""
     out_R = a_RD.new_empty(a_RD.shape[0], dtype=dtype)
-    for lo in range(0, a_RD.shape[0], 8 * _BLOCK):
-        blk = slice(lo, lo + 8 * _BLOCK)
+    for lo in range(0, a_RD.shape[0], _BLOCK):
+        blk = slice(lo, lo + _BLOCK)
         torch.sum(torch.mul(a_RD[blk], b_RD[blk]), -1, dtype=dtype, out=out_R[blk])
     return out_R
 

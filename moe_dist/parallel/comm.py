@@ -5,7 +5,6 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
 
 
 def _active() -> bool:
@@ -103,12 +102,34 @@ def all_to_all_equal(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return out
 
 
+def _issue_rows(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group, async_op: bool = False):
+    """Issue the uneven all-to-all of rows: (sent, received, work); `received` is filled once `work` is waited for
+    (at once unless async_op), and both buffers must stay alive until then."""
+    x = x.contiguous()  # the output is filled in memory order, and so is the input read
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    return x, out, dist.all_to_all_single(out, x, out_splits, in_splits, group=group, async_op=async_op)
+
+
+class _AllToAllRows(torch.autograd.Function):
+    """Uneven all-to-all of rows; backward sends the gradient back along the transposed splits. Hand-written:
+    torch.distributed.nn.functional.all_to_all_single is deprecated (a FutureWarning in torch 2.13), and the
+    replacement it names, in torch.distributed._functional_collectives, is private."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+        ctx.out_splits, ctx.in_splits, ctx.group = out_splits, in_splits, group
+        return _issue_rows(x, out_splits, in_splits, group)[1]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _issue_rows(grad, ctx.in_splits, ctx.out_splits, ctx.group)[1], None, None, None
+
+
 def all_to_all_rows(
     x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup
 ) -> torch.Tensor:
     """Differentiable uneven all-to-all of rows: in_splits[i] rows go to rank i, out_splits[i] arrive from it."""
-    out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    return dist_fn.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+    return _AllToAllRows.apply(x, out_splits, in_splits, group)
 
 
 class _InFlight:
@@ -120,10 +141,8 @@ class _InFlight:
         self.buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # (sent, received): alive until the wait
 
     def start(self, x: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
-        x = x.contiguous()
-        out = x.new_empty((sum(out_splits), *x.shape[1:]))
-        self.work = dist.all_to_all_single(out, x, out_splits, in_splits, group=self.group, async_op=True)
-        self.buffers = (x, out)
+        sent, out, self.work = _issue_rows(x, out_splits, in_splits, self.group, async_op=True)
+        self.buffers = (sent, out)
         return out
 
     def wait(self) -> torch.Tensor:

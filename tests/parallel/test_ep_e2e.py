@@ -16,7 +16,10 @@ import pytest
 from support import E2E_BASE, E2E_CONFIG, E2E_MODES, E2E_SAVE, E2E_STEPS, train_records
 
 NUM_EXPERTS = 4  # configs/debug.json
-ATOL_OF_SCALE = 1e-4  # fp32, of each tensor's largest magnitude: summation order differs between layouts
+# fp32, of each tensor's largest magnitude: summation order differs between layouts, and Adam amplifies it where
+# gradients are tiny (with AVX2 kernels one element of the recipes run's w2 of 8,192 moved 1.35e-4 of the scale,
+# the rest below 5.2e-5); a layout bug (a lost or misrouted gradient) moves whole tensors by about lr per step.
+ATOL_OF_SCALE = 3e-4  # as test_tp_e2e.py
 LAYOUTS = {  # (world, ep, mode, zero stage, parallel.a2a_chunks): launcher
     (2, 2, "dropless", 2, 1): "deepspeed",
     (4, 2, "capacity", 2, 1): "torchrun",
