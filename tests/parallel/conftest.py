@@ -3,6 +3,7 @@ test_ep_e2e.py and test_tp_e2e.py alike) and comparisons of a run with them."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -50,13 +51,25 @@ def _same_aux(got: list[dict], ref: list[dict], first_step: int = 1) -> None:
 def _same_final_state(got_dir: Path, ref_dir: Path, atol_of_scale: float) -> dict[str, torch.Tensor]:
     """The last checkpoints hold the same tensors (parameters and Adam moments, each once under its global name),
     equal in fp32 up to `atol_of_scale` of each tensor's largest magnitude (summation order differs between
-    layouts); returns the run's tensors."""
+    layouts); returns the run's tensors.
+
+    Adam divides by the root of the second moment: where an element's gradient is of the order of rounding
+    (rarely routed experts), the summation order of another layout or another CPU's kernels moves that element by
+    up to about lr per step. So at most one element in a thousand of a tensor (at least one) may miss the
+    tolerance, and none by more than two runs' worth of Adam steps (2 · steps · lr). A layout bug (a lost,
+    doubled or misrouted gradient) moves whole rows and breaks the first bound."""
     got = _checkpoint_tensors(got_dir / f"checkpoints/step_{E2E_STEPS}")
     ref = _checkpoint_tensors(ref_dir / f"checkpoints/step_{E2E_STEPS}")
     assert got.keys() == ref.keys()
+    lr = json.loads((ref_dir / "config.json").read_text())["train"]["lr"]
     for name in ref:
+        assert got[name].shape == ref[name].shape and got[name].dtype == ref[name].dtype, name
         scale = ref[name].abs().max().item()
-        torch.testing.assert_close(got[name], ref[name], rtol=1e-5, atol=atol_of_scale * scale, msg=name)
+        diff = (got[name] - ref[name]).abs()
+        misses = diff > 1e-5 * ref[name].abs() + atol_of_scale * scale
+        allowed = max(1, ref[name].numel() // 1000)
+        assert int(misses.sum()) <= allowed, (name, int(misses.sum()), diff.max().item() / scale)
+        assert diff.max().item() <= 2 * E2E_STEPS * lr, (name, diff.max().item())
     return got
 
 
