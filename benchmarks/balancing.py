@@ -95,7 +95,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--only", nargs="+", default=list(RECIPES), choices=list(RECIPES), metavar="NAME")
-    p.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="overrides for every recipe")
+    p.add_argument(
+        "--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE", help="overrides for every recipe"
+    )
     args = p.parse_args(argv)
     runs = {name: train(args.config, args.out, args.steps, name, args.set) for name in args.only}
     results = {name: summary(records) for name, records in runs.items()}

@@ -399,7 +399,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     s.add_argument("--ref-repeats", type=int, default=1)
     t = sub.add_parser("step", help="training steps of a config (one process, no DeepSpeed)")
     t.add_argument("--config", required=True)
-    t.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE")
+    t.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE")
     t.add_argument("--steps", type=int, default=4, help="measured optimizer steps (after one warm-up step)")
     for sp in (*parsers, s, t):
         sp.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")

@@ -123,7 +123,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ref", default=None, help="git commit whose moe_dist/train/checkpoint.py to measure")
     p.add_argument("--config", default=str(REPO / "configs" / "mixtral_small.json"))
-    p.add_argument("--set", nargs="*", default=[], help="overrides after the default size ones")
+    p.add_argument("--set", nargs="*", action="extend", default=[], help="overrides after the default size ones")
     p.add_argument("--dir", default=None, help="where to write the checkpoint (default: a temporary directory)")
     p.add_argument(
         "--train",

@@ -163,7 +163,7 @@ def overlap_report(args, mesh) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True)
-    p.add_argument("--set", nargs="+", default=[])
+    p.add_argument("--set", nargs="+", action="extend", default=[])
     p.add_argument("--overlap", type=int, nargs="+", help="time the row all-to-alls for these parallel.a2a_chunks")
     p.add_argument("--repeats", type=int, default=5, help="--overlap: forward+backward passes per value")
     args = p.parse_args(argv)

@@ -174,7 +174,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("what", choices=["activations", "train", "init"])
     p.add_argument("--config", required=True)
-    p.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE")
+    p.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE")
     p.add_argument("--settings", default="none,full,moe_experts", help="activations: checkpointing settings")
     p.add_argument("--run-dir", type=Path, default=None)
     p.add_argument("--whole-then-slice", action="store_true", help="init: the former way, for comparison")

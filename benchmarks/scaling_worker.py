@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     """launch/train.py's job with every collective timed; writes RUN_DIR/profile/rank{R}.json."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True)
-    p.add_argument("--set", nargs="+", default=[])
+    p.add_argument("--set", nargs="+", action="extend", default=[])
     p.add_argument("--run-dir", type=Path, required=True)
     p.add_argument("--local_rank", "--local-rank", type=int, default=None)
     args = p.parse_args(argv)

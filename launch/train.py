@@ -24,6 +24,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--set",
         nargs="+",
+        action="extend",
         default=[],
         metavar="KEY=VALUE",
         help="dotted-path overrides, values parsed as JSON where they parse, e.g. train.steps=50",
