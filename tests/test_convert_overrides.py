@@ -165,3 +165,12 @@ def test_upcycle_refuses_architecture_keys(llama, tmp_path, capsys, key):
     args = ["upcycle", str(path), str(run), "--experts", "4", "--top-k", "2", *_sets(key)]
     assert _cli("convert.py")(args) == 2
     _refused(capsys, key.split("=")[0], run)
+
+
+def test_an_invalid_setting_is_named_and_nothing_written(mixtral, tmp_path, capsys):
+    _, path = mixtral
+    run = tmp_path / "run"
+    assert _cli("convert.py")(["import", str(path), str(run), "--set", "model.moe.drop_policy=random"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("error: model.moe.drop_policy: expected one of"), err
+    assert not run.exists()
