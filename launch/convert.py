@@ -11,7 +11,10 @@ and our training checkpoints, and upcycle dense models into MoE runs.
         becomes E experts copied from it (plus noise: SIGMA times each weight's std), with a fresh router.
 
 The model section of an imported run comes from the Hugging Face config (dropless MoE); everything else
-(data, train, deepspeed) from --config and --set, or the defaults.
+(data, train, parallel, deepspeed) from --config and --set, or the defaults. `--set model.KEY=VALUE` changes a
+model setting that keeps the architecture (loss coefficients, capacity, drop policy, balancing, kernels); a key
+that would not (widths, counts, vocabulary, heads, top_k, ...: moe_dist/hf/overrides.py) is refused, exit 2,
+nothing written. --set may be repeated.
 """
 
 import argparse
@@ -22,9 +25,11 @@ import torch
 
 from moe_dist.config import ConfigError, load_config
 from moe_dist.hf import HFConfigError, export_run_to_hf, import_hf_to_run, upcycle_to_run
+from moe_dist.hf.overrides import is_model_override
 from moe_dist.train.checkpoint import CheckpointError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+SET_HELP = "dotted overrides of --config; model keys only where they keep the source's architecture"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -33,8 +38,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     imp = sub.add_parser("import", help="Hugging Face directory → training run directory (step-0 checkpoint)")
     imp.add_argument("hf_dir", type=Path)
     imp.add_argument("run_dir", type=Path)
-    imp.add_argument("--config", default=None, help="job config for everything but the model (default: defaults)")
-    imp.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="dotted overrides of --config")
+    imp.add_argument(
+        "--config", default=None, help="job config for everything but the model (its model section is not used)"
+    )
+    imp.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE", help=SET_HELP)
     exp = sub.add_parser("export", help="training checkpoint (or run directory) → Hugging Face directory")
     exp.add_argument("checkpoint", type=Path)
     exp.add_argument("hf_dir", type=Path)
@@ -46,23 +53,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     up.add_argument("--top-k", type=int, required=True, help="experts chosen per token")
     up.add_argument("--noise", type=float, default=0.0, help="per-expert noise, in units of each weight's std")
     up.add_argument("--config", default=None, help="job config for model.moe and everything but the model")
-    up.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="dotted overrides of --config")
+    up.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE", help=SET_HELP)
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
+        if args.direction in ("import", "upcycle"):
+            # model keys go to the conversion, which refuses those the source fixes before reading anything; the
+            # rest configure the run, as for train.py
+            model_sets = [s for s in args.set if is_model_override(s)]
+            base = load_config(args.config, [s for s in args.set if not is_model_override(s)])
         if args.direction == "import":
-            base = load_config(args.config, args.set)
-            out = import_hf_to_run(args.hf_dir, args.run_dir, base)
+            out = import_hf_to_run(args.hf_dir, args.run_dir, base, model_sets)
             print(
                 f"wrote {out}; continue with: python launch/train.py --config {args.run_dir / 'config.json'} "
                 f"--run-dir {args.run_dir} --resume"
             )
         elif args.direction == "upcycle":
-            base = load_config(args.config, args.set)
-            out = upcycle_to_run(args.src, args.run_dir, base, args.experts, args.top_k, args.noise)
+            out = upcycle_to_run(args.src, args.run_dir, base, args.experts, args.top_k, args.noise, model_sets)
             print(
                 f"wrote {out}; continue with: python launch/train.py --config {args.run_dir / 'config.json'} "
                 f"--run-dir {args.run_dir} --resume"

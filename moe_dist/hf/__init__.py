@@ -5,8 +5,8 @@ names), format.py for the directories, checkpoints.py for run directories (impor
 What our config cannot express is refused with a one-line error naming the field (RoPE scaling, activations
 other than SiLU, sliding-window layer mixes, OLMoE's clip_qkv, Jamba layouts that are not one period/offset), and
 so is a model the format cannot hold (sigmoid scores, expert groups, a loss-free balancing bias). Training
-hyper-parameters of the Hugging Face config (router_aux_loss_coef, jitter noise) are not mapped: ours stay at
-their defaults.
+hyper-parameters of the Hugging Face config (router_aux_loss_coef, jitter noise) are not mapped: ours take their
+defaults or `--set` (overrides.py: the model keys a conversion applies, and the architecture keys it refuses).
 """
 
 from moe_dist.hf.checkpoints import (

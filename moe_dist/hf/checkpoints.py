@@ -8,7 +8,7 @@ import dataclasses
 import json
 import shutil
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from safetensors import safe_open
@@ -16,8 +16,9 @@ from safetensors import safe_open
 from moe_dist.config import JobConfig, config_from_dict, config_to_dict
 from moe_dist.hf.common import HFConfigError
 from moe_dist.hf.format import assign_tensors, is_experts, load_hf_model, save_hf_model
+from moe_dist.hf.overrides import model_settings, rebuilt, with_settings
 from moe_dist.models.decoder import Decoder, build_model
-from moe_dist.models.upcycle import upcycle
+from moe_dist.models.upcycle import upcycle, upcycled_config
 from moe_dist.train.checkpoint import write_whole_checkpoint
 from moe_dist.train.checkpoint_plan import MOMENTS
 from moe_dist.train.checkpoint_read import latest_checkpoint, verify_checkpoint
@@ -100,14 +101,21 @@ def write_initial_checkpoint(model: Decoder, cfg: JobConfig, run_dir: str | Path
     return final
 
 
-def import_hf_to_run(hf_dir: str | Path, run_dir: str | Path, base: Optional[JobConfig] = None) -> Path:
+def import_hf_to_run(
+    hf_dir: str | Path, run_dir: str | Path, base: Optional[JobConfig] = None, model_overrides: Sequence[str] = ()
+) -> Path:
     """Hugging Face directory → a run directory ready for `--resume`: step-0 checkpoint, config.json (the
-    model section from Hugging Face, everything else from `base` or the defaults), and RUN_DIR/hf/ holding the
-    source config.json and tokenizer files, which `export_run_to_hf` carries back. A memmap-data run without a
-    `data.tokenizer` of its own trains with the model's tokenizer.json (RUN_DIR/hf)."""
+    model section from Hugging Face with `model_overrides` applied, everything else from `base` or the defaults;
+    `base.model` is not used), and RUN_DIR/hf/ holding the source config.json and tokenizer files, which
+    `export_run_to_hf` carries back. `model_overrides` are `model.KEY=VALUE` texts: a key that would change the
+    imported architecture is refused before anything is read or written (hf/overrides.py). A memmap-data run
+    without a `data.tokenizer` of its own trains with the model's tokenizer.json (RUN_DIR/hf)."""
+    settings = model_settings(model_overrides, "import")
     hf_dir, run_dir = Path(hf_dir), Path(run_dir)
     model = load_hf_model(hf_dir)
-    cfg = config_from_dict({**config_to_dict(base or JobConfig()), "model": dataclasses.asdict(model.cfg)})
+    target = with_settings(dataclasses.asdict(model.cfg), settings)
+    cfg = config_from_dict({**config_to_dict(base or JobConfig()), "model": target})
+    model = rebuilt(model, cfg.model)  # the settings' buffers (e.g. a balancing bias) added
     if cfg.data.source == "memmap" and cfg.data.tokenizer == "bytes" and (hf_dir / "tokenizer.json").is_file():
         cfg.data.tokenizer = str(run_dir.resolve() / "hf")  # train with the model's own tokenizer, kept in RUN_DIR/hf/
     final = write_initial_checkpoint(model, cfg, run_dir)
@@ -156,17 +164,27 @@ def load_model(path: str | Path, dtype: Optional[torch.dtype] = torch.float32) -
 
 
 def upcycle_to_run(
-    src: str | Path, run_dir: str | Path, base: JobConfig, experts: int, top_k: int, noise: float = 0.0
+    src: str | Path,
+    run_dir: str | Path,
+    base: JobConfig,
+    experts: int,
+    top_k: int,
+    noise: float = 0.0,
+    model_overrides: Sequence[str] = (),
 ) -> Path:
     """A dense model (Hugging Face Llama/Qwen3 directory, or one of our checkpoints / run directories) → a run
     directory whose MoE layers start as `experts` copies of each dense FFN (models/upcycle.py), routing `top_k`;
-    the other model.moe settings and everything outside the model come from `base`. Ready for `--resume`."""
+    the other model.moe settings and everything outside the model come from `base`, then `model_overrides`
+    (`model.KEY=VALUE` texts: what keeps the architecture is applied, the rest refused, hf/overrides.py). Ready
+    for `--resume`."""
+    settings = model_settings(model_overrides, "upcycle")  # refused before anything is read or written
     if experts < 1:
         raise HFConfigError(f"--experts: must be positive, got {experts}")
     if not 1 <= top_k <= experts:
         raise HFConfigError(f"--top-k: must be in [1, --experts={experts}], got {top_k}")
     dense = load_model(src)
     moe = dataclasses.replace(base.model.moe, num_experts=experts, top_k=top_k)
-    model = upcycle(dense, moe, noise, seed=base.train.seed)
-    cfg = config_from_dict({**config_to_dict(base), "model": dataclasses.asdict(model.cfg)})
+    target = with_settings(dataclasses.asdict(upcycled_config(dense.cfg, moe)), settings)
+    cfg = config_from_dict({**config_to_dict(base), "model": target})
+    model = upcycle(dense, cfg.model, noise, seed=base.train.seed)
     return write_initial_checkpoint(model, cfg, run_dir)

@@ -30,12 +30,13 @@ def upcycled_config(dense: ModelConfig, moe: MoEConfig) -> ModelConfig:
 
 
 @torch.no_grad()
-def upcycle(dense: Decoder, moe: MoEConfig, noise: float = 0.0, seed: int = 0) -> Decoder:
-    """The MoE model of `upcycled_config(dense.cfg, moe)` holding `dense`'s weights; routers drawn from `seed`
-    (and the noise from `seed` + 1). Source MoE layers, if any, are copied as they are."""
+def upcycle(dense: Decoder, cfg: ModelConfig, noise: float = 0.0, seed: int = 0) -> Decoder:
+    """The MoE model of `cfg` holding `dense`'s weights; routers drawn from `seed` (and the noise from `seed` + 1).
+    `cfg` is `upcycled_config(dense.cfg, moe)`, possibly with settings changed that keep every parameter shape
+    (kernels, loss coefficients: what hf/overrides.py lets `--set` change). Source MoE layers, if any, are copied
+    as they are."""
     if noise < 0:
         raise ConfigError(f"--noise: must be >= 0, got {noise}")
-    cfg = upcycled_config(dense.cfg, moe)
     model = materialize(build_model(cfg), "cpu", seed)
     source = dict(dense.named_parameters())
     gen = torch.Generator().manual_seed(seed + 1)
