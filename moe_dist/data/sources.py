@@ -120,7 +120,8 @@ def load_tokens(cfg: DataConfig, seq_len: int = 1, vocab_size: int = BYTES_VOCAB
             raise ValueError(f"data.source: no .py files under {sysconfig.get_paths()['stdlib']}")
         components = [array_stream(join_files_as_bytes(files, cfg.max_bytes), DOC_SEPARATOR)]
     elif cfg.source == "text":
-        components = [array_stream(join_files_as_bytes(resolve_paths(cfg.paths), cfg.max_bytes), DOC_SEPARATOR)]
+        files = resolve_paths(cfg.paths, expected="text files, read as bytes")
+        components = [array_stream(join_files_as_bytes(files, cfg.max_bytes), DOC_SEPARATOR)]
     elif cfg.source == "memmap":
         if cfg.mixture and cfg.paths:
             raise ValueError("data.paths: give either data.paths or data.mixture, not both")

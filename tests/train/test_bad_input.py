@@ -193,7 +193,7 @@ def test_bad_input_before_start_up(tmp_path, capsys, case):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("case", [*CHECKPOINT, "missing_data_path"])
+@pytest.mark.parametrize("case", [*CHECKPOINT, "missing_data_path", "memmap_path_is_a_shard_file"])
 def test_bad_input_in_a_real_process(tmp_path, existing, case):
     """Real processes: the exit status, and the checkpoint cases (they build the model and join a group)."""
     args, expected = _arguments(case, tmp_path, existing)
