@@ -18,11 +18,10 @@ from pathlib import Path
 
 import torch
 
-from moe_dist.data.tokenizer import load_tokenizer
+from moe_dist.data.tokenizer import BYTES_VOCAB, TOKENIZER_DIR, decode, encode, load_tokenizer
 from moe_dist.hf import HFConfigError, companion_dir, load_model
 from moe_dist.models.decoder import generate
 from moe_dist.train.checkpoint import CheckpointError
-from moe_dist.train.data import TOKENIZER_DIR, VOCAB_SIZE, decode, encode
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -73,7 +72,7 @@ class Tokens:
     def __init__(self, vocab_size: int, checkpoint: Path):
         self.hf = self.tok = None
         source = tokenizer_dir(checkpoint)
-        self.text = vocab_size == VOCAB_SIZE and source is None
+        self.text = vocab_size == BYTES_VOCAB and source is None
         if source is None:
             return
         if (source / "tokenizer_config.json").is_file():

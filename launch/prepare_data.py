@@ -8,7 +8,8 @@
 
 Writes PREFIX.NNNNN.bin (token ids), PREFIX.NNNNN.idx (document ends), PREFIX.NNNNN.mask (--sft: loss mask)
 and PREFIX.json (tokenizer identity, vocab size, EOS id, dtype, shards), sidecar last. Each document ends with
-EOS. Errors are one line on stderr with exit code 2, and leave every existing file as it was.
+EOS. The output's missing directories are created; an existing set is replaced only with --force. Errors are one
+line on stderr with exit code 2, and leave every existing file as it was.
 """
 
 import argparse

@@ -16,6 +16,8 @@ import transformers  # a dev dependency (pyproject.toml): a missing one fails he
 from safetensors import safe_open
 
 from moe_dist.config import ModelConfig, load_config
+from moe_dist.data.batches import TokenDataset, micro_batches
+from moe_dist.data.sources import load_tokens
 from moe_dist.hf import (
     HFConfigError,
     config_from_hf,
@@ -26,7 +28,6 @@ from moe_dist.hf import (
     save_hf_model,
 )
 from moe_dist.models.decoder import build_model, generate, lm_loss, materialize
-from moe_dist.train.data import TokenDataset, load_tokens, micro_batches
 
 REPO = Path(__file__).resolve().parents[1]
 # fp32 logits of size ~1-3 agree to ~1e-6 here (measured: Mixtral 7e-7, Jamba 9e-7); 2e-5 leaves headroom for

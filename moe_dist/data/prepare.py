@@ -13,6 +13,7 @@ next to the output and renamed into place at the end, sidecar last (see `moe_dis
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import json
@@ -28,7 +29,7 @@ import numpy as np
 from tqdm import tqdm
 
 from moe_dist.data.shards import ShardWriter, atomic_write, existing_outputs, shard_files, sidecar_of
-from moe_dist.data.tokenizer import BYTES, Tokenizer, load_tokenizer, train_bpe
+from moe_dist.data.tokenizer import BYTES, Tokenizer, encode, load_tokenizer, train_bpe
 
 CHUNK_DOCS = 64  # documents per worker task: large enough to amortize IPC, small enough to balance
 # Chat rendering without a template of the tokenizer's own: one "role: content" line per message.
@@ -36,19 +37,21 @@ PLAIN_CHAT = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% end
 PLAIN_CHAT += "{% if add_generation_prompt %}assistant: {% endif %}"
 
 
-def resolve_paths(patterns: list[str], key: str = "data.paths") -> list[Path]:
+def resolve_paths(patterns: list[str], key: str = "data.paths", expected: Optional[str] = None) -> list[Path]:
     """Files and globs → existing files: globs sorted, entries kept in the given order, duplicates dropped.
 
-    `key` names the setting in errors (the config key, or a CLI flag for scripts)."""
+    `key` names the setting in errors (the config key, or a CLI flag for scripts), `expected` what the files
+    should be (said in the error)."""
+    hint = f" (expected {expected})" if expected else ""
     files: list[Path] = []
     for pattern in patterns:
         if any(c in pattern for c in "*?["):
             matches = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
             if not matches:
-                raise ValueError(f"{key}: {pattern!r} matches no files")
+                raise ValueError(f"{key}: {pattern!r} matches no files{hint}")
             files.extend(Path(p) for p in matches)
         elif not os.path.isfile(pattern):
-            raise ValueError(f"{key}: {pattern!r} is not an existing file")
+            raise ValueError(f"{key}: {pattern!r} is not an existing file{hint}")
         else:
             files.append(Path(pattern))
     return list(dict.fromkeys(files))
@@ -91,7 +94,7 @@ def _sft_record(path: Path, lineno: int, record: dict):
     return ("pc", record["prompt"], record["completion"])
 
 
-def read_documents(files: list[Path], field: str = "text", column: str = "text", sft: bool = False) -> Iterator:
+def iter_input_documents(files: list[Path], field: str = "text", column: str = "text", sft: bool = False) -> Iterator:
     """Documents of `files` in order: bytes (a text file), str (a JSONL field or Parquet cell), or a fine-tuning
     record (`sft`). Raises ValueError naming the file (and line) of the first bad record."""
     for path in files:
@@ -172,7 +175,7 @@ def encode_chunk(chunk: list, tok: Optional[Tokenizer] = None) -> list[tuple[np.
     out = []
     plain = [d for d in chunk if not isinstance(d, tuple)]
     if tok.json is None:  # bytes: a text file's bytes are its tokens exactly (no UTF-8 round trip)
-        ids_list = [np.frombuffer(d if isinstance(d, bytes) else d.encode(), np.uint8).astype(np.int64) for d in plain]
+        ids_list = [encode(d).astype(np.int64) for d in plain]
     else:
         texts = [d if isinstance(d, str) else d.decode("utf-8", errors="replace") for d in plain]
         ids_list = tok.encode_batch(texts, special=True)  # a document starts as the model expects (BOS)
@@ -213,6 +216,22 @@ def _publish(staging: Path, prefix: Path, shards: int) -> None:
     os.replace(sidecar_of(staging / prefix.name), sidecar_of(prefix))
 
 
+@contextlib.contextmanager
+def _created_parents(directory: Path) -> Iterator[None]:
+    """Create `directory`'s missing ancestors (and itself) for the job in the block, and remove the ones it created
+    again (those still empty) when the job fails: a fresh clone's `--output data/train` works, and a failed job
+    leaves the disk as it was."""
+    created = [d for d in (directory, *directory.parents) if not d.exists()]
+    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        yield
+    except BaseException:
+        for d in created:  # deepest first
+            with contextlib.suppress(OSError):
+                d.rmdir()
+        raise
+
+
 def prepare(
     inputs: list[str],
     output: str,
@@ -231,8 +250,9 @@ def prepare(
     Raises ValueError/TokenizerError (one line) on bad input, FileExistsError when `output` exists and not `force`;
     in every such case nothing on disk has changed."""
     prefix = Path(output)
-    if not prefix.parent.is_dir():
-        raise ValueError(f"--output: directory {prefix.parent} does not exist")
+    nearest = next(d for d in (prefix.parent, *prefix.parent.parents) if d.exists())
+    if not nearest.is_dir():
+        raise ValueError(f"--output: {nearest} is not a directory")
     if prefix.name.endswith((".json", ".bin")):
         raise ValueError(
             f"--output: give a prefix without extension (PREFIX.json and PREFIX.NNNNN.bin are written), got {output!r}"
@@ -246,47 +266,48 @@ def prepare(
     if workers < 1:
         raise ValueError(f"--workers: must be at least 1, got {workers}")
     files = resolve_paths(inputs, key="--input")
-    tic = time.perf_counter()
-    trained = None
-    if train_vocab is not None:
-        if tokenizer != BYTES:
-            raise ValueError("--train-tokenizer: trains a new tokenizer; do not also pass --tokenizer")
-        texts = (
-            d if isinstance(d, str) else d.decode("utf-8", errors="replace")
-            for d in _training_texts(files, field, column, sft)
-        )
-        trained = train_bpe(texts, train_vocab)
-        tok_file = Path(tempfile.mkdtemp(dir=tok_dir, prefix=f".{prefix.name}.tokenizer."))
-        (tok_file / "tokenizer.json").write_text(trained[0])
-        (tok_file / "tokenizer_config.json").write_text(json.dumps(trained[1], indent=2) + "\n")
+    with _created_parents(prefix.parent):
+        tic = time.perf_counter()
+        trained = None
+        if train_vocab is not None:
+            if tokenizer != BYTES:
+                raise ValueError("--train-tokenizer: trains a new tokenizer; do not also pass --tokenizer")
+            texts = (
+                d if isinstance(d, str) else d.decode("utf-8", errors="replace")
+                for d in _training_texts(files, field, column, sft)
+            )
+            trained = train_bpe(texts, train_vocab)
+            tok_file = Path(tempfile.mkdtemp(dir=tok_dir, prefix=f".{prefix.name}.tokenizer."))
+            (tok_file / "tokenizer.json").write_text(trained[0])
+            (tok_file / "tokenizer_config.json").write_text(json.dumps(trained[1], indent=2) + "\n")
+            try:
+                tok = load_tokenizer(str(tok_file / "tokenizer.json"))
+            finally:
+                shutil.rmtree(tok_file)
+            tok.name = str(tok_dir / "tokenizer.json")
+        else:
+            tok = load_tokenizer(tokenizer, eos_token)
+        dtype = dtype or ("uint16" if tok.vocab_size <= 1 << 16 else "uint32")
+        staging = Path(tempfile.mkdtemp(dir=prefix.parent, prefix=f".{prefix.name}.staging."))
         try:
-            tok = load_tokenizer(str(tok_file / "tokenizer.json"))
+            writer = ShardWriter(staging / prefix.name, dtype, tok.vocab_size, sft, shard_tokens)
+            tokenize_tic = time.perf_counter()
+            n_tokens = _tokenize(iter_input_documents(files, field, column, sft), tok, writer, workers)
+            tokenize_s = time.perf_counter() - tokenize_tic
+            if n_tokens == 0:
+                raise ValueError(f"--input: {len(files)} file(s) hold no documents")
+            meta = writer.finish(tok.identity())
+            if trained is not None:  # the tokenizer goes into place with the data it wrote
+                atomic_write(tok_dir / "tokenizer.json", trained[0].encode())
+                atomic_write(tok_dir / "tokenizer_config.json", (json.dumps(trained[1], indent=2) + "\n").encode())
+            _publish(staging, prefix, len(writer.shards))
         finally:
-            shutil.rmtree(tok_file)
-        tok.name = str(tok_dir / "tokenizer.json")
-    else:
-        tok = load_tokenizer(tokenizer, eos_token)
-    dtype = dtype or ("uint16" if tok.vocab_size <= 1 << 16 else "uint32")
-    staging = Path(tempfile.mkdtemp(dir=prefix.parent, prefix=f".{prefix.name}.staging."))
-    try:
-        writer = ShardWriter(staging / prefix.name, dtype, tok.vocab_size, sft, shard_tokens)
-        tokenize_tic = time.perf_counter()
-        n_tokens = _tokenize(read_documents(files, field, column, sft), tok, writer, workers)
-        tokenize_s = time.perf_counter() - tokenize_tic
-        if n_tokens == 0:
-            raise ValueError(f"--input: {len(files)} file(s) hold no documents")
-        meta = writer.finish(tok.identity())
-        if trained is not None:  # the tokenizer goes into place with the data it wrote
-            atomic_write(tok_dir / "tokenizer.json", trained[0].encode())
-            atomic_write(tok_dir / "tokenizer_config.json", (json.dumps(trained[1], indent=2) + "\n").encode())
-        _publish(staging, prefix, len(writer.shards))
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return {**meta, "seconds": time.perf_counter() - tic, "tokenize_seconds": tokenize_s, "workers": workers}
+            shutil.rmtree(staging, ignore_errors=True)
+        return {**meta, "seconds": time.perf_counter() - tic, "tokenize_seconds": tokenize_s, "workers": workers}
 
 
 def _training_texts(files, field, column, sft) -> Iterator:
-    for doc in read_documents(files, field, column, sft):
+    for doc in iter_input_documents(files, field, column, sft):
         if isinstance(doc, tuple):
             yield from (doc[1:] if doc[0] == "pc" else (m["content"] for m in doc[1]))
         else:

@@ -202,6 +202,16 @@ class Stream:
         return tokens.reshape(shape), reshape(docs), reshape(mask)
 
 
+def check_length(n_tokens: int, seq_len: int, what: str) -> None:
+    """A stream (or split) must hold one sequence of seq_len + 1 tokens."""
+    if n_tokens < seq_len + 1:
+        raise ValueError(
+            f"data: the {what} has {n_tokens} tokens, fewer than one sequence of "
+            f"train.seq_len + 1 = {seq_len + 1} (add data.paths, raise data.max_bytes "
+            f"or change data.val_fraction)"
+        )
+
+
 def document_starts(stream: Stream, positions: np.ndarray) -> np.ndarray:
     """(n,) stream positions → (n,) stream position of the first token of the document holding each (never
     before the start of its piece, where a split may have cut a document)."""
@@ -224,19 +234,41 @@ def array_stream(tokens: np.ndarray, separator: int) -> Stream:
     return Stream([Piece(tokens, ends, None, 0, len(tokens))])
 
 
+_SHARD_FILE = re.compile(r"(?P<prefix>.+)\.\d{5}")  # a shard file's stem: PREFIX.NNNNN
+_SHARD_KINDS = {".bin": "a shard's token file", ".idx": "a shard's document index", ".mask": "a shard's loss mask"}
+_EXPECTED = "expected the .json sidecar of a shard set written by launch/prepare_data.py"
+
+
 def read_sidecar(path: str | Path, key: str = "data.paths") -> dict:
-    """Validated sidecar of a shard set; errors are one line naming the file and `key`."""
+    """Validated sidecar of a shard set. Errors are one line naming `key`, the file, what it is (when it is
+    recognizably something else, e.g. one of a set's shard files) and what was expected."""
     side = Path(path)
+    if side.suffix in _SHARD_KINDS:
+        stem = _SHARD_FILE.fullmatch(side.stem)
+        sidecar = side.with_name(f"{stem['prefix']}.json") if stem else "PREFIX.json"
+        raise ValueError(
+            f"{key}: {side}: {_SHARD_KINDS[side.suffix]}, expected the shard set's .json sidecar ({sidecar})"
+        )
     if not side.is_file():
-        raise ValueError(f"{key}: {side} not found (write a shard set with launch/prepare_data.py)")
+        raise ValueError(f"{key}: {side} not found ({_EXPECTED})")
     try:
-        meta = json.loads(side.read_text())
+        text = side.read_bytes().decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"{key}: {side}: a binary file, not JSON ({_EXPECTED})") from None
+    try:
+        meta = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{key}: {side}: invalid JSON ({e.msg} at line {e.lineno})") from None
+        raise ValueError(f"{key}: {side}: invalid JSON ({e.msg} at line {e.lineno}); {_EXPECTED}") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise ValueError(f"{key}: {side}: not a shard-set sidecar (format {FORMAT!r}); rerun launch/prepare_data.py")
+        raise ValueError(f"{key}: {side}: JSON, but not a shard-set sidecar (format {FORMAT!r}); {_EXPECTED}")
     if meta.get("dtype") not in DTYPES:
         raise ValueError(f"{key}: {side}: needs 'dtype' in {list(DTYPES)}, got {meta.get('dtype')!r}")
+    shards = meta.get("shards")
+    fields = {"tokens", "index", "num_tokens", "num_documents"}
+    if not isinstance(shards, list) or not all(isinstance(x, dict) and fields <= x.keys() for x in shards):
+        raise ValueError(f"{key}: {side}: needs 'shards', a list of {sorted(fields)} per shard; rerun prepare_data.py")
+    if not isinstance(meta.get("tokenizer"), dict) or not isinstance(meta.get("vocab_size"), int):
+        raise ValueError(f"{key}: {side}: needs 'tokenizer' (an object) and 'vocab_size'; rerun prepare_data.py")
     return meta
 
 

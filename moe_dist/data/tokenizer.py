@@ -1,12 +1,13 @@
-"""Tokenizers for the data path: raw bytes, or any Hugging Face fast tokenizer read from local files.
+"""Tokenizers: raw bytes, or any Hugging Face fast tokenizer read from local files; and the run's copy of them.
 
 A tokenizer is named by `spec`: "bytes" (vocabulary 256, EOS = NUL, nothing to version), a `tokenizer.json`
 file, or a directory holding one (a Hugging Face model or tokenizer directory, e.g. one `convert.py import`
 read). Its identity is the sha256 of that `tokenizer.json`: shard sidecars record it, training compares it
 with the run's `data.tokenizer`, so tokens are never read with another vocabulary than the one that wrote them.
 
-This module imports neither torch nor transformers (tokenizing workers start fast); `tokenizers` is imported
-only when a non-byte tokenizer is used.
+The byte tokenizer is `encode`/`decode` below (the token of a byte is its value); a `Tokenizer` loaded as "bytes"
+uses them too. This module imports neither torch nor transformers (tokenizing workers start fast); `tokenizers`
+is imported only when a non-byte tokenizer is used.
 """
 
 from __future__ import annotations
@@ -19,12 +20,38 @@ from typing import Iterable, Optional
 
 import numpy as np
 
+from moe_dist.data.shards import atomic_write
+
 BYTES = "bytes"
 BYTES_VOCAB = 256
 BYTES_EOS = 0  # NUL never occurs in text, so it ends a document unambiguously
 # Special tokens taken as EOS when tokenizer_config.json does not name one (GPT-2/Llama 3, Llama 2/Mistral, Gemma).
 _EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
 TRAINED_EOS = "<|endoftext|>"  # the EOS of tokenizers trained by `train_bpe`
+TOKENIZER_DIR = "tokenizer"  # RUN_DIR/tokenizer/: the run's tokenizer files, which generate.py and export use
+
+
+# ----------------------------------------------------------------------------------------------- bytes
+
+
+def encode(data: bytes | str) -> np.ndarray:
+    """Bytes (or UTF-8 text) → token ids, shape (N,) uint8: the token of a byte is its value."""
+    raw = data.encode("utf-8") if isinstance(data, str) else data
+    return np.frombuffer(raw, dtype=np.uint8)
+
+
+def decode(ids) -> str:
+    """Token ids (tensor, array or list, any shape) → text; invalid UTF-8 is replaced, not raised,
+    because model samples routinely cut multi-byte characters."""
+    if hasattr(ids, "detach"):  # a torch tensor (torch is not imported here, see the module docstring)
+        ids = ids.detach().cpu().numpy()
+    arr = np.asarray(ids).reshape(-1)
+    if arr.size and (arr.min() < 0 or arr.max() >= BYTES_VOCAB):
+        raise ValueError(f"decode: token ids must lie in [0, {BYTES_VOCAB}), got range [{arr.min()}, {arr.max()}]")
+    return arr.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
+
+# ----------------------------------------------------------------------------------------------- any tokenizer
 
 
 class TokenizerError(ValueError):
@@ -57,7 +84,7 @@ class Tokenizer:
         """Texts → token ids; with `special`, the tokenizer's post-processor adds what it adds to a sequence
         (e.g. Llama/Mixtral's BOS; nothing for GPT-2-style byte-level BPE). The caller appends EOS."""
         if self.json is None:
-            return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8).astype(np.int64) for t in texts]
+            return [encode(t).astype(np.int64) for t in texts]
         encodings = self.backend.encode_batch(texts, add_special_tokens=special)
         return [np.asarray(e.ids, dtype=np.int64) for e in encodings]
 
@@ -66,7 +93,7 @@ class Tokenizer:
 
     def decode(self, ids: list[int]) -> str:
         if self.json is None:
-            return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+            return decode(ids)
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=False)
 
     def identity(self) -> dict:
@@ -151,3 +178,26 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> tuple[str, dict]:
     tok.train_from_iterator(texts, trainer=trainer)
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": TRAINED_EOS, "bos_token": TRAINED_EOS}
     return tok.to_str(pretty=True), config
+
+
+# ----------------------------------------------------------------------------------------------- a run's tokenizer
+
+
+def tokenizer_identity(spec: str) -> str:
+    """The sha256 of the run's tokenizer ("bytes" for bytes): recorded with the data order in checkpoints."""
+    return load_tokenizer(spec).sha256
+
+
+def copy_tokenizer(spec: str, run_dir: Path) -> Optional[Path]:
+    """Copy the run's tokenizer.json (and its tokenizer_config.json, special_tokens_map.json) into
+    RUN_DIR/tokenizer/, so the run stays usable when the original files move; None for bytes."""
+    tok = load_tokenizer(spec)
+    if tok.source_dir is None:
+        return None
+    out = run_dir / TOKENIZER_DIR
+    out.mkdir(exist_ok=True)
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        if (tok.source_dir / name).is_file():
+            atomic_write(out / name, (tok.source_dir / name).read_bytes())
+    atomic_write(out / "tokenizer.json", tok.json.encode())
+    return out

@@ -147,7 +147,7 @@ def export_run_to_hf(checkpoint: str | Path, out_dir: str | Path, dtype: Optiona
     for name in COMPANION_FILES if extra else ():
         if (extra / name).is_file():
             shutil.copyfile(extra / name, out / name)
-    trained_with = ckpt.parent.parent / "tokenizer"  # RUN_DIR/tokenizer/: the run's data.tokenizer (train/data.py)
+    trained_with = ckpt.parent.parent / "tokenizer"  # RUN_DIR/tokenizer/: the run's data.tokenizer (data/tokenizer.py)
     for name in COMPANION_FILES if trained_with.is_dir() else ():
         if (trained_with / name).is_file():
             shutil.copyfile(trained_with / name, out / name)

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_dist.config import ModelConfig
+from moe_dist.data.batches import IGNORE
 from moe_dist.layers.attention import Attention, KVCache
 from moe_dist.layers.mamba import Mamba, MambaState
 from moe_dist.layers.mlp import SwiGLU
@@ -197,10 +198,12 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy in fp32 over the targets that are not -100 (prompt tokens, document starts);
+    """Mean next-token cross-entropy in fp32 over the targets that are not IGNORE (prompt tokens, document starts);
     logits (B, S, V), targets (B, S). A micro-batch without any target has loss 0 (not NaN)."""
-    per_token = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none")  # 0 at -100
-    return per_token.sum() / (targets != -100).sum().clamp(min=1)
+    per_token = F.cross_entropy(
+        logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="none"
+    )  # 0 at IGNORE
+    return per_token.sum() / (targets != IGNORE).sum().clamp(min=1)
 
 
 def sample_next(

@@ -50,6 +50,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from moe_dist.data.batches import IGNORE
 from moe_dist.layers.attention import Attention
 from moe_dist.layers.mamba import Mamba
 from moe_dist.layers.mlp import SwiGLU
@@ -304,5 +305,5 @@ def vocab_parallel_lm_loss(logits: torch.Tensor, targets: torch.Tensor, mesh: Me
     """`lm_loss` for vocabulary-sharded logits (B, S, V/tp): mean next-token cross-entropy, replicated on TP."""
     start = mesh.tp_rank * logits.shape[-1]
     per_token = _VocabParallelCrossEntropy.apply(logits.float().flatten(0, 1), targets.flatten(), start, mesh.tp_group)
-    valid = targets.flatten() != -100  # no loss at these positions (lm_loss's rule)
+    valid = targets.flatten() != IGNORE  # no loss at these positions (lm_loss's rule)
     return (per_token * valid).sum() / valid.sum().clamp(min=1)

@@ -20,6 +20,9 @@ from tqdm import tqdm
 
 from moe_dist.config import ConfigError, JobConfig, config_to_dict
 from moe_dist.config_checks import check_layout
+from moe_dist.data.batches import Batch, TokenDataset
+from moe_dist.data.sources import load_tokens
+from moe_dist.data.tokenizer import copy_tokenizer, tokenizer_identity
 from moe_dist.layers.moe import moe_routers
 from moe_dist.models.decoder import build_model, lm_loss
 from moe_dist.models.recompute import apply_activation_checkpointing
@@ -29,7 +32,6 @@ from moe_dist.parallel.parallelize import parallelize
 from moe_dist.parallel.tensor_parallel import vocab_parallel_lm_loss
 from moe_dist.train.checkpoint import Checkpointer, CheckpointMismatch
 from moe_dist.train.checkpoint_read import check_fits, load_checkpoint
-from moe_dist.train.data import Batch, TokenDataset, copy_tokenizer, load_tokens, tokenizer_identity
 from moe_dist.train.guard import NonFiniteGuard, operation
 from moe_dist.train.metrics import DeadExperts, MetricsLogger, StepAccumulator
 from moe_dist.train.optim import build_optimizer, deepspeed_config

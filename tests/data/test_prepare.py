@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from moe_dist.config import DataConfig, MixtureComponent
+from moe_dist.data.batches import TokenDataset, micro_batches
 from moe_dist.data.shards import open_shards, sidecar_of
+from moe_dist.data.sources import load_tokens
 from moe_dist.data.tokenizer import load_tokenizer
-from moe_dist.train.data import TokenDataset, load_tokens, micro_batches
 
 REPO = Path(__file__).resolve().parents[2]
 PREPARE = REPO / "launch" / "prepare_data.py"

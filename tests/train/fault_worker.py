@@ -32,7 +32,7 @@ import torch
 import moe_dist.train.checkpoint as checkpoint
 import moe_dist.train.checkpoint_io as checkpoint_io
 import moe_dist.train.loop as loop
-from moe_dist.train.data import TokenDataset
+from moe_dist.data.batches import TokenDataset
 
 TRAIN = Path(__file__).resolve().parents[2] / "launch" / "train.py"
 FAULT = json.loads(os.environ.get("FAULT") or "{}")

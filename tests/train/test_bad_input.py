@@ -37,6 +37,7 @@ PRE_INIT = [
     "memmap_unknown_dtype",
     "memmap_read_with_wrong_dtype",
     "memmap_ids_beyond_vocab",
+    "memmap_path_is_a_shard_file",
     "run_dir_under_a_file",
     "run_dir_is_a_file",
     "existing_run_without_resume",
@@ -130,6 +131,12 @@ def _case_inputs(case: str, tmp: Path) -> tuple[list[str], str]:
     if case == "memmap_ids_beyond_vocab":  # e.g. tokens of a 50k-word tokenizer given to a byte-level model
         f = _memmap(tmp / "tokens", (np.arange(5000) * 37) % 50000, vocab_size=50000)
         return ["--set", "data.source=memmap", f'data.paths=["{f}"]'], "outside model.vocab_size=256"
+    if case == "memmap_path_is_a_shard_file":  # data.paths names a shard's .bin instead of the set's sidecar
+        f = _memmap(tmp / "tokens", _text_corpus())
+        shard = tmp / "tokens.00000.bin"
+        return ["--set", "data.source=memmap", f'data.paths=["{shard}"]'], (
+            f"data.paths: {shard}: a shard's token file, expected the shard set's .json sidecar ({f})"
+        )
     if case == "checkpoint_of_another_model_shape":
         return ["--resume", "--set", "model.d_model=32"], "written for a different model shape"
     if case == "checkpoint_of_another_data_order":
@@ -186,7 +193,7 @@ def test_bad_input_before_start_up(tmp_path, capsys, case):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("case", [*CHECKPOINT, "missing_data_path"])
+@pytest.mark.parametrize("case", [*CHECKPOINT, "missing_data_path", "memmap_path_is_a_shard_file"])
 def test_bad_input_in_a_real_process(tmp_path, existing, case):
     """Real processes: the exit status, and the checkpoint cases (they build the model and join a group)."""
     args, expected = _arguments(case, tmp_path, existing)

@@ -1,4 +1,5 @@
-"""Data pipeline: sources, split, determinism in (seed, step), the micro-batch rule and prepare_data.py."""
+"""Token sources: stdlib and text bytes, the train/validation split, shard sets written by prepare_data.py, and
+the one-line errors of bad data paths."""
 
 import json
 import subprocess
@@ -7,11 +8,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from moe_dist.config import DataConfig
 from moe_dist.data.shards import open_shards
-from moe_dist.train.data import DOC_SEPARATOR, TokenDataset, decode, encode, load_tokens, micro_batches
+from moe_dist.data.sources import DOC_SEPARATOR, load_tokens
+from moe_dist.data.tokenizer import decode, encode
 
 REPO = Path(__file__).resolve().parents[2]
 PREPARE = REPO / "launch" / "prepare_data.py"
@@ -30,48 +31,6 @@ def corpus(tmp_path):
 def _all(stream) -> np.ndarray:
     """Every token of a Stream, in order."""
     return stream.gather(np.arange(len(stream)))[0]
-
-
-def _stream(n: int = 5000) -> np.ndarray:
-    return np.random.default_rng(0).integers(0, 256, size=n).astype(np.uint8)
-
-
-def test_global_batch_depends_only_on_seed_and_step():
-    ds = TokenDataset(_stream(), seq_len=16, seed=3)
-    batch = ds.global_batch(7, 8)
-    assert batch.shape == (8, 17) and batch.dtype == torch.int64
-    # A fresh dataset, queried after other steps, gives the same batch: no hidden RNG state.
-    other = TokenDataset(_stream(), seq_len=16, seed=3)
-    other.global_batch(0, 8)
-    assert torch.equal(other.global_batch(7, 8), batch)
-    assert not torch.equal(ds.global_batch(8, 8), batch)
-    assert not torch.equal(TokenDataset(_stream(), seq_len=16, seed=4).global_batch(7, 8), batch)
-
-
-def test_global_batch_rows_are_windows_of_the_stream():
-    tokens = np.arange(300, dtype=np.int64) % 256
-    batch = TokenDataset(tokens, seq_len=10, seed=0).global_batch(1, 32)
-    starts = batch[:, 0]
-    assert torch.equal(batch, (starts[:, None] + torch.arange(11)) % 256)
-
-
-@pytest.mark.parametrize("dp", [1, 2, 4])
-def test_micro_batches_of_all_ranks_reproduce_the_global_batch(dp):
-    batch = TokenDataset(_stream(), seq_len=8, seed=0).global_batch(0, 16)
-    per_rank = [micro_batches(batch, 2, r, dp) for r in range(dp)]
-    assert all(len(mbs) == 8 // dp for mbs in per_rank)
-    # Micro-batch m = j * dp + r is rank r's j-th accumulation step.
-    in_m_order = [per_rank[m % dp][m // dp] for m in range(8)]
-    assert torch.equal(torch.cat(in_m_order), batch)
-    assert torch.equal(per_rank[dp - 1][0], batch[2 * (dp - 1) : 2 * dp])
-
-
-def test_micro_batches_rejects_indivisible_layouts():
-    batch = torch.zeros(12, 5, dtype=torch.long)
-    with pytest.raises(ValueError, match="data-parallel"):
-        micro_batches(batch, 4, 0, 2)  # 3 micro-batches over 2 ranks
-    with pytest.raises(ValueError, match="micro_batch_size"):
-        micro_batches(batch, 5, 0, 1)
 
 
 def test_stdlib_source_loads_python_source():
@@ -163,27 +122,52 @@ def test_memmap_rejects_size_mismatch(corpus, tmp_path):
         open_shards(f"{out}.json")
 
 
-def test_eval_batches_union_is_layout_independent():
-    ds = TokenDataset(_stream(3000), seq_len=16, seed=0)
-    single = [b.tokens for b in ds.eval_batches(4, 3, dp_rank=0, dp_size=1)]
-    ranks = [[b.tokens for b in ds.eval_batches(2, 3, dp_rank=r, dp_size=2)] for r in range(2)]
-    assert all(b.shape == (3, 17) for b in single)
-    # Rank r holds global batches r, r + dp, ...
-    assert all(torch.equal(ranks[b % 2][b // 2], single[b]) for b in range(4))
-    # Independent of training steps, contiguous windows overlapping by one token from the stream start.
-    flat = torch.cat(single)
-    assert torch.equal(flat[0], torch.from_numpy(_stream(3000)[:17].astype(np.int64)))
-    assert torch.equal(flat[1:, 0], flat[:-1, -1])
+def test_prepare_data_creates_the_outputs_directories(corpus, tmp_path):
+    """The README's `--output data/train` on a fresh clone: the missing directories are made, and a failed job
+    leaves none behind."""
+    failed = _prepare("--input", str(tmp_path / "none*.txt"), "--output", str(tmp_path / "new" / "data" / "train"))
+    assert failed.returncode == 2 and not (tmp_path / "new").exists()
+    out = tmp_path / "new" / "data" / "train"
+    result = _prepare("--input", str(corpus / "a.txt"), "--output", str(out))
+    assert result.returncode == 0, result.stderr
+    assert decode(_all(open_shards(f"{out}.json")[0])) == (corpus / "a.txt").read_text(encoding="utf-8") + "\0"
+    refused = _prepare("--input", str(corpus / "b.txt"), "--output", str(out))
+    assert refused.returncode == 2 and "--force" in refused.stderr
+    (tmp_path / "afile").write_text("x")
+    under_a_file = _prepare("--input", str(corpus / "a.txt"), "--output", str(tmp_path / "afile" / "d" / "train"))
+    assert under_a_file.returncode == 2
+    assert under_a_file.stderr.strip().splitlines() == [
+        f"prepare_data.py: error: --output: {tmp_path / 'afile'} is not a directory"
+    ]
 
 
-def test_eval_batches_wrap_around_a_short_stream():
-    ds = TokenDataset(np.arange(41, dtype=np.int64), seq_len=10, seed=0)  # 4 windows
-    (batch,) = ds.eval_batches(1, 6, dp_rank=0, dp_size=1)
-    assert batch.tokens[:, 0].tolist() == [0, 10, 20, 30, 0, 10]
+def _bad_path(case: str, corpus: Path, tmp_path: Path) -> tuple[Path, str]:
+    """(a wrong data.paths entry, what the error must say besides the file) for one case."""
+    out = tmp_path / "train"
+    assert _prepare("--input", str(corpus / "a.txt"), "--output", str(out)).returncode == 0
+    if case == "mask":  # a fine-tuning set's loss mask (this set has none: a stand-in of that name)
+        Path(f"{out}.00000.mask").write_bytes(b"\x01" * 8)
+    if case in ("bin", "idx", "mask"):
+        return Path(f"{out}.00000.{case}"), f"expected the shard set's .json sidecar ({out}.json)"
+    if case == "binary":
+        (tmp_path / "blob.json").write_bytes(b"\x1f\x8b\x08\x00\xff\xfe\x00")  # gzip-like bytes, not UTF-8
+        return tmp_path / "blob.json", "a binary file, not JSON (expected the .json sidecar of a shard set"
+    if case == "other_json":
+        (tmp_path / "config.json").write_text('{"model": {"d_model": 64}}')
+        return tmp_path / "config.json", "not a shard-set sidecar"
+    if case == "missing":
+        return tmp_path / "nowhere.json", "is not an existing file (expected a shard set's .json sidecar"
+    raise ValueError(case)
 
 
-def test_decode_round_trips_and_replaces_invalid_utf8():
-    assert decode(torch.from_numpy(encode("héllo").astype(np.int64))) == "héllo"
-    assert decode([0xFF, 0x41]) == "\ufffdA"
-    with pytest.raises(ValueError):
-        decode([300])
+BAD_PATHS = ["bin", "idx", "mask", "binary", "other_json", "missing"]
+
+
+@pytest.mark.parametrize("case", BAD_PATHS)
+def test_a_wrong_data_path_names_the_file_and_what_was_expected(corpus, tmp_path, case):
+    path, expected = _bad_path(case, corpus, tmp_path)
+    with pytest.raises(ValueError) as info:
+        load_tokens(DataConfig(source="memmap", paths=[str(path)]), seq_len=8)
+    message = str(info.value)
+    assert message.startswith("data.paths: ") and str(path) in message and expected in message, message
+    assert "\n" not in message
