@@ -41,7 +41,7 @@ from __future__ import annotations
 import math
 
 from moe_dist.config import JobConfig
-from moe_dist.config_checks import check_layout, expert_tp
+from moe_dist.config.checks import check_layout
 from moe_dist.models.decoder import build_model, layer_kinds
 from moe_dist.models.recompute import checkpointed_parts
 
@@ -163,7 +163,7 @@ def memory_plan(cfg: JobConfig, world_size: int, device: str = "cuda") -> dict:
     """The plan for one rank at `world_size` under the config's layout (checked as at start-up), on `device`
     ("cuda": device memory of a GPU rank; "cpu": resident memory of a CPU rank, as measured in docs/memory.md)."""
     dp = check_layout(cfg, world_size)
-    tp, ep, etp = cfg.parallel.tp, cfg.parallel.ep, expert_tp(cfg)
+    tp, ep, etp = cfg.parallel.tp, cfg.parallel.ep, cfg.parallel.expert_tp
     edp = dp * tp // (ep * etp)  # the ranks holding the same experts
     runtime = runtime_bytes(device, world_size, dp, tp, ep, edp)
     dense, expert = local_param_counts(cfg, tp, ep, etp)

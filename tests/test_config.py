@@ -16,7 +16,7 @@ from moe_dist.config import (
     config_to_dict,
     load_config,
 )
-from moe_dist.config_checks import check_layout
+from moe_dist.config.checks import check_layout
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((REPO / "configs").glob("*.json"))
@@ -271,13 +271,11 @@ def test_dry_run_reports_published_parameter_counts(name, total, active):
     [("mixtral_small", (1, 2, 4, 8)), ("mixtral_8x7b", (8, 64, 256)), ("jamba_v0.1", (8, 64, 256))],
 )
 def test_shipped_layouts_divide_for_their_world_sizes(name, worlds):
-    from moe_dist.config_checks import grad_accum_steps
-
     cfg = load_config(REPO / f"configs/{name}.json")
     for world in worlds:
         dp = check_layout(cfg, world)
         assert dp * cfg.parallel.tp == world
-        accum = grad_accum_steps(cfg, dp)
+        accum = cfg.train.grad_accum_steps(dp)
         assert accum >= 1 and accum * dp * cfg.train.micro_batch_size == cfg.train.global_batch_size, world
         assert cfg.train.eval_batches % dp == 0
         assert cfg.model.moe.num_experts % cfg.parallel.ep == 0 and dp % cfg.parallel.ep == 0

@@ -1,4 +1,4 @@
-"""docs/config.md is generated from moe_dist/config.py and must stay in step with it."""
+"""docs/config.md is generated from moe_dist/config/schema.py and must stay in step with it."""
 
 import dataclasses
 import json
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pytest
 
 from moe_dist.config import JobConfig
-from moe_dist.config_doc import COMMAND, DOC_PATH, ConfigDocError, main, render
+from moe_dist.config.doc import COMMAND, DOC_PATH, ConfigDocError, main, render
 
 
 def _leaf_fields(cls: type, prefix: str = ""):

@@ -15,6 +15,7 @@ from typing import Optional, Union
 import numpy as np
 import torch
 
+from moe_dist.config.checks import check_global_batch
 from moe_dist.data.shards import Stream, array_stream, check_length, document_starts
 from moe_dist.data.tokenizer import BYTES_EOS
 
@@ -139,17 +140,8 @@ def micro_batch_rows(n_rows: int, micro_batch_size: int, dp_rank: int, dp_size: 
     The G rows are cut into n_micro = G // micro_batch_size consecutive micro-batches (m covers rows
     [m * mb, (m + 1) * mb)); rank r processes m = j * dp_size + r for j = 0 .. n_micro / dp_size - 1. One
     process (dp_size = 1) thus sees the same micro-batches as all ranks together."""
-    if micro_batch_size <= 0 or n_rows % micro_batch_size:
-        raise ValueError(
-            f"train.global_batch_size: {n_rows} sequences is not a multiple of "
-            f"train.micro_batch_size={micro_batch_size}"
-        )
+    check_global_batch(n_rows, micro_batch_size, dp_size)
     n_micro = n_rows // micro_batch_size
-    if n_micro % dp_size:
-        raise ValueError(
-            f"train.global_batch_size: {n_micro} micro-batches of {micro_batch_size} are not "
-            f"divisible among {dp_size} data-parallel ranks"
-        )
     if not 0 <= dp_rank < dp_size:
         raise ValueError(f"micro_batches: dp_rank must be in [0, {dp_size}), got {dp_rank}")
     mb = micro_batch_size

@@ -112,8 +112,6 @@ def load_tokens(cfg: DataConfig, seq_len: int = 1, vocab_size: int = BYTES_VOCAB
     if cfg.source != "memmap" or tok.sha256 == BYTES:
         if vocab_size < BYTES_VOCAB:
             raise ValueError(f"model.vocab_size: {vocab_size} does not cover the {BYTES_VOCAB} byte tokens")
-    if cfg.mixture and cfg.source != "memmap":
-        raise ValueError("data.mixture: only the 'memmap' source takes a mixture")
     if cfg.source == "stdlib":
         files = stdlib_files()
         if not files:
@@ -123,15 +121,8 @@ def load_tokens(cfg: DataConfig, seq_len: int = 1, vocab_size: int = BYTES_VOCAB
         files = resolve_paths(cfg.paths, expected="text files, read as bytes")
         components = [array_stream(join_files_as_bytes(files, cfg.max_bytes), DOC_SEPARATOR)]
     elif cfg.source == "memmap":
-        if cfg.mixture and cfg.paths:
-            raise ValueError("data.paths: give either data.paths or data.mixture, not both")
-        if not cfg.mixture and not cfg.paths:
-            raise ValueError("data.paths: the memmap source needs shard-set sidecars (PREFIX.json) or data.mixture")
         parts = [(c.paths, f"data.mixture[{i}].paths", c.weight) for i, c in enumerate(cfg.mixture)]
         parts = parts or [(cfg.paths, "data.paths", 1.0)]
-        for i, (_, _, w) in enumerate(parts):
-            if not w > 0:
-                raise ValueError(f"data.mixture[{i}].weight: must be positive, got {w}")
         components = [_open_component(paths, key, tok, vocab_size) for paths, key, _ in parts]
     else:
         raise ValueError(f"data.source: expected 'stdlib', 'text' or 'memmap', got {cfg.source!r}")

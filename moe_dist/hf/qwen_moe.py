@@ -8,7 +8,6 @@ router `mlp.gate`, softmax top-k renormalized when `norm_topk_prob`.
 from __future__ import annotations
 
 from moe_dist.config import AttentionConfig, ModelConfig, MoEConfig
-from moe_dist.config_checks import shared_d_ff
 from moe_dist.hf.common import (
     Family,
     HFConfigError,
@@ -95,7 +94,7 @@ def _to_hf(cfg: ModelConfig, out: dict, qwen2: bool) -> None:
         attention_bias=False,
     )
     if qwen2:
-        out.update(shared_expert_intermediate_size=shared_d_ff(cfg), qkv_bias=True)
+        out.update(shared_expert_intermediate_size=cfg.moe.shared_hidden(cfg.d_ff), qkv_bias=True)
     out.setdefault("max_position_embeddings", 32768)
 
 

@@ -432,7 +432,7 @@ class MoE(nn.Module):
         self.router = Router(d_model, cfg, init_std)
         self.experts = Experts(cfg.num_experts, d_model, cfg.d_ff or d_ff, init_std, n_layers, cfg.backend)
         self.dispatcher: Dispatcher = LocalDispatcher(Permutation.for_device(cfg.impl, device))
-        shared_ff = cfg.shared_d_ff or cfg.n_shared_experts * (cfg.d_ff or d_ff)
+        shared_ff = cfg.shared_hidden(d_ff)
         self.shared = (
             SharedExperts(d_model, shared_ff, cfg.shared_gate, init_std, n_layers) if cfg.n_shared_experts else None
         )

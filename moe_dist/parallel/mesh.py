@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from moe_dist.config import ConfigError, JobConfig
-from moe_dist.config_checks import check_layout, expert_tp
+from moe_dist.config.checks import check_layout
 from moe_dist.parallel import private_api
 
 
@@ -329,7 +329,7 @@ def init_distributed(cfg: JobConfig, timeout_s: float | None = None) -> Mesh:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     _unlink_deepspeed_shm(rank, world_size)
     dp = check_layout(cfg, world_size)
-    ep, tp, etp = cfg.parallel.ep, cfg.parallel.tp, expert_tp(cfg)
+    ep, tp, etp = cfg.parallel.ep, cfg.parallel.tp, cfg.parallel.expert_tp
     dp_rank = rank // tp
     name = f"ep_size_{ep}" if etp == tp else f"ep_size_{ep}_etp_{etp}"
     layout = layout_groups(dp, ep, tp, etp)

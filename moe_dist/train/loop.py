@@ -18,8 +18,8 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
-from moe_dist.config import ConfigError, JobConfig, config_to_dict
-from moe_dist.config_checks import check_layout
+from moe_dist.config import JobConfig, config_to_dict
+from moe_dist.config.checks import check_layout
 from moe_dist.data.batches import Batch, TokenDataset
 from moe_dist.data.sources import load_tokens
 from moe_dist.data.tokenizer import copy_tokenizer, tokenizer_identity
@@ -175,14 +175,6 @@ def end_router_step(model, layers: list[dict], update: bool) -> None:
             layer["bias"] = router.bias_E.float().cpu().tolist()
 
 
-def _check_settings(cfg: JobConfig) -> None:
-    for key in ("keep_last", "max_nonfinite_steps", "save_buffer_mb"):
-        if getattr(cfg.train, key) < 0:
-            raise ConfigError(f"train.{key}: must be >= 0, got {getattr(cfg.train, key)}")
-    if cfg.train.save_timeout_s <= 0:
-        raise ConfigError(f"train.save_timeout_s: must be > 0, got {cfg.train.save_timeout_s}")
-
-
 def _check_run_dir(run_dir: Path, resume: bool) -> None:
     """Every rank, before init: the directory can be used and written. Creates it if missing, writes nothing."""
     if not resume and ((run_dir / "metrics.jsonl").exists() or complete_checkpoints(run_dir / "checkpoints")):
@@ -234,7 +226,6 @@ def train(cfg: JobConfig, run_dir: Path, resume: bool = False) -> list[dict]:
 
     With `resume`, continue from the newest checkpoint in the run directory that verifies, falling back to older
     ones; start fresh when there is none. So one command line serves the first start and every restart."""
-    _check_settings(cfg)
     # The layout against the launcher's world size before anything is read, joined or written (one line, exit 2).
     check_layout(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     t = cfg.train

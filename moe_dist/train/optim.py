@@ -8,7 +8,6 @@ import torch
 from torch import nn
 
 from moe_dist.config import JobConfig
-from moe_dist.config_checks import grad_accum_steps
 from moe_dist.parallel import private_api
 
 
@@ -33,12 +32,24 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def lr_lambda(cfg: JobConfig):
-    """Multiplier of train.lr at optimizer step s: linear warmup, then cosine decay to min_lr_ratio."""
+    """Multiplier of train.lr after s optimizer steps (the lr of step s + 1): linear warmup over warmup_steps, then
+
+    - cosine: cosine decay from 1 to min_lr_ratio over the remaining steps;
+    - wsd (warmup-stable-decay): 1 until the last D = decay_fraction × steps (rounded) steps, then linear decay
+      from 1 at s = steps - D to min_lr_ratio at s = steps.
+
+    A function of s and the current train.steps alone (checkpoints store no schedule state): resuming a wsd run
+    with more train.steps moves the decay to the new end, so the resumed steps continue the stable phase
+    (tests/train/test_lr_schedule.py)."""
     t = cfg.train
+    decay_start = t.steps - t.decay_steps()
 
     def factor(step: int) -> float:
         if step < t.warmup_steps:
             return (step + 1) / t.warmup_steps
+        if t.lr_schedule == "wsd":
+            progress = min(1.0, max(0, step - decay_start) / max(1, t.steps - decay_start))
+            return 1 - (1 - t.min_lr_ratio) * progress
         progress = min(1.0, (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps))
         return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
@@ -48,7 +59,9 @@ def lr_lambda(cfg: JobConfig):
 def build_optimizer(model: nn.Module, cfg: JobConfig):
     t = cfg.train
     # fused: one kernel over all tensors (CPU and CUDA); half the step time of the default per-tensor loop on CPU
-    opt = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=tuple(t.betas), eps=1e-8, fused=True)
+    opt = torch.optim.AdamW(
+        param_groups(model, t.weight_decay), lr=t.lr, betas=tuple(t.betas), eps=t.adam_eps, fused=True
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
     return opt, sched
 
@@ -59,7 +72,7 @@ def deepspeed_config(cfg: JobConfig, dp: int) -> dict:
     ds = {
         "train_batch_size": t.global_batch_size,
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
-        "gradient_accumulation_steps": grad_accum_steps(cfg, dp),
+        "gradient_accumulation_steps": t.grad_accum_steps(dp),
         "gradient_clipping": t.grad_clip,
         "zero_optimization": {"stage": cfg.deepspeed.zero_stage},
         "bf16": {"enabled": t.dtype == "bf16"},
@@ -71,7 +84,7 @@ def deepspeed_config(cfg: JobConfig, dp: int) -> dict:
         # Summing many micro-batches' bf16 gradients in bf16 loses low bits at every addition (16 micro-batches:
         # errors of ~1e-3 relative, tests/train/test_grad_accum.py). With fp32, ZeRO 2 reduces each micro-batch's
         # gradient over the data-parallel ranks in fp32 and adds it into an fp32 partition. (DeepSpeed routes
-        # ZeRO 1 with fp32 accumulation to another optimizer class, BF16_Optimizer: config_checks.py requires stage 2.)
+        # ZeRO 1 with fp32 accumulation to another optimizer class, BF16_Optimizer: config/checks.py requires stage 2.)
         ds["data_types"] = {"grad_accum_dtype": t.grad_accum_dtype}
         ds["communication_data_type"] = t.grad_accum_dtype
     ds.update(cfg.deepspeed.extra)

@@ -1,21 +1,15 @@
-"""The rules a loaded config must satisfy beyond its types, and the layout derived from it.
+"""Every rule a loaded config must satisfy beyond its types, each stated once.
 
-`validate` holds the cross-field checks that need only the config (load_config runs it); `check_layout` those
-that need the world size too (the launcher's WORLD_SIZE, at start-up and in --dry-run). `expert_tp`,
-`grad_accum_steps` and `shared_d_ff` derive sizes from the config for the modules that build the layout.
-Every failure is a ConfigError with one line naming the key. The schema and the loading are in moe_dist/config.py.
+`validate` holds the rules that need only the config (load_config and config_from_dict run it); `check_layout`
+those that need the world size too (the launcher's WORLD_SIZE, at start-up and in --dry-run). Rules that need the
+filesystem (data paths, tokenizer files, the run directory) stay where the files are read, and raise ConfigError
+or ValueError naming the key too. Every failure is a ConfigError with one line naming the key (tests/test_config.py).
+Depends on schema.py only; loading.py imports this module.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # annotations only: config.py imports this module to validate what it loads
-    from moe_dist.config import JobConfig, ModelConfig, MoEConfig
-
-
-class ConfigError(ValueError):
-    """A configuration problem; the message is one line naming the dotted key."""
+from moe_dist.config.schema import ConfigError, DataConfig, JobConfig, MoEConfig, TrainConfig
 
 
 def _check(cond: bool, message: str) -> None:
@@ -100,12 +94,7 @@ def validate(cfg: JobConfig) -> None:
     _check(t.steps > 0, f"train.steps: must be positive, got {t.steps}")
     _check(t.seq_len > 0, f"train.seq_len: must be positive, got {t.seq_len}")
     _check(t.micro_batch_size > 0, f"train.micro_batch_size: must be positive, got {t.micro_batch_size}")
-    _check(
-        t.global_batch_size % t.micro_batch_size == 0,
-        f"train.global_batch_size: must be a multiple of train.micro_batch_size={t.micro_batch_size}, "
-        f"got {t.global_batch_size}",
-    )
-    _check(len(t.betas) == 2, f"train.betas: expected two numbers, got {t.betas}")
+    check_global_batch(t.global_batch_size, t.micro_batch_size, 1)  # the data-parallel part: check_layout
     parts = {"attention", "mamba", "moe_experts", "mlp"}
     _check(
         set(t.checkpoint_parts) <= parts,
@@ -116,11 +105,9 @@ def validate(cfg: JobConfig) -> None:
         f"train.checkpoint_parts: only used with train.activation_checkpointing='selective', "
         f"not {t.activation_checkpointing!r}",
     )
-    _check(0.0 < cfg.data.val_fraction < 1.0, f"data.val_fraction: must be in (0, 1), got {cfg.data.val_fraction}")
-    _check(
-        cfg.data.source == "stdlib" or bool(cfg.data.paths),
-        f"data.paths: required when data.source is {cfg.data.source!r}",
-    )
+    _check_schedule(t)
+    _check_run_settings(t)
+    _check_data(cfg.data)
 
 
 def _check_moe_recipes(moe: MoEConfig) -> None:
@@ -149,14 +136,6 @@ def _check_moe_recipes(moe: MoEConfig) -> None:
     _check(moe.dead_expert_window >= 1, f"model.moe.dead_expert_window: must be >= 1, got {moe.dead_expert_window}")
 
 
-def shared_d_ff(m: ModelConfig) -> int:
-    """Hidden size of an MoE layer's shared SwiGLU (0 without shared experts)."""
-    moe = m.moe
-    if moe.n_shared_experts == 0:
-        return 0
-    return moe.shared_d_ff or moe.n_shared_experts * (moe.d_ff or m.d_ff)
-
-
 def _check_tensor_parallel(cfg: JobConfig) -> None:
     """Every dimension tensor parallelism splits must divide evenly by parallel.tp (see parallel/tensor_parallel.py)."""
     m, tp = cfg.model, cfg.parallel.tp
@@ -182,10 +161,10 @@ def _check_tensor_parallel(cfg: JobConfig) -> None:
     if "D" in m.ffn_pattern:
         divides(m.d_ff, "model.d_ff", "the dense FFN hidden size")
     if "E" in m.ffn_pattern:
-        if expert_tp(cfg) > 1:  # parallel.etp=1 keeps the experts whole
+        if cfg.parallel.expert_tp > 1:  # parallel.etp=1 keeps the experts whole
             divides(moe.d_ff or m.d_ff, "model.moe.d_ff", "the expert hidden size")
-        if shared_d_ff(m):
-            divides(shared_d_ff(m), "model.moe.shared_d_ff", "the shared experts' hidden size")
+        if moe.shared_hidden(m.d_ff):
+            divides(moe.shared_hidden(m.d_ff), "model.moe.shared_d_ff", "the shared experts' hidden size")
     if cfg.parallel.sequence_parallel:
         divides(cfg.train.seq_len, "train.seq_len", "with parallel.sequence_parallel, the sequence length")
 
@@ -193,7 +172,7 @@ def _check_tensor_parallel(cfg: JobConfig) -> None:
 def check_layout(cfg: JobConfig, world_size: int) -> int:
     """Validate the parallel layout against the world size; return the data-parallel degree. Each error is one
     line naming the key, its value and the world size (the launcher's WORLD_SIZE, checked before start-up)."""
-    tp, ep, etp = cfg.parallel.tp, cfg.parallel.ep, expert_tp(cfg)
+    tp, ep, etp = cfg.parallel.tp, cfg.parallel.ep, cfg.parallel.expert_tp
     _check(world_size % tp == 0, f"parallel.tp: {tp} does not divide the world size {world_size}")
     dp = world_size // tp
     if etp == tp:
@@ -212,7 +191,7 @@ def check_layout(cfg: JobConfig, world_size: int) -> int:
     if cfg.parallel.a2a_dedup != "none" and ep > 1:
         _check(chunks == 1, f"parallel.a2a_dedup: {cfg.parallel.a2a_dedup!r} takes parallel.a2a_chunks=1, got {chunks}")
         _check(
-            expert_tp(cfg) == 1,
+            cfg.parallel.expert_tp == 1,
             f"parallel.a2a_dedup: {cfg.parallel.a2a_dedup!r} needs whole experts: parallel.tp=1 or parallel.etp=1 "
             f"(got tp {tp}, etp {cfg.parallel.etp})",
         )
@@ -223,12 +202,7 @@ def check_layout(cfg: JobConfig, world_size: int) -> int:
         "deepspeed.zero_stage: bf16 training with fp32 gradient accumulation (train.grad_accum_dtype, the default) "
         "needs ZeRO stage 2; set deepspeed.zero_stage=2, or train.grad_accum_dtype=bf16 to accumulate in bf16",
     )
-    micro = cfg.train.global_batch_size // cfg.train.micro_batch_size
-    _check(
-        micro % dp == 0,
-        f"train.global_batch_size: {cfg.train.global_batch_size} sequences = {micro} micro-batches of "
-        f"train.micro_batch_size={cfg.train.micro_batch_size}, not divisible among {ranks}",
-    )
+    check_global_batch(cfg.train.global_batch_size, cfg.train.micro_batch_size, dp, ranks)
     _check(
         cfg.train.eval_batches % dp == 0,
         f"train.eval_batches: {cfg.train.eval_batches} is not divisible among {ranks}",
@@ -242,10 +216,54 @@ def check_layout(cfg: JobConfig, world_size: int) -> int:
     return dp
 
 
-def expert_tp(cfg: JobConfig) -> int:
-    """The expert tensor-parallel size: `parallel.etp`, or `parallel.tp` when unset."""
-    return cfg.parallel.tp if cfg.parallel.etp is None else cfg.parallel.etp
+def check_global_batch(global_batch_size: int, micro_batch_size: int, dp: int, ranks: str = "") -> None:
+    """The global batch is cut into whole micro-batches, dealt evenly to the `dp` data-parallel ranks (the rule
+    of the data's micro_batch_rows; `ranks` describes the layout in the message)."""
+    _check(
+        micro_batch_size > 0 and global_batch_size % micro_batch_size == 0,
+        f"train.global_batch_size: must be a multiple of train.micro_batch_size={micro_batch_size}, "
+        f"got {global_batch_size}",
+    )
+    micro = global_batch_size // micro_batch_size
+    _check(
+        micro % dp == 0,
+        f"train.global_batch_size: {global_batch_size} sequences = {micro} micro-batches of "
+        f"train.micro_batch_size={micro_batch_size}, not divisible among {ranks or f'{dp} data-parallel ranks'}",
+    )
 
 
-def grad_accum_steps(cfg: JobConfig, dp: int) -> int:
-    return cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)
+def _check_schedule(t: TrainConfig) -> None:
+    """The optimizer and the learning-rate schedule (train/optim.py)."""
+    _check(len(t.betas) == 2, f"train.betas: expected two numbers, got {t.betas}")
+    _check(t.adam_eps > 0, f"train.adam_eps: must be positive, got {t.adam_eps}")
+    _check(0.0 < t.decay_fraction <= 1.0, f"train.decay_fraction: must be in (0, 1], got {t.decay_fraction}")
+    if t.lr_schedule == "wsd":
+        decay = t.decay_steps()
+        _check(
+            decay >= 1 and t.warmup_steps + decay <= t.steps,
+            f"train.decay_fraction: {t.decay_fraction} of train.steps={t.steps} is {decay} decay steps; wsd needs "
+            f"at least 1 and train.warmup_steps={t.warmup_steps} + them <= train.steps",
+        )
+
+
+def _check_run_settings(t: TrainConfig) -> None:
+    """Checkpoint keeping, saving and the non-finite guard (train/loop.py, train/checkpoint.py, train/guard.py)."""
+    for key in ("keep_last", "max_nonfinite_steps", "save_buffer_mb"):
+        _check(getattr(t, key) >= 0, f"train.{key}: must be >= 0, got {getattr(t, key)}")
+    _check(t.save_timeout_s > 0, f"train.save_timeout_s: must be > 0, got {t.save_timeout_s}")
+
+
+def _check_data(d: DataConfig) -> None:
+    """The data section's rules that need no file (the files are checked where they are read, train/data.py)."""
+    _check(0.0 < d.val_fraction < 1.0, f"data.val_fraction: must be in (0, 1), got {d.val_fraction}")
+    _check(not d.mixture or d.source == "memmap", "data.mixture: only the 'memmap' source takes a mixture")
+    if d.source == "text":
+        _check(bool(d.paths), "data.paths: required when data.source is 'text'")
+    if d.source == "memmap":
+        _check(not (d.mixture and d.paths), "data.paths: give either data.paths or data.mixture, not both")
+        _check(
+            bool(d.mixture or d.paths),
+            "data.paths: the memmap source needs shard-set sidecars (PREFIX.json) or data.mixture",
+        )
+    for i, c in enumerate(d.mixture):
+        _check(c.weight > 0, f"data.mixture[{i}].weight: must be positive, got {c.weight}")

@@ -1,8 +1,8 @@
-"""Generate docs/config.md, the reference of every config key, from the dataclasses in moe_dist/config.py.
+"""Generate docs/config.md, the reference of every config key, from the dataclasses in moe_dist/config/schema.py.
 
-    python -m moe_dist.config_doc            # print the markdown
-    python -m moe_dist.config_doc --write    # write docs/config.md
-    python -m moe_dist.config_doc --check    # exit 1 if docs/config.md differs from what would be written
+    python -m moe_dist.config.doc            # print the markdown
+    python -m moe_dist.config.doc --write    # write docs/config.md
+    python -m moe_dist.config.doc --check    # exit 1 if docs/config.md differs from what would be written
 
 Each key's meaning is the trailing `# comment` of its field, read from the source, so the reference cannot
 drift from the code and is never written twice. A field without one is an error naming its dotted key.
@@ -24,10 +24,10 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from moe_dist.config import JobConfig
+from moe_dist.config.schema import JobConfig
 
-DOC_PATH = Path(__file__).resolve().parent.parent / "docs" / "config.md"
-COMMAND = "python -m moe_dist.config_doc --write"
+DOC_PATH = Path(__file__).resolve().parents[2] / "docs" / "config.md"
+COMMAND = "python -m moe_dist.config.doc --write"
 
 
 class ConfigDocError(ValueError):
@@ -114,7 +114,7 @@ def render(root: type = JobConfig) -> str:
     header = [
         "# Configuration reference",
         "",
-        f"Generated from the field comments in `moe_dist/config.py` by `{COMMAND}`; do not edit by hand",
+        f"Generated from the field comments in `moe_dist/config/schema.py` by `{COMMAND}`; do not edit by hand",
         "(tests/test_config_doc.py fails when this page is stale).",
         'Keys go in the JSON config under their section (`{"model": {"moe": {"top_k": 1}}}`) or on the command',
         "line as dotted overrides (`--set model.moe.top_k=1`); unknown keys and wrong types are errors.",

@@ -1,24 +1,19 @@
-"""Job configuration: a tree of small dataclasses loaded strictly from JSON.
+"""The job configuration's schema: a tree of small dataclasses, and the sizes derived from them.
 
-Every field has a one-line comment. Unknown keys and wrong types are errors naming the dotted path;
-`--set a.b.c=VALUE` overrides use the same paths. Runtime objects (process groups, devices) never live here.
-Cross-field rules (`validate`) and the layout checks against a world size (`check_layout`) are in
-moe_dist/config_checks.py.
+Every field has a one-line trailing comment (docs/config.md is generated from them by moe_dist/config/doc.py).
+Runtime objects (process groups, devices) never live here. Derived sizes are methods of the section that owns
+their inputs, so each formula exists once. Loading is in loading.py, the rules a config must satisfy in checks.py;
+this module imports neither.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
-import json
-import types
-import typing
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Literal, Optional
 
-# The cross-field rules live beside this schema; ConfigError is defined there (no import cycle) and used from here.
-from moe_dist.config_checks import ConfigError, validate
+
+class ConfigError(ValueError):
+    """A configuration problem; the message is one line naming the dotted key."""
 
 
 @dataclass
@@ -81,6 +76,12 @@ class MoEConfig:
     shared_gate: bool = False  # scale the shared experts' output by sigmoid(x · w) per token (Qwen2-MoE)
     dead_expert_window: int = 100  # telemetry: an expert is dead when no token reached it in this many steps
 
+    def shared_hidden(self, d_ff: int) -> int:
+        """Hidden size of the layer's shared SwiGLU (0 without shared experts); `d_ff` is model.d_ff."""
+        if self.n_shared_experts == 0:
+            return 0
+        return self.shared_d_ff or self.n_shared_experts * (self.d_ff or d_ff)
+
 
 @dataclass
 class ModelConfig:
@@ -109,6 +110,11 @@ class ParallelConfig:
         "none"  # ep > 1: a token crosses once per node/rank holding any of its experts; none: once per assignment
     )
     timeout_s: float = 600.0  # rendezvous and collective timeout: a missing or hung rank fails the job after this
+
+    @property
+    def expert_tp(self) -> int:
+        """The expert tensor-parallel size: `etp`, or `tp` when unset."""
+        return self.tp if self.etp is None else self.etp
 
 
 @dataclass
@@ -139,10 +145,16 @@ class TrainConfig:
     micro_batch_size: int = 4  # sequences per forward on one rank; gradient accumulation is derived
     seed: int = 0  # seed for init and data
     lr: float = 1e-3  # peak learning rate
-    min_lr_ratio: float = 0.1  # final lr as a fraction of lr (cosine decay)
+    lr_schedule: Literal["cosine", "wsd"] = (
+        "cosine"  # after the warmup: cosine decay over the remaining steps to min_lr_ratio × lr, or wsd
+        # (warmup-stable-decay): lr held until the last train.decay_fraction of train.steps, then linear decay
+    )
+    decay_fraction: float = 0.2  # wsd: the last fraction of train.steps, in (0, 1], decaying to min_lr_ratio × lr
+    min_lr_ratio: float = 0.1  # final lr as a fraction of lr (end of the cosine or wsd decay)
     warmup_steps: int = 10  # linear warmup steps
     weight_decay: float = 0.1  # AdamW weight decay
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW betas
+    adam_eps: float = 1e-8  # AdamW epsilon, added to the root of the second moment
     grad_clip: float = 1.0  # clip to this global gradient norm (0 = off)
     dtype: Literal["fp32", "bf16"] = "fp32"  # training precision
     save_every: int = 0  # checkpoint every N steps (0 = only at the end)
@@ -165,6 +177,15 @@ class TrainConfig:
     save_buffer_mb: int = 256  # checkpoint: host memory for tensors gathered and not yet written (synchronous save)
     save_timeout_s: float = 1800.0  # checkpoint save and load: limit of every wait (writers, their collectives)
 
+    def decay_steps(self) -> int:
+        """lr_schedule wsd: how many final steps decay, decay_fraction × steps rounded to the nearest step."""
+        return round(self.decay_fraction * self.steps)
+
+    def grad_accum_steps(self, dp: int) -> int:
+        """Micro-batches one rank accumulates per optimizer step with `dp` data-parallel ranks (checks.py's
+        `check_global_batch` makes the division exact)."""
+        return self.global_batch_size // (self.micro_batch_size * dp)
+
 
 @dataclass
 class DeepSpeedConfig:
@@ -179,134 +200,3 @@ class JobConfig:
     data: DataConfig = field(default_factory=DataConfig)  # training data
     train: TrainConfig = field(default_factory=TrainConfig)  # optimization loop
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)  # DeepSpeed engine settings
-
-
-# ----------------------------------------------------------------------------------------------- loading
-
-
-def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
-
-
-def _convert(value: Any, tp: Any, path: str) -> Any:
-    """Check `value` against the annotation `tp`, returning it (ints widened to float where a float is asked)."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        inner = [a for a in args if a is not type(None)]
-        return _convert(value, inner[0], path)
-    if origin is Literal:
-        choices = typing.get_args(tp)
-        if value not in choices or type(value) is not type(choices[0]):
-            raise ConfigError(f"{path}: expected one of {list(choices)}, got {value!r}")
-        return value
-    if origin is list:
-        (item_tp,) = typing.get_args(tp)
-        if not isinstance(value, list):
-            raise ConfigError(f"{path}: expected a list, got {type(value).__name__} {value!r}")
-        return [_convert(v, item_tp, f"{path}[{i}]") for i, v in enumerate(value)]
-    if tp is dict or origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{path}: expected an object, got {type(value).__name__} {value!r}")
-        return value
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            raise ConfigError(f"{path}: expected an object, got {type(value).__name__} {value!r}")
-        return _build(tp, value, path)
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{path}: expected float, got {type(value).__name__} {value!r}")
-        return float(value)
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{path}: expected int, got {type(value).__name__} {value!r}")
-        return value
-    if tp in (bool, str):
-        if not isinstance(value, tp):
-            raise ConfigError(f"{path}: expected {tp.__name__}, got {type(value).__name__} {value!r}")
-        return value
-    raise ConfigError(f"{path}: unsupported type {_type_name(tp)}")
-
-
-def _unknown_key(cls: type, key: str, prefix: str) -> ConfigError:
-    names = [f.name for f in dataclasses.fields(cls)]
-    close = difflib.get_close_matches(key, names, n=1)
-    hint = f" (did you mean '{prefix}{close[0]}'?)" if close else f" (valid keys: {', '.join(names)})"
-    return ConfigError(f"{prefix}{key}: unknown config key{hint}")
-
-
-def _build(cls: type, raw: dict, path: str = "") -> Any:
-    prefix = f"{path}." if path else ""
-    hints = typing.get_type_hints(cls)
-    fields = {f.name for f in dataclasses.fields(cls)}
-    kwargs = {}
-    for key, value in raw.items():
-        if key not in fields:
-            raise _unknown_key(cls, key, prefix)
-        kwargs[key] = _convert(value, hints[key], prefix + key)
-    return cls(**kwargs)
-
-
-def parse_override(text: str) -> tuple[str, Any]:
-    """`a.b=VALUE` → ("a.b", VALUE parsed as JSON where it parses, else the raw string)."""
-    if "=" not in text:
-        raise ConfigError(f"override {text!r}: expected KEY=VALUE with a dotted KEY")
-    key, raw = text.split("=", 1)
-    try:
-        value = json.loads(raw)
-    except json.JSONDecodeError:
-        value = raw
-    return key.strip(), value
-
-
-def _apply_override(raw: dict, cls: type, dotted: str, value: Any) -> None:
-    parts = dotted.split(".")
-    node, node_cls = raw, cls
-    for depth, part in enumerate(parts):
-        prefix = ".".join(parts[:depth])
-        prefix = f"{prefix}." if prefix else ""
-        if not dataclasses.is_dataclass(node_cls):
-            raise ConfigError(f"{prefix}{part}: '{prefix[:-1]}' is not a section")
-        names = {f.name for f in dataclasses.fields(node_cls)}
-        if part not in names:
-            raise _unknown_key(node_cls, part, prefix)
-        if depth == len(parts) - 1:
-            node[part] = value
-            return
-        node_cls = typing.get_type_hints(node_cls)[part]
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"{prefix}{part}: expected an object")
-
-
-def load_config(path: str | Path | None, overrides: list[str] | None = None) -> JobConfig:
-    """Load a JSON file (or the defaults when `path` is None), apply dotted overrides, validate."""
-    raw: dict = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"{p}: config file not found")
-        try:
-            raw = json.loads(p.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{p}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{p}: the top level must be a JSON object")
-    for text in overrides or []:
-        key, value = parse_override(text)
-        _apply_override(raw, JobConfig, key, value)
-    cfg = _build(JobConfig, raw)
-    validate(cfg)
-    return cfg
-
-
-def config_to_dict(cfg: JobConfig) -> dict:
-    return dataclasses.asdict(cfg)
-
-
-def config_from_dict(raw: dict) -> JobConfig:
-    cfg = _build(JobConfig, raw)
-    validate(cfg)
-    return cfg
