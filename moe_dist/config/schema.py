@@ -8,6 +8,7 @@ this module imports neither.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
@@ -178,8 +179,8 @@ class TrainConfig:
     save_timeout_s: float = 1800.0  # checkpoint save and load: limit of every wait (writers, their collectives)
 
     def decay_steps(self) -> int:
-        """lr_schedule wsd: how many final steps decay, decay_fraction × steps rounded to the nearest step."""
-        return round(self.decay_fraction * self.steps)
+        """lr_schedule wsd: how many final steps decay, decay_fraction × steps rounded half up to a whole step."""
+        return math.floor(self.decay_fraction * self.steps + 0.5)
 
     def grad_accum_steps(self, dp: int) -> int:
         """Micro-batches one rank accumulates per optimizer step with `dp` data-parallel ranks (checks.py's

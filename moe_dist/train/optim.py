@@ -35,7 +35,7 @@ def lr_lambda(cfg: JobConfig):
     """Multiplier of train.lr after s optimizer steps (the lr of step s + 1): linear warmup over warmup_steps, then
 
     - cosine: cosine decay from 1 to min_lr_ratio over the remaining steps;
-    - wsd (warmup-stable-decay): 1 until the last D = decay_fraction × steps (rounded) steps, then linear decay
+    - wsd (warmup-stable-decay): 1 until the last D = decay_fraction × steps (rounded half up) steps, then linear decay
       from 1 at s = steps - D to min_lr_ratio at s = steps.
 
     A function of s and the current train.steps alone (checkpoints store no schedule state): resuming a wsd run
