@@ -300,3 +300,37 @@ def test_layout_that_does_not_divide_fails_before_start_up(tmp_path, monkeypatch
     assert not run.exists()
     with pytest.raises(ConfigError, match=r"^train.eval_batches: 6 is not divisible among 4 data-parallel ranks"):
         check_layout(load_config(REPO / "configs/mixtral_small.json", ["train.eval_batches=6"]), 4)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["train.keep_last=-1"], "train.keep_last: must be >= 0, got -1"),
+        (["train.save_timeout_s=0"], "train.save_timeout_s: must be > 0, got 0.0"),
+        (['data.mixture=[{"paths": ["a.json"]}]'], "data.mixture: only the 'memmap' source takes a mixture"),
+        (["data.source=text"], "data.paths: required when data.source is 'text'"),
+        (
+            ["data.source=memmap"],
+            "data.paths: the memmap source needs shard-set sidecars (PREFIX.json) or data.mixture",
+        ),
+        (
+            ["data.source=memmap", 'data.paths=["a.json"]', 'data.mixture=[{"paths": ["b.json"]}]'],
+            "data.paths: give either data.paths or data.mixture, not both",
+        ),
+        (
+            ["data.source=memmap", 'data.mixture=[{"paths": ["a.json"]}, {"paths": ["b.json"], "weight": 0}]'],
+            "data.mixture[1].weight: must be positive, got 0.0",
+        ),
+    ],
+)
+def test_run_and_data_settings_are_checked_at_load(overrides, message):
+    """The rules of the training loop's settings and of the data section that need no file: at load, before any
+    data is read (the files themselves are checked where the data is read)."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    assert str(e.value) == message
+
+
+def test_memmap_mixture_without_paths_loads():
+    cfg = load_config(None, ["data.source=memmap", 'data.mixture=[{"paths": ["a.json"], "weight": 2}]'])
+    assert cfg.data.mixture[0].weight == 2.0 and cfg.data.paths == []

@@ -1,10 +1,10 @@
 """Every rule a loaded config must satisfy beyond its types, each stated once.
 
 `validate` holds the rules that need only the config (load_config and config_from_dict run it); `check_layout`
-those that need the world size too (the launcher's WORLD_SIZE, at start-up and in --dry-run). Rules that need the
-filesystem (data paths, tokenizer files, the run directory) stay where the files are read, and raise ConfigError
-or ValueError naming the key too. Every failure is a ConfigError with one line naming the key (tests/test_config.py).
-Depends on schema.py only; loading.py imports this module.
+those that need the world size too (the launcher's WORLD_SIZE, at start-up and in --dry-run). Each failure is a
+ConfigError of one line naming the key (tests/test_config.py). Rules that need files (data paths, tokenizers, the
+run directory) are checked where those are read, with errors naming the key as well. Depends on schema.py only;
+loading.py imports this module.
 """
 
 from __future__ import annotations
@@ -254,7 +254,7 @@ def _check_run_settings(t: TrainConfig) -> None:
 
 
 def _check_data(d: DataConfig) -> None:
-    """The data section's rules that need no file (the files are checked where they are read, train/data.py)."""
+    """The data section's rules that need no file (the files are checked where the data is read)."""
     _check(0.0 < d.val_fraction < 1.0, f"data.val_fraction: must be in (0, 1), got {d.val_fraction}")
     _check(not d.mixture or d.source == "memmap", "data.mixture: only the 'memmap' source takes a mixture")
     if d.source == "text":
