@@ -27,13 +27,19 @@ from moe_dist.parallel.comm import agree_on_error, all_reduce_sum, barrier
 from moe_dist.parallel.mesh import Mesh, init_distributed, set_group_timeouts
 from moe_dist.parallel.parallelize import parallelize
 from moe_dist.parallel.tensor_parallel import vocab_parallel_lm_loss
-from moe_dist.train.checkpoint import Checkpointer, CheckpointMismatch
-from moe_dist.train.checkpoint_read import check_fits, load_checkpoint
+from moe_dist.train.checkpoint import (
+    Checkpointer,
+    CheckpointMismatch,
+    check_fits,
+    complete_checkpoints,
+    load_checkpoint,
+    prune_checkpoints,
+    select_checkpoint,
+)
 from moe_dist.train.data import Batch, TokenDataset, copy_tokenizer, load_tokens, tokenizer_identity
 from moe_dist.train.guard import NonFiniteGuard, operation
 from moe_dist.train.metrics import DeadExperts, MetricsLogger, StepAccumulator
 from moe_dist.train.optim import build_optimizer, deepspeed_config
-from moe_dist.train.resume import complete_checkpoints, prune_checkpoints, select_checkpoint
 from moe_dist.train.shared_storage import check_shared_run_dir
 
 
