@@ -2,7 +2,7 @@
 
 The step is launch/train.py's without DeepSpeed: micro-batches with gradient accumulation, clipping, the
 optimizer (fp32 master weights for bf16, as the engine keeps them). tokens/s and MFU (model FLOPs from
-moe_dist.perfmodel.model_cost against this machine's torch.mm rate) are medians over steps; `time_share` comes
+moe_dist.planning.perfmodel.model_cost against this machine's torch.mm rate) are medians over steps; `time_share` comes
 from one more step under torch.profiler, with a range around every mixer and the four parts of every MoE layer.
 """
 
@@ -89,7 +89,7 @@ def bench_step(args) -> dict:
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from moe_dist.models.decoder import build_model, lm_loss, materialize
-    from moe_dist.perfmodel import model_cost
+    from moe_dist.planning.perfmodel import model_cost
     from moe_dist.train.data import TokenDataset, load_tokens, micro_batches
     from moe_dist.train.loop import maybe_compile
     from moe_dist.train.optim import build_optimizer

@@ -1,4 +1,5 @@
-"""Measured memory on the CPU, to hold the memory plan (moe_dist/memory.py) and activation checkpointing honest.
+"""Measured memory on the CPU, to hold the memory plan (moe_dist/planning/memory.py) and activation checkpointing
+honest.
 
     python benchmarks/memory.py activations --config C [--set K=V ...] [--settings none,full,...]
         one process, one micro-batch forward + backward per checkpointing setting: the peak resident memory above
@@ -53,9 +54,9 @@ SETTINGS = {
 
 def activations(args) -> None:
     from moe_dist.config import load_config
-    from moe_dist.memory import memory_plan
     from moe_dist.models.decoder import build_model, lm_loss, materialize
     from moe_dist.models.recompute import apply_activation_checkpointing
+    from moe_dist.planning.memory import memory_plan
 
     settings = args.settings.split(",")
     if len(settings) > 1:  # one fresh process each: freed memory stays resident and would hide the next peak
@@ -107,7 +108,7 @@ def train_run(args) -> None:
     import deepspeed  # noqa: F401  (imported before the baseline: its import is not the run's memory)
 
     from moe_dist.config import load_config
-    from moe_dist.memory import memory_plan
+    from moe_dist.planning.memory import memory_plan
     from moe_dist.train.checkpoint import Checkpointer
     from moe_dist.train.loop import train
 
