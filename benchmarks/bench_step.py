@@ -88,10 +88,10 @@ def section_times(events, cuda: bool) -> dict:
 def bench_step(args) -> dict:
     from torch.profiler import ProfilerActivity, profile, record_function
 
+    from moe_dist.models.compile import maybe_compile
     from moe_dist.models.decoder import build_model, lm_loss, materialize
     from moe_dist.planning.perfmodel import model_cost
     from moe_dist.train.data import TokenDataset, load_tokens, micro_batches
-    from moe_dist.train.loop import maybe_compile
     from moe_dist.train.optim import build_optimizer
 
     cfg = load_config(args.config, args.set)

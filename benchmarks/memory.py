@@ -54,8 +54,8 @@ SETTINGS = {
 
 def activations(args) -> None:
     from moe_dist.config import load_config
+    from moe_dist.models.activation_checkpointing import apply_activation_checkpointing
     from moe_dist.models.decoder import build_model, lm_loss, materialize
-    from moe_dist.models.recompute import apply_activation_checkpointing
     from moe_dist.planning.memory import memory_plan
 
     settings = args.settings.split(",")

@@ -42,8 +42,8 @@ import math
 
 from moe_dist.config import JobConfig
 from moe_dist.config_checks import check_layout, expert_tp
+from moe_dist.models.activation_checkpointing import checkpointed_parts
 from moe_dist.models.decoder import build_model, layer_kinds
-from moe_dist.models.recompute import checkpointed_parts
 
 GB = 1e9
 # Parameters apply_tp splits over tensor-parallel ranks (parallel/tensor_parallel.py), by name suffix.

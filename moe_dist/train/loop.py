@@ -21,8 +21,9 @@ from tqdm import tqdm
 from moe_dist.config import ConfigError, JobConfig, config_to_dict
 from moe_dist.config_checks import check_layout
 from moe_dist.layers.moe import moe_routers
+from moe_dist.models.activation_checkpointing import apply_activation_checkpointing
+from moe_dist.models.compile import maybe_compile
 from moe_dist.models.decoder import build_model, lm_loss
-from moe_dist.models.recompute import apply_activation_checkpointing
 from moe_dist.parallel.comm import agree_on_error, all_reduce_sum, barrier
 from moe_dist.parallel.mesh import Mesh, init_distributed, set_group_timeouts
 from moe_dist.parallel.parallelize import parallelize
@@ -45,25 +46,6 @@ from moe_dist.train.shared_storage import check_shared_run_dir
 
 class RunDirError(RuntimeError):
     """The run directory cannot be used as asked (it holds a run and --resume was not given, or is not writable)."""
-
-
-def maybe_compile(model, cfg: JobConfig):
-    """train.compile: torch.compile, in place, the parts of the model with static shapes (norms, attention mixers,
-    dense FFNs). MoE layers (data-dependent row counts) and the Mamba scan (a hand-written autograd Function over
-    chunks) stay eager. Compiling in place keeps parameter names, so checkpoints are unchanged. Returns `model`."""
-    if cfg.train.compile:
-        from moe_dist.layers.attention import Attention
-        from moe_dist.layers.mlp import SwiGLU
-
-        for block in model.blocks:
-            block.mixer_norm.compile()
-            block.ffn_norm.compile()
-            if isinstance(block.mixer, Attention):
-                block.mixer.compile()
-            if isinstance(block.ffn, SwiGLU):
-                block.ffn.compile()
-        model.norm.compile()
-    return model
 
 
 def _to_device(t: torch.Tensor, mesh: Mesh) -> torch.Tensor:
@@ -278,7 +260,7 @@ def train(cfg: JobConfig, run_dir: Path, resume: bool = False) -> list[dict]:
     check_shared_run_dir(run_dir, mesh)  # multi-node: every node sees the run directory, before anything is written
 
     model = parallelize(build_model(cfg.model, mesh.device), mesh, cfg)
-    model = maybe_compile(apply_activation_checkpointing(model, t), cfg)  # recompute: models/recompute.py
+    model = maybe_compile(apply_activation_checkpointing(model, t), cfg)
     ckpt_root = run_dir / "checkpoints"
     set_group_timeouts(t.save_timeout_s)  # checkpoint reads have their own limit
     found = _checkpoint_to_resume(ckpt_root, model, mesh, data_identity, t.save_timeout_s, say) if resume else None

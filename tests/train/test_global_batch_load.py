@@ -129,7 +129,7 @@ def test_prepass_changes_nothing_under_activation_recompute(one_thread):
     """The pre-pass's no-grad forwards bypass the recompute wrappers: a step of four micro-batches (pre-pass, then
     forward and backward of each) gives the same aux losses, loads and gradients with every part recomputed as
     without recompute, bitwise."""
-    from moe_dist.models.recompute import apply_activation_checkpointing
+    from moe_dist.models.activation_checkpointing import apply_activation_checkpointing
 
     cfg = load_config(
         "configs/debug.json", ["model.moe.aux_loss_scope=global_batch", "train.activation_checkpointing=full"]

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from moe_dist.config import load_config
+from moe_dist.models.compile import maybe_compile
 from moe_dist.models.decoder import build_model, lm_loss, materialize
-from moe_dist.train.loop import maybe_compile
 from moe_dist.train.optim import build_optimizer
 
 
