@@ -1,13 +1,13 @@
 """Measured memory on the CPU, to hold the memory plan (moe_dist/planning/memory.py) and activation checkpointing
 honest.
 
-    python benchmarks/memory.py activations --config C [--set K=V ...] [--settings none,full,...]
+    python benchmarks/memory_check.py activations --config C [--set K=V ...] [--settings none,full,...]
         one process, one micro-batch forward + backward per checkpointing setting: the peak resident memory above
         the level just before the forward (activations + gradients + transients), the bytes autograd saved, and
         the plan's figure for the same; JSON per setting on stdout.
-    torchrun --nproc_per_node N benchmarks/memory.py init --config C [--set ...] [--whole-then-slice]
+    torchrun --nproc_per_node N benchmarks/memory_check.py init --config C [--set ...] [--whole-then-slice]
         building the model: each rank's peak resident memory while it builds its shard, against the shard's size
-    torchrun --nproc_per_node N benchmarks/memory.py train --config C --run-dir D [--set ...]
+    torchrun --nproc_per_node N benchmarks/memory_check.py train --config C --run-dir D [--set ...]
         a real training run (launch/train.py's `train`); each rank writes D/memory_rankR.json: its peak resident
         memory above its level before the run started (after imports) up to the first checkpoint save, beside the
         plan for its layout.
