@@ -19,7 +19,7 @@ from torch import nn
 
 from moe_dist.config import JobConfig, config_to_dict
 from moe_dist.parallel.comm import broadcast_bytes, gather_bytes, monitored_barrier
-from moe_dist.parallel.mesh import Mesh, new_gloo_group, set_group_timeouts
+from moe_dist.parallel.mesh import Mesh, new_gloo_group
 from moe_dist.train.checkpoint.format import FORMAT_VERSION
 from moe_dist.train.checkpoint.io import FileWriterThread, TensorFileWriter, fsync
 from moe_dist.train.checkpoint.plan import STATE_KEYS, plan_writers, stored_name, tensors_in_order
@@ -84,11 +84,14 @@ class Checkpointer:
         self.bytes_written = 0  # by this rank in its latest save (tensor file size)
 
     @contextmanager
-    def _phase(self, step: int, what: str):
-        """A failed collective inside names the save, the phase and, past a monitored barrier, the late ranks."""
+    def _phase(self, step: int, what: str, training_groups: bool = False):
+        """A failed collective inside names the save, the phase and, past a monitored barrier, the late ranks.
+        `training_groups`: the phase runs collectives of the training's groups, which get the save's limit while
+        it runs (parallel.timeout_s again after it; the checkpoint group has its own)."""
         what = f"checkpoint save of step {step}: {what}"
+        limit = {"restore_s": self.cfg.parallel.timeout_s, "keep": (self.group,)} if training_groups else {}
         try:
-            with operation(what, self.timeout_s, "train.save_timeout_s"):
+            with operation(what, self.timeout_s, "train.save_timeout_s", **limit):
                 yield
         except RuntimeError as e:  # CollectiveError, or gloo's own monitored-barrier error (no "timed out" in it)
             late = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", str(e))
@@ -146,11 +149,10 @@ class Checkpointer:
             files = {r: f"rank{r:05d}.safetensors" for r in {*plan.values(), 0}}
             meta["tensors"] = {n: [files[plan[n]], list(e.shape)] for n, e, _ in tensors_in_order(entries)}
             meta["tensors"].update({n: [files[0], list(b.shape)] for n, b in buffers.items()})
-        # The gathers are the training groups' collectives: give them the save's limit while they run (a peer
-        # may be waiting for its disk through the bounded buffer).
-        set_group_timeouts(self.timeout_s, keep=(self.group,))
+        # The gathers are the training groups' collectives, under the save's limit while they run (a peer may be
+        # waiting for its disk through the bounded buffer).
         try:
-            with self._phase(step, "gathering tensors (ZeRO and tensor-parallel collectives)"):
+            with self._phase(step, "gathering tensors (ZeRO and tensor-parallel collectives)", training_groups=True):
                 self._gather(engine, stored, plan, thread, mesh)
                 if rank == 0:  # copies: the routers update their buffers in place every step
                     for name, b in buffers.items():
@@ -159,8 +161,6 @@ class Checkpointer:
         except BaseException:
             thread.finish_quietly()
             raise
-        finally:
-            set_group_timeouts(self.cfg.parallel.timeout_s, keep=(self.group,))
         if not self.asynchronous:
             self._finish(thread, path, tmp, final, meta)
             return final
