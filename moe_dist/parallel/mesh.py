@@ -1,5 +1,5 @@
 """Process start-up and the parallel layout: world = dp × tp, with ep dividing dp, or dp × tp when the experts are
-whole (`parallel.etp` = 1, DESIGN.md §5).
+whole (`parallel.etp` = 1; docs/parallelism.md, "Expert parallelism folded across TP").
 
 Ranks are laid out tp-innermost: rank = dp_rank · tp + tp_rank, so a tensor-parallel (TP) group is `tp`
 neighbouring ranks (one node's GPUs). Data-parallel (DP) groups hold the ranks with the same tp_rank. Dense
