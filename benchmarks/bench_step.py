@@ -89,7 +89,7 @@ def bench_step(args) -> dict:
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from moe_dist.models.compile import maybe_compile
-    from moe_dist.models.decoder import build_model, lm_loss, materialize
+    from moe_dist.models.decoder import build_model, lm_loss, materialize_whole
     from moe_dist.planning.perfmodel import model_cost
     from moe_dist.train.data import TokenDataset, load_tokens, micro_batches
     from moe_dist.train.optim import build_optimizer
@@ -104,7 +104,7 @@ def bench_step(args) -> dict:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     data = TokenDataset(train_tokens, t.seq_len, t.seed)
-    model = materialize(build_model(cfg.model, device), device, t.seed)
+    model = materialize_whole(build_model(cfg.model, device), device, t.seed)
     fpt = 3 * model_cost(cfg).fwd_flops_per_token  # forward + backward (twice the forward's FLOPs)
     # bf16 as the DeepSpeed engine runs it: bf16 weights and gradients, fp32 master weights in the optimizer.
     master = copy.deepcopy(model).float() if dtype != torch.float32 else model

@@ -55,7 +55,7 @@ SETTINGS = {
 def activations(args) -> None:
     from moe_dist.config import load_config
     from moe_dist.models.activation_checkpointing import apply_activation_checkpointing
-    from moe_dist.models.decoder import build_model, lm_loss, materialize
+    from moe_dist.models.decoder import build_model, lm_loss, materialize_whole
     from moe_dist.planning.memory import memory_plan
 
     settings = args.settings.split(",")
@@ -68,7 +68,7 @@ def activations(args) -> None:
     for setting in settings:
         cfg = load_config(args.config, [*args.set, *SETTINGS[setting]])
         t = cfg.train
-        model = apply_activation_checkpointing(materialize(build_model(cfg.model), "cpu", t.seed), t)
+        model = apply_activation_checkpointing(materialize_whole(build_model(cfg.model), "cpu", t.seed), t)
         batch = torch.randint(0, cfg.model.vocab_size, (t.micro_batch_size, t.seq_len + 1))
         saved = 0
 
@@ -138,7 +138,7 @@ def init_run(args) -> None:
     --whole-then-slice the former way (materialize the local model whole, then slice it for TP), above the level
     after the process group exists; against the bytes of the shard it ends with."""
     from moe_dist.config import load_config
-    from moe_dist.models.decoder import build_model, materialize
+    from moe_dist.models.decoder import build_model, materialize_whole
     from moe_dist.parallel.expert_parallel import apply_ep
     from moe_dist.parallel.mesh import init_distributed
     from moe_dist.parallel.parallelize import parallelize
@@ -151,7 +151,7 @@ def init_run(args) -> None:
     reset_peak()
     base = rss_bytes()
     if args.whole_then_slice:
-        model = apply_tp(materialize(apply_ep(build_model(cfg.model), mesh), "cpu", cfg.train.seed), mesh)
+        model = apply_tp(materialize_whole(apply_ep(build_model(cfg.model), mesh), "cpu", cfg.train.seed), mesh)
     else:
         model = parallelize(build_model(cfg.model, mesh.device), mesh, cfg)
     peak = rss_bytes("VmHWM") - base

@@ -25,7 +25,7 @@ from moe_dist.hf import (
     load_hf_model,
     save_hf_model,
 )
-from moe_dist.models.decoder import build_model, generate, lm_loss, materialize
+from moe_dist.models.decoder import build_model, generate, lm_loss, materialize_whole
 from moe_dist.train.data import TokenDataset, load_tokens, micro_batches
 
 REPO = Path(__file__).resolve().parents[1]
@@ -247,7 +247,7 @@ def _jamba_style(**model) -> ModelConfig:
 
 
 def test_our_models_export_to_transformers(tmp_path):
-    ours = materialize(build_model(_jamba_style()), "cpu", seed=0).eval()
+    ours = materialize_whole(build_model(_jamba_style()), "cpu", seed=0).eval()
     _perturb(ours, 3)
     save_hf_model(ours, tmp_path / "jamba")
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "jamba").eval()
@@ -256,7 +256,7 @@ def test_our_models_export_to_transformers(tmp_path):
 
 
 def test_unrepresentable_configs_are_refused(mixtral, tmp_path):
-    ours = materialize(build_model(load_config("configs/debug.json").model), "cpu", seed=0)  # RoPE + Mamba
+    ours = materialize_whole(build_model(load_config("configs/debug.json").model), "cpu", seed=0)  # RoPE + Mamba
     with pytest.raises(HFConfigError, match="attention.rope must be false"):
         save_hf_model(ours, tmp_path / "x")
     _, path = mixtral

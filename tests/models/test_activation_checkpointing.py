@@ -8,7 +8,7 @@ import torch
 
 from moe_dist.config import ConfigError, load_config
 from moe_dist.models.activation_checkpointing import apply_activation_checkpointing
-from moe_dist.models.decoder import build_model, lm_loss, materialize
+from moe_dist.models.decoder import build_model, lm_loss, materialize_whole
 
 SETTINGS = {
     "none": [],
@@ -21,7 +21,7 @@ SETTINGS = {
 
 def _model(setting: str, *extra: str):
     cfg = load_config("configs/debug.json", [*SETTINGS[setting], *extra])
-    return apply_activation_checkpointing(materialize(build_model(cfg.model), "cpu", seed=3), cfg.train), cfg
+    return apply_activation_checkpointing(materialize_whole(build_model(cfg.model), "cpu", seed=3), cfg.train), cfg
 
 
 def _train(setting: str, steps: int = 3, micro: int = 2, *extra: str) -> list[dict]:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from moe_dist.config import load_config
-from moe_dist.models.decoder import build_model, lm_loss, materialize
+from moe_dist.models.decoder import build_model, lm_loss, materialize_whole
 from moe_dist.planning.memory import activation_bytes, memory_plan
 
 REPO = Path(__file__).resolve().parents[2]
@@ -34,7 +34,7 @@ SMALL = [
 
 def _kept_bytes(cfg) -> int:
     """Bytes of the distinct storages autograd keeps for the backward of one micro-batch (parameters excluded)."""
-    model = materialize(build_model(cfg.model), "cpu", 0)
+    model = materialize_whole(build_model(cfg.model), "cpu", 0)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     kept: dict[int, int] = {}
 
