@@ -50,7 +50,7 @@ class RunDirError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class Run:
+class StepContext:
     """What the step helpers read, built once the engine exists: the engine, the job, this rank's mesh, the
     training and validation data, the non-finite guard and the number of MoE layers."""
 
@@ -69,59 +69,59 @@ def _to_device(t: torch.Tensor, mesh: Mesh) -> torch.Tensor:
     return t
 
 
-def _forward(run: Run, batch: Batch):
+def _forward(ctx: StepContext, batch: Batch):
     """The model's forward of one micro-batch (DecoderOutput)."""
-    mesh = run.mesh
+    mesh = ctx.mesh
     extra = {} if batch.document_ids is None else {"document_ids": _to_device(batch.document_ids[:, :-1], mesh)}
-    if run.cfg.model.attention.mask == "prefix" and batch.loss_mask is not None:
+    if ctx.cfg.model.attention.mask == "prefix" and batch.loss_mask is not None:
         extra["prefix"] = _to_device(batch.prefix(), mesh)
-    return run.engine(_to_device(batch.tokens[:, :-1], mesh), **extra)
+    return ctx.engine(_to_device(batch.tokens[:, :-1], mesh), **extra)
 
 
-def _forward_loss(run: Run, batch: Batch):
-    mesh = run.mesh
+def _forward_loss(ctx: StepContext, batch: Batch):
+    mesh = ctx.mesh
     targets = _to_device(batch.targets(), mesh)
-    out = _forward(run, batch)
+    out = _forward(ctx, batch)
     lm = lm_loss(out.logits, targets) if mesh.tp == 1 else vocab_parallel_lm_loss(out.logits, targets, mesh)
-    moe = run.cfg.model.moe
+    moe = ctx.cfg.model.moe
     return lm + moe.aux_loss_coef * out.aux_loss + moe.z_loss_coef * out.z_loss, lm, out
 
 
 @torch.no_grad()
-def evaluate(run: Run) -> float:
+def evaluate(ctx: StepContext) -> float:
     """Mean validation LM loss over the fixed eval set, identical whatever the data-parallel layout."""
-    engine, t, mesh = run.engine, run.cfg.train, run.mesh
+    engine, t, mesh = ctx.engine, ctx.cfg.train, ctx.mesh
     engine.eval()
     total = torch.zeros(2, dtype=torch.float64)
-    for batch in run.val.eval_batches(t.eval_batches // mesh.dp, t.micro_batch_size, mesh.dp_rank, mesh.dp):
-        _, lm, _ = _forward_loss(run, batch)
+    for batch in ctx.val.eval_batches(t.eval_batches // mesh.dp, t.micro_batch_size, mesh.dp_rank, mesh.dp):
+        _, lm, _ = _forward_loss(ctx, batch)
         total += torch.tensor([lm.item(), 1.0], dtype=torch.float64)
     engine.train()
     all_reduce_sum(total)
     return (total[0] / total[1]).item()
 
 
-def _train_step(run: Run, step: int) -> dict:
+def _train_step(ctx: StepContext, step: int) -> dict:
     """Optimizer step `step` (1-based) over this rank's micro-batches of the step's global batch; returns the
     step's record. Every collective runs inside `operation`, so a failure names the step and what was running."""
-    engine, cfg, mesh, guard, n_moe = run.engine, run.cfg, run.mesh, run.guard, run.n_moe
+    engine, cfg, mesh, guard, n_moe = ctx.engine, ctx.cfg, ctx.mesh, ctx.guard, ctx.n_moe
     t, timeout = cfg.train, cfg.parallel.timeout_s
     tic = time.perf_counter()
     acc = StepAccumulator(n_moe, cfg.model.moe.num_experts, counted=mesh.tp_rank == 0)
-    batches = run.data.micro_batches(step - 1, t.global_batch_size, t.micro_batch_size, mesh.dp_rank, mesh.dp)
+    batches = ctx.data.micro_batches(step - 1, t.global_batch_size, t.micro_batch_size, mesh.dp_rank, mesh.dp)
     moe = cfg.model.moe
     if n_moe and moe.aux_loss_scope == "global_batch" and moe.global_batch_load == "this_step":
         with operation(f"step {step}: routing pre-pass of the global-batch load (MoE all-to-all)", timeout):
             route_step_ahead(
                 moe_routers(engine.module),
-                lambda b: _forward(run, b).moe_stats,
+                lambda b: _forward(ctx, b).moe_stats,
                 batches,
                 counted=mesh.tp_rank == 0,
             )
     for i, batch in enumerate(batches):
         last = i == len(batches) - 1
         with operation(f"step {step}: forward of micro-batch {i} (MoE all-to-all)", timeout):
-            loss, lm, out = _forward_loss(run, batch)
+            loss, lm, out = _forward_loss(ctx, batch)
         guard.observe_loss(loss)
         with operation(f"step {step}: backward{' and gradient reduction' if last else ''} of micro-batch {i}", timeout):
             engine.backward(loss)
@@ -316,11 +316,11 @@ def train(cfg: JobConfig, run_dir: Path, resume: bool = False) -> list[dict]:
     if start == 0:
         logger.text("config", "```\n" + json.dumps(config_to_dict(cfg), indent=2) + "\n```")
     guard = NonFiniteGuard(engine, scheduler, mesh, t.max_nonfinite_steps, say, skipped_total=skipped)
-    run = Run(engine, cfg, mesh, data, val, guard, n_moe)
+    ctx = StepContext(engine, cfg, mesh, data, val, guard, n_moe)
     records: list[dict] = []
     if start == 0 and t.eval_every:
         with operation("step 0: evaluation", timeout):
-            record = {"step": 0, "eval_loss": evaluate(run)}
+            record = {"step": 0, "eval_loss": evaluate(ctx)}
         logger.log(record)
         records.append(record)
 
@@ -329,11 +329,11 @@ def train(cfg: JobConfig, run_dir: Path, resume: bool = False) -> list[dict]:
     bar = tqdm(total=t.steps, initial=start, disable=mesh.rank != 0, desc="train", dynamic_ncols=True)
     try:
         for done in range(start + 1, t.steps + 1):  # the optimizer step being made, numbered as in metrics.jsonl
-            record = _train_step(run, done)
+            record = _train_step(ctx, done)
             dead.observe(record)
             if (t.eval_every and done % t.eval_every == 0) or done == t.steps:
                 with operation(f"step {done}: evaluation", timeout):
-                    record["eval_loss"] = evaluate(run)
+                    record["eval_loss"] = evaluate(ctx)
             logger.log(record)  # before the checkpoint: a resumed run finds the record of every checkpointed step
             records.append(record)
             if (t.save_every and done % t.save_every == 0) or done == t.steps:

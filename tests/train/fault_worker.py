@@ -83,8 +83,8 @@ def micro_batches(self, step, batch_size, micro_batch_size, dp_rank, dp_size):
     return out
 
 
-def forward_loss(run, batch):
-    loss, lm, out = _forward_loss(run, batch)
+def forward_loss(ctx, batch):
+    loss, lm, out = _forward_loss(ctx, batch)
     if not torch.is_grad_enabled():  # evaluation
         return loss, lm, out
     state["micro"] += 1
@@ -102,7 +102,7 @@ def forward_loss(run, batch):
                 grad.view(-1)[0] = float("nan")
                 return grad
 
-            hook["handle"] = run.engine.module.embed.weight.register_hook(poison)
+            hook["handle"] = ctx.engine.module.embed.weight.register_hook(poison)
     return loss, lm, out
 
 
