@@ -5,7 +5,7 @@
     python benchmarks/bench.py step --config configs/mixtral_small.json [--set KEY=VALUE ...] [--steps 4]
 
 Each prints readable lines, then one JSON object as the last stdout line. Speeds are ratios measured in the
-same run (DESIGN.md §7): achieved FLOP/s against this machine's own torch.mm rate for the dtype; our MoE layer
+same run (docs/benchmarks.md): achieved FLOP/s against this machine's own torch.mm rate for the dtype; our MoE layer
 against the same layer written the plain way (`PlainMoE`: vs_plain = plain_ms / fwd_bwd_ms, ≥ 1 means ours is at
 least as fast) and, where its kernels are not the PyTorch paths, against itself on them; the scan against its
 sequential reference and the chunked PyTorch scan. Timings are medians over interleaved rounds (common.py); the

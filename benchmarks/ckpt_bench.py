@@ -1,5 +1,6 @@
-"""Checkpoint save and load of one process: wall time and peak host-memory growth, for this tree's checkpoint.py
-or the one of an earlier commit (`--ref`), so that before/after figures come from the same script and machine.
+"""Checkpoint save and load of one process: wall time and peak host-memory growth, for this tree's checkpoint
+package or moe_dist/train/checkpoint.py of an earlier commit (`--ref`, from before the package), so that
+before/after figures come from the same script and machine.
 
     python benchmarks/ckpt_bench.py [--ref COMMIT] [--config C] [--set KEY=VALUE ...]
     python benchmarks/ckpt_bench.py --train [--steps N] [--save-every K] [--set ...]   # what async_save hides
@@ -59,16 +60,16 @@ def measured(fn):
 
 
 def checkpoint_module(ref: str | None):
-    """What provides save_checkpoint, verify_checkpoint and load_checkpoint: today's modules, or checkpoint.py as
-    it was at commit `ref` (which held all three before the read side moved to checkpoint_read.py)."""
+    """What provides save_checkpoint, verify_checkpoint and load_checkpoint: today's package, or checkpoint.py as
+    it was at commit `ref` (which held all three before the read side moved to checkpoint_read.py, then the
+    whole into moe_dist/train/checkpoint/)."""
     if ref is None:
-        import moe_dist.train.checkpoint as save
-        import moe_dist.train.checkpoint_read as read
+        import moe_dist.train.checkpoint as ckpt
 
         return SimpleNamespace(
-            save_checkpoint=save.save_checkpoint,
-            verify_checkpoint=read.verify_checkpoint,
-            load_checkpoint=read.load_checkpoint,
+            save_checkpoint=ckpt.save_checkpoint,
+            verify_checkpoint=ckpt.verify_checkpoint,
+            load_checkpoint=ckpt.load_checkpoint,
         )
     source = subprocess.run(
         ["git", "show", f"{ref}:moe_dist/train/checkpoint.py"], cwd=REPO, capture_output=True, text=True, check=True
@@ -155,7 +156,7 @@ def main() -> None:
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=deepspeed_config(cfg, mesh.dp)
     )
-    from moe_dist.train.checkpoint_state import ensure_optimizer_state
+    from moe_dist.train.checkpoint.state import ensure_optimizer_state
 
     ensure_optimizer_state(engine, 1)
     params = sum(p.numel() for p in model.parameters())

@@ -12,7 +12,7 @@ with its experts spread over all ranks (parallel.ep = world), so the all-to-all 
 
 Each point runs benchmarks/scaling_worker.py: launch/train.py's job with every torch.distributed collective
 timed (common.CollectiveTracer), per step and rank seconds and bytes sent per collective kind, and per call the
-(hops, bytes, seconds) samples that moe_dist.perfmodel fits α and β on. Blocking gloo collectives are timed
+(hops, bytes, seconds) samples that moe_dist.planning.perfmodel fits α and β on. Blocking gloo collectives are timed
 wall-clock, so their time includes waiting for the slowest rank: "compute" is step time minus time inside
 collectives.
 """
@@ -168,9 +168,9 @@ def aggregate(p: dict) -> dict:
 def fit_and_predict(rows: list[dict], config: str, overrides: list[str], steps: int, cores: int):
     import numpy as np
 
-    from moe_dist import perfmodel as pm
-    from moe_dist import perfmodel_fit as fit
     from moe_dist.config import load_config
+    from moe_dist.planning import fit
+    from moe_dist.planning import perfmodel as pm
 
     runs = []
     for r in rows:
@@ -326,7 +326,7 @@ def plot(rows: list[dict], path: Path) -> None:
 def overlap_lines(cfg, hw) -> list[str]:
     """Per MoE layer and micro-batch: the row all-to-alls (dispatch + combine, forward + backward) unchunked and
     what `parallel.a2a_chunks` leaves exposed, beside the expert GEMMs that hide them (perfmodel.overlapped_rows_s)."""
-    from moe_dist import perfmodel as pm
+    from moe_dist.planning import perfmodel as pm
 
     cost = pm.model_cost(cfg)
     layouts = {
@@ -350,8 +350,8 @@ def overlap_lines(cfg, hw) -> list[str]:
 
 
 def predict_table(config: str, mfu: float) -> str:
-    from moe_dist import perfmodel as pm
     from moe_dist.config import load_config
+    from moe_dist.planning import perfmodel as pm
 
     cfg = load_config(config, [])
     hw = pm.h200_cluster(mfu)

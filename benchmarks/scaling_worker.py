@@ -6,7 +6,7 @@ launch/train.py's job with every torch.distributed collective timed.
 The tracer (common.CollectiveTracer) goes in before DeepSpeed binds torch.distributed's functions; the loop itself
 is unchanged, and its step boundaries are those of its StepAccumulator. Per step and rank it records seconds,
 bytes sent and calls per collective kind, and per call (after the first, warm-up, step) the (hops, bytes, seconds)
-samples that moe_dist.perfmodel fits α and β on; then a few all-reduces and all-to-alls of the world at larger
+samples that moe_dist.planning.perfmodel fits α and β on; then a few all-reduces and all-to-alls of the world at larger
 sizes (calibration). Writes RUN_DIR/profile/rank{R}.json.
 """
 
@@ -50,7 +50,7 @@ class CollectiveTimer:
         return self._groups[key]
 
     def record(self, call: Collective) -> None:
-        from moe_dist.perfmodel import bottleneck_features, collective_terms
+        from moe_dist.planning.perfmodel import bottleneck_features, collective_terms
 
         if self.current is None:  # outside a training step (set-up, eval, checkpoints)
             return
@@ -79,7 +79,7 @@ class CollectiveTimer:
         import torch
         import torch.distributed as dist
 
-        from moe_dist.perfmodel import bottleneck_features
+        from moe_dist.planning.perfmodel import bottleneck_features
 
         n, (g, _) = dist.get_world_size(), self._group(None)
         if n == 1:

@@ -65,8 +65,8 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.dry_run:
-        from moe_dist.memory import memory_plan
         from moe_dist.models.decoder import param_counts
+        from moe_dist.planning.memory import memory_plan
 
         world = args.world_size or cfg.parallel.tp * cfg.parallel.ep
         try:

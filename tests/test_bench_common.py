@@ -1,5 +1,6 @@
 """benchmarks/common.py (the timer, the matmul peak, the collective tracer) and the two scripts built on its tracer:
-comm_report.py and scaling_worker.py, whose counts must match moe_dist.perfmodel's schedule of the same job."""
+comm_report.py and scaling_worker.py, whose counts must match moe_dist.planning.perfmodel's schedule of the same
+job."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from support import free_port, load_script, torchrun
 
-from moe_dist import perfmodel as pm
 from moe_dist.config import load_config
+from moe_dist.planning import perfmodel as pm
 
 REPO = Path(__file__).resolve().parents[1]
 BENCHMARKS = REPO / "benchmarks"

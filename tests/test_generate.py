@@ -11,7 +11,7 @@ import torch
 
 from moe_dist.config import load_config
 from moe_dist.hf import write_initial_checkpoint
-from moe_dist.models.decoder import build_model, generate, materialize, sample_next
+from moe_dist.models.decoder import build_model, generate, materialize_whole, sample_next
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -33,7 +33,7 @@ def _model(layout: dict, vocab: int = 256, seed: int = 0):
     raw = {"vocab_size": vocab, "d_model": 32, "n_layers": 4, "d_ff": 64, **layout}
     raw["moe"] = {"num_experts": 4, "top_k": 2, "capacity_factor": None, **layout.get("moe", {})}
     cfg = load_config(None, [f"model={json.dumps(raw)}"])
-    model = materialize(build_model(cfg.model), "cpu", seed).eval()
+    model = materialize_whole(build_model(cfg.model), "cpu", seed).eval()
     with torch.no_grad():  # larger weights than the init: well-separated logits, so greedy has no near-ties
         for p in model.parameters():
             if p.ndim >= 2:
@@ -69,7 +69,7 @@ def test_cached_greedy_equals_recomputed_greedy(layout):
 
 def test_generate_needs_a_dropless_model():
     cfg = load_config("configs/debug.json")  # capacity_factor 1.25
-    model = materialize(build_model(cfg.model), "cpu", 0)
+    model = materialize_whole(build_model(cfg.model), "cpu", 0)
     with pytest.raises(ValueError, match="capacity_factor=null"):
         generate(model, _tokens((1, 3)), 2)
 

@@ -27,7 +27,7 @@ from moe_dist.hf import (
     load_hf_model,
     save_hf_model,
 )
-from moe_dist.models.decoder import build_model, generate, lm_loss, materialize
+from moe_dist.models.decoder import build_model, generate, lm_loss, materialize_whole
 
 REPO = Path(__file__).resolve().parents[1]
 # fp32 logits of size ~1-3 agree to ~1e-6 here (measured: Mixtral 7e-7, Jamba 9e-7); 2e-5 leaves headroom for
@@ -248,7 +248,7 @@ def _jamba_style(**model) -> ModelConfig:
 
 
 def test_our_models_export_to_transformers(tmp_path):
-    ours = materialize(build_model(_jamba_style()), "cpu", seed=0).eval()
+    ours = materialize_whole(build_model(_jamba_style()), "cpu", seed=0).eval()
     _perturb(ours, 3)
     save_hf_model(ours, tmp_path / "jamba")
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "jamba").eval()
@@ -257,7 +257,7 @@ def test_our_models_export_to_transformers(tmp_path):
 
 
 def test_unrepresentable_configs_are_refused(mixtral, tmp_path):
-    ours = materialize(build_model(load_config("configs/debug.json").model), "cpu", seed=0)  # RoPE + Mamba
+    ours = materialize_whole(build_model(load_config("configs/debug.json").model), "cpu", seed=0)  # RoPE + Mamba
     with pytest.raises(HFConfigError, match="attention.rope must be false"):
         save_hf_model(ours, tmp_path / "x")
     _, path = mixtral

@@ -13,7 +13,7 @@ from test_hf import _cli, _max_diff, _perturb, _tokens
 
 from moe_dist.config import load_config
 from moe_dist.hf import load_checkpoint_model, load_hf_model, write_initial_checkpoint
-from moe_dist.models.decoder import build_model, materialize
+from moe_dist.models.decoder import build_model, materialize_whole
 
 DENSE = ["model.ffn_pattern=D", "model.mixer_pattern=AM"]  # debug.json's attention/Mamba model, dense FFNs
 
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def dense_run(tmp_path_factory):
     """One of our dense checkpoints (RUN_DIR) and its model."""
     cfg = load_config("configs/debug.json", DENSE)
-    model = materialize(build_model(cfg.model), "cpu", seed=3).eval()
+    model = materialize_whole(build_model(cfg.model), "cpu", seed=3).eval()
     _perturb(model, 5)
     run = tmp_path_factory.mktemp("dense")
     write_initial_checkpoint(model, cfg, run)

@@ -19,9 +19,8 @@ from moe_dist.hf.format import assign_tensors, is_experts, load_hf_model, save_h
 from moe_dist.hf.overrides import model_settings, rebuilt, with_settings
 from moe_dist.models.decoder import Decoder, build_model
 from moe_dist.models.upcycle import upcycle, upcycled_config
-from moe_dist.train.checkpoint import write_whole_checkpoint
-from moe_dist.train.checkpoint_plan import MOMENTS
-from moe_dist.train.checkpoint_read import latest_checkpoint, verify_checkpoint
+from moe_dist.train.checkpoint import latest_checkpoint, verify_checkpoint, write_whole_checkpoint
+from moe_dist.train.checkpoint.plan import MOMENTS
 from moe_dist.train.optim import lr_lambda
 
 # Files of a Hugging Face directory that are not weights or config but travel with a converted model.

@@ -2,7 +2,7 @@
 
 Each block's mixer (attention or Mamba) and FFN (dense SwiGLU or MoE) come from the config's layer patterns,
 so Mixtral (attention + MoE everywhere) and Jamba (1 attention : 7 Mamba, MoE every other layer) are both
-expressible. Build under `torch.device("meta")`, then `materialize` allocates and initializes.
+expressible. Build under `torch.device("meta")`, then `materialize_whole` allocates and initializes.
 
 Inference: `generate` decodes with an `InferenceCache` (a KV cache per attention layer, the conv and SSM state
 per Mamba layer), so each new token costs one position's work; without the cache it recomputes the sequence.
@@ -163,13 +163,14 @@ class Decoder(nn.Module):
 
 def build_model(cfg: ModelConfig, device: torch.device | str = "cpu") -> Decoder:
     """Construct on the meta device (no storage: any size builds anywhere), with kernels chosen for `device`,
-    where `materialize` then allocates it."""
+    where `materialize_whole` then allocates it."""
     with torch.device("meta"):
         return Decoder(cfg, device)
 
 
-def materialize(model: Decoder, device: torch.device | str, seed: int) -> Decoder:
-    """Allocate storage for a meta-built model and initialize it deterministically from `seed`.
+def materialize_whole(model: Decoder, device: torch.device | str, seed: int) -> Decoder:
+    """Allocate storage for the whole of a meta-built model on one device and initialize it deterministically from
+    `seed` (a rank's shard of a parallel layout: parallelize.materialize_shards, which gives the same values).
 
     Values are drawn on the CPU and then moved to `device`, so a seed gives the same model on every device (CUDA's
     generator draws other numbers than the CPU's). Python attributes set on the meta parameters (apply_ep's

@@ -17,7 +17,7 @@ import torch
 from moe_dist.config import ConfigError, ModelConfig, MoEConfig
 from moe_dist.layers.mlp import SwiGLU
 from moe_dist.layers.moe import MoE
-from moe_dist.models.decoder import Decoder, build_model, materialize
+from moe_dist.models.decoder import Decoder, build_model, materialize_whole
 
 
 def upcycled_config(dense: ModelConfig, moe: MoEConfig) -> ModelConfig:
@@ -37,7 +37,7 @@ def upcycle(dense: Decoder, cfg: ModelConfig, noise: float = 0.0, seed: int = 0)
     as they are."""
     if noise < 0:
         raise ConfigError(f"--noise: must be >= 0, got {noise}")
-    model = materialize(build_model(cfg), "cpu", seed)
+    model = materialize_whole(build_model(cfg), "cpu", seed)
     source = dict(dense.named_parameters())
     gen = torch.Generator().manual_seed(seed + 1)
     for name, p in model.named_parameters():

@@ -1,5 +1,6 @@
-"""The one place that issues collectives. Every rank calls these in the same order (DESIGN.md §5): callers guard
-what they do with the results, never whether they call."""
+"""The one place that issues collectives. Every rank calls these in the same order (a rank that skips one leaves
+its peers waiting until the timeout, docs/reliability.md): callers guard what they do with the results, never
+whether they call."""
 
 from datetime import timedelta
 

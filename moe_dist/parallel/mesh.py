@@ -1,5 +1,5 @@
 """Process start-up and the parallel layout: world = dp × tp, with ep dividing dp, or dp × tp when the experts are
-whole (`parallel.etp` = 1, DESIGN.md §5).
+whole (`parallel.etp` = 1; docs/parallelism.md, "Expert parallelism folded across TP").
 
 Ranks are laid out tp-innermost: rank = dp_rank · tp + tp_rank, so a tensor-parallel (TP) group is `tp`
 neighbouring ranks (one node's GPUs). Data-parallel (DP) groups hold the ranks with the same tp_rank. Dense
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 import socket
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -217,6 +218,18 @@ def set_group_timeouts(timeout_s: float, keep: tuple = ()) -> None:
     (deepspeed.initialize). Groups in `keep` (the checkpoint group, with its own limit) are left as they are.
     """
     private_api.set_timeout_of_every_group(timedelta(seconds=timeout_s), keep)
+
+
+@contextmanager
+def group_timeouts(timeout_s: float, restore_s: float, keep: tuple = ()):
+    """Every process group of this rank except those in `keep` times out after `timeout_s` inside the block; when
+    the block ends, however it ends, every group but `keep` gets `restore_s`, groups made inside the block too.
+    The one place a limit is set and restored (guard.operation applies it to the operation it names)."""
+    set_group_timeouts(timeout_s, keep)
+    try:
+        yield
+    finally:
+        set_group_timeouts(restore_s, keep)
 
 
 def _torchelastic_attempt_store(timeout: timedelta) -> dist.Store | None:

@@ -34,8 +34,9 @@ def materialize_shards(model: nn.Module, template: nn.Module, mesh: Mesh, seed: 
     its unsharded template is allocated on the CPU, initialized, sliced to this rank's shard of every parameter
     (`tp_dim`/`tp_parts`, set by apply_tp), copied to the device and freed. Peak extra host memory: one unit.
 
-    Values are drawn on the CPU, as `materialize` does, so a seed gives the same model on every device. Python
-    attributes of the meta parameters (expert-group and TP marks) are carried over to the allocated ones.
+    Values are drawn on the CPU, as `materialize_whole` (the unsharded model on one device) does, so a seed gives the
+    same model on every device and layout. Python attributes of the meta parameters (expert-group and TP marks)
+    are carried over to the allocated ones.
     """
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

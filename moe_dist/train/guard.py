@@ -24,12 +24,14 @@ loss scale drops); they show up here as skipped steps too.
 
 Collectives. torch raises a RuntimeError after parallel.timeout_s when a peer stops answering (gloo) or at once
 when it dies; `operation` re-raises it as a one-line CollectiveError naming the step and the operation. The
-caller then exits non-zero and the launcher's restart path takes over (launch/train.py).
+caller then exits non-zero and the launcher's restart path takes over (launch/train.py). Checkpoint reads and
+writes on the training groups run under train.save_timeout_s instead: `operation` with `restore_s` sets that limit
+for its block and parallel.timeout_s again after it (mesh.group_timeouts), the only place limits change.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Callable
 
 import torch
@@ -37,7 +39,7 @@ import torch.distributed as dist
 
 from moe_dist.parallel import private_api
 from moe_dist.parallel.comm import all_reduce_sum
-from moe_dist.parallel.mesh import Mesh
+from moe_dist.parallel.mesh import Mesh, group_timeouts
 
 
 class TrainingError(RuntimeError):
@@ -56,11 +58,17 @@ _COMM_FAILURE = ("timed out", "timeout", "connection closed", "connection reset"
 
 
 @contextmanager
-def operation(what: str, timeout_s: float, setting: str = "parallel.timeout_s"):
+def operation(
+    what: str, timeout_s: float, setting: str = "parallel.timeout_s", *, restore_s: float | None = None, keep=()
+):
     """Re-raise a failed collective inside the block as CollectiveError("<what>: ..."), naming the `setting` that
-    bounds it."""
+    bounds it. Without `restore_s` the groups already time out after `timeout_s` (parallel.timeout_s, set at
+    start-up). With it, the block applies its own limit: every process group but those in `keep` times out after
+    `timeout_s` inside it and after `restore_s` once it ends, groups made inside included (mesh.group_timeouts)."""
+    limit = nullcontext() if restore_s is None else group_timeouts(timeout_s, restore_s, keep)
     try:
-        yield
+        with limit:
+            yield
     except TrainingError:
         raise
     except RuntimeError as e:

@@ -12,8 +12,9 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from tqdm import tqdm
@@ -24,18 +25,25 @@ from moe_dist.data.batches import Batch, TokenDataset
 from moe_dist.data.sources import load_tokens
 from moe_dist.data.tokenizer import copy_tokenizer, tokenizer_identity
 from moe_dist.layers.moe import moe_routers
+from moe_dist.models.activation_checkpointing import apply_activation_checkpointing
+from moe_dist.models.compile import maybe_compile
 from moe_dist.models.decoder import build_model, lm_loss
-from moe_dist.models.recompute import apply_activation_checkpointing
 from moe_dist.parallel.comm import agree_on_error, all_reduce_sum, barrier
-from moe_dist.parallel.mesh import Mesh, init_distributed, set_group_timeouts
+from moe_dist.parallel.mesh import Mesh, init_distributed
 from moe_dist.parallel.parallelize import parallelize
 from moe_dist.parallel.tensor_parallel import vocab_parallel_lm_loss
-from moe_dist.train.checkpoint import Checkpointer, CheckpointMismatch
-from moe_dist.train.checkpoint_read import check_fits, load_checkpoint
+from moe_dist.train.checkpoint import (
+    Checkpointer,
+    CheckpointMismatch,
+    check_fits,
+    complete_checkpoints,
+    load_checkpoint,
+    prune_checkpoints,
+    select_checkpoint,
+)
 from moe_dist.train.guard import NonFiniteGuard, operation
 from moe_dist.train.metrics import DeadExperts, MetricsLogger, StepAccumulator
 from moe_dist.train.optim import build_optimizer, deepspeed_config
-from moe_dist.train.resume import complete_checkpoints, prune_checkpoints, select_checkpoint
 from moe_dist.train.shared_storage import check_shared_run_dir
 
 
@@ -43,23 +51,18 @@ class RunDirError(RuntimeError):
     """The run directory cannot be used as asked (it holds a run and --resume was not given, or is not writable)."""
 
 
-def maybe_compile(model, cfg: JobConfig):
-    """train.compile: torch.compile, in place, the parts of the model with static shapes (norms, attention mixers,
-    dense FFNs). MoE layers (data-dependent row counts) and the Mamba scan (a hand-written autograd Function over
-    chunks) stay eager. Compiling in place keeps parameter names, so checkpoints are unchanged. Returns `model`."""
-    if cfg.train.compile:
-        from moe_dist.layers.attention import Attention
-        from moe_dist.layers.mlp import SwiGLU
+@dataclass(frozen=True)
+class StepContext:
+    """What the step helpers read, built once the engine exists: the engine, the job, this rank's mesh, the
+    training and validation data, the non-finite guard and the number of MoE layers."""
 
-        for block in model.blocks:
-            block.mixer_norm.compile()
-            block.ffn_norm.compile()
-            if isinstance(block.mixer, Attention):
-                block.mixer.compile()
-            if isinstance(block.ffn, SwiGLU):
-                block.ffn.compile()
-        model.norm.compile()
-    return model
+    engine: Any  # the DeepSpeed engine wrapping the model
+    cfg: JobConfig
+    mesh: Mesh
+    data: TokenDataset
+    val: TokenDataset
+    guard: NonFiniteGuard
+    n_moe: int
 
 
 def _to_device(t: torch.Tensor, mesh: Mesh) -> torch.Tensor:
@@ -68,57 +71,59 @@ def _to_device(t: torch.Tensor, mesh: Mesh) -> torch.Tensor:
     return t
 
 
-def _forward(engine, cfg: JobConfig, batch: Batch, mesh: Mesh):
+def _forward(ctx: StepContext, batch: Batch):
     """The model's forward of one micro-batch (DecoderOutput)."""
+    mesh = ctx.mesh
     extra = {} if batch.document_ids is None else {"document_ids": _to_device(batch.document_ids[:, :-1], mesh)}
-    if cfg.model.attention.mask == "prefix" and batch.loss_mask is not None:
+    if ctx.cfg.model.attention.mask == "prefix" and batch.loss_mask is not None:
         extra["prefix"] = _to_device(batch.prefix(), mesh)
-    return engine(_to_device(batch.tokens[:, :-1], mesh), **extra)
+    return ctx.engine(_to_device(batch.tokens[:, :-1], mesh), **extra)
 
 
-def _forward_loss(engine, cfg: JobConfig, batch: Batch, mesh: Mesh):
+def _forward_loss(ctx: StepContext, batch: Batch):
+    mesh = ctx.mesh
     targets = _to_device(batch.targets(), mesh)
-    out = _forward(engine, cfg, batch, mesh)
+    out = _forward(ctx, batch)
     lm = lm_loss(out.logits, targets) if mesh.tp == 1 else vocab_parallel_lm_loss(out.logits, targets, mesh)
-    moe = cfg.model.moe
+    moe = ctx.cfg.model.moe
     return lm + moe.aux_loss_coef * out.aux_loss + moe.z_loss_coef * out.z_loss, lm, out
 
 
 @torch.no_grad()
-def evaluate(engine, cfg: JobConfig, val: TokenDataset, mesh: Mesh) -> float:
+def evaluate(ctx: StepContext) -> float:
     """Mean validation LM loss over the fixed eval set, identical whatever the data-parallel layout."""
+    engine, t, mesh = ctx.engine, ctx.cfg.train, ctx.mesh
     engine.eval()
     total = torch.zeros(2, dtype=torch.float64)
-    for batch in val.eval_batches(cfg.train.eval_batches // mesh.dp, cfg.train.micro_batch_size, mesh.dp_rank, mesh.dp):
-        _, lm, _ = _forward_loss(engine, cfg, batch, mesh)
+    for batch in ctx.val.eval_batches(t.eval_batches // mesh.dp, t.micro_batch_size, mesh.dp_rank, mesh.dp):
+        _, lm, _ = _forward_loss(ctx, batch)
         total += torch.tensor([lm.item(), 1.0], dtype=torch.float64)
     engine.train()
     all_reduce_sum(total)
     return (total[0] / total[1]).item()
 
 
-def _train_step(
-    engine, cfg: JobConfig, data: TokenDataset, mesh: Mesh, guard: NonFiniteGuard, n_moe: int, step: int
-) -> dict:
+def _train_step(ctx: StepContext, step: int) -> dict:
     """Optimizer step `step` (1-based) over this rank's micro-batches of the step's global batch; returns the
     step's record. Every collective runs inside `operation`, so a failure names the step and what was running."""
+    engine, cfg, mesh, guard, n_moe = ctx.engine, ctx.cfg, ctx.mesh, ctx.guard, ctx.n_moe
     t, timeout = cfg.train, cfg.parallel.timeout_s
     tic = time.perf_counter()
     acc = StepAccumulator(n_moe, cfg.model.moe.num_experts, counted=mesh.tp_rank == 0)
-    batches = data.micro_batches(step - 1, t.global_batch_size, t.micro_batch_size, mesh.dp_rank, mesh.dp)
+    batches = ctx.data.micro_batches(step - 1, t.global_batch_size, t.micro_batch_size, mesh.dp_rank, mesh.dp)
     moe = cfg.model.moe
     if n_moe and moe.aux_loss_scope == "global_batch" and moe.global_batch_load == "this_step":
         with operation(f"step {step}: routing pre-pass of the global-batch load (MoE all-to-all)", timeout):
             route_step_ahead(
                 moe_routers(engine.module),
-                lambda b: _forward(engine, cfg, b, mesh).moe_stats,
+                lambda b: _forward(ctx, b).moe_stats,
                 batches,
                 counted=mesh.tp_rank == 0,
             )
     for i, batch in enumerate(batches):
         last = i == len(batches) - 1
         with operation(f"step {step}: forward of micro-batch {i} (MoE all-to-all)", timeout):
-            loss, lm, out = _forward_loss(engine, cfg, batch, mesh)
+            loss, lm, out = _forward_loss(ctx, batch)
         guard.observe_loss(loss)
         with operation(f"step {step}: backward{' and gradient reduction' if last else ''} of micro-batch {i}", timeout):
             engine.backward(loss)
@@ -193,11 +198,14 @@ def _check_run_dir(run_dir: Path, resume: bool) -> None:
             raise RunDirError(f"{d}: not writable")
 
 
-def _checkpoint_to_resume(ckpt_root: Path, model, mesh: Mesh, data_identity: dict, timeout: float, say):
+def _checkpoint_to_resume(ckpt_root: Path, model, mesh: Mesh, data_identity: dict, cfg: JobConfig, say):
     """Collective: (path, meta, index) of the verified checkpoint to resume from, or None when there is none.
-    Raises CheckpointMismatch on every rank when it does not fit this run (model shape, data order).
-    `timeout` is train.save_timeout_s: every rank hashes its share of the files."""
-    with operation("resume: choosing a checkpoint (verifying files)", timeout, "train.save_timeout_s"):
+    Raises CheckpointMismatch on every rank when it does not fit this run (model shape, data order). Its
+    collectives run under train.save_timeout_s (every rank hashes its share of the files)."""
+    save_s, restore_s = cfg.train.save_timeout_s, cfg.parallel.timeout_s
+    with operation(
+        "resume: choosing a checkpoint (verifying files)", save_s, "train.save_timeout_s", restore_s=restore_s
+    ):
         found = select_checkpoint(ckpt_root, mesh, say)
     if found is None:
         return None
@@ -206,7 +214,7 @@ def _checkpoint_to_resume(ckpt_root: Path, model, mesh: Mesh, data_identity: dic
         check_fits(*found, model, mesh, data_identity)
     except CheckpointMismatch as e:  # may hold on some ranks only (each checks the tensors it will read)
         error = str(e)
-    with operation("resume: checking the checkpoint", timeout, "train.save_timeout_s"):
+    with operation("resume: checking the checkpoint", save_s, "train.save_timeout_s", restore_s=restore_s):
         error = agree_on_error(error)
     if error:
         raise CheckpointMismatch(error)
@@ -265,14 +273,13 @@ def train(cfg: JobConfig, run_dir: Path, resume: bool = False) -> list[dict]:
     check_shared_run_dir(run_dir, mesh)  # multi-node: every node sees the run directory, before anything is written
 
     model = parallelize(build_model(cfg.model, mesh.device), mesh, cfg)
-    model = maybe_compile(apply_activation_checkpointing(model, t), cfg)  # recompute: models/recompute.py
+    model = maybe_compile(apply_activation_checkpointing(model, t), cfg)
     ckpt_root = run_dir / "checkpoints"
-    set_group_timeouts(t.save_timeout_s)  # checkpoint reads have their own limit
-    found = _checkpoint_to_resume(ckpt_root, model, mesh, data_identity, t.save_timeout_s, say) if resume else None
-    set_group_timeouts(timeout)
+    found = _checkpoint_to_resume(ckpt_root, model, mesh, data_identity, cfg, say) if resume else None
 
     optimizer, scheduler = build_optimizer(model, cfg)
-    with operation("start-up: deepspeed.initialize", timeout):
+    # restore_s: the groups DeepSpeed makes get parallel.timeout_s too (torch would give them its default).
+    with operation("start-up: deepspeed.initialize", timeout, restore_s=timeout):
         engine, _, _, _ = deepspeed.initialize(
             model=model,
             optimizer=optimizer,
@@ -280,17 +287,16 @@ def train(cfg: JobConfig, run_dir: Path, resume: bool = False) -> list[dict]:
             config=deepspeed_config(cfg, mesh.dp),
             mpu=mesh.mpu,
         )
-    set_group_timeouts(timeout)  # DeepSpeed made more groups
     checkpointer = Checkpointer(  # collective: its own process group, timeout train.save_timeout_s
         cfg, mesh, ckpt_root, on_published=lambda _, step: prune_checkpoints(ckpt_root, t.keep_last, step)
     )
     start, skipped = 0, 0
     if found is not None:
         path, meta, _ = found
-        set_group_timeouts(t.save_timeout_s, keep=(checkpointer.group,))
-        with operation(f"resume: loading {path}", t.save_timeout_s, "train.save_timeout_s"):
+        # Checkpoint reads have their own limit; the checkpoint group keeps its own.
+        limit = {"restore_s": timeout, "keep": (checkpointer.group,)}
+        with operation(f"resume: loading {path}", t.save_timeout_s, "train.save_timeout_s", **limit):
             start = load_checkpoint(engine, model, scheduler, *found, mesh)
-        set_group_timeouts(timeout, keep=(checkpointer.group,))
         skipped = int(meta.get("skipped_steps", 0))
         say(f"resuming from {path} (step {start})")
     elif resume:
@@ -303,10 +309,11 @@ def train(cfg: JobConfig, run_dir: Path, resume: bool = False) -> list[dict]:
     if start == 0:
         logger.text("config", "```\n" + json.dumps(config_to_dict(cfg), indent=2) + "\n```")
     guard = NonFiniteGuard(engine, scheduler, mesh, t.max_nonfinite_steps, say, skipped_total=skipped)
+    ctx = StepContext(engine, cfg, mesh, data, val, guard, n_moe)
     records: list[dict] = []
     if start == 0 and t.eval_every:
         with operation("step 0: evaluation", timeout):
-            record = {"step": 0, "eval_loss": evaluate(engine, cfg, val, mesh)}
+            record = {"step": 0, "eval_loss": evaluate(ctx)}
         logger.log(record)
         records.append(record)
 
@@ -315,11 +322,11 @@ def train(cfg: JobConfig, run_dir: Path, resume: bool = False) -> list[dict]:
     bar = tqdm(total=t.steps, initial=start, disable=mesh.rank != 0, desc="train", dynamic_ncols=True)
     try:
         for done in range(start + 1, t.steps + 1):  # the optimizer step being made, numbered as in metrics.jsonl
-            record = _train_step(engine, cfg, data, mesh, guard, n_moe, done)
+            record = _train_step(ctx, done)
             dead.observe(record)
             if (t.eval_every and done % t.eval_every == 0) or done == t.steps:
                 with operation(f"step {done}: evaluation", timeout):
-                    record["eval_loss"] = evaluate(engine, cfg, val, mesh)
+                    record["eval_loss"] = evaluate(ctx)
             logger.log(record)  # before the checkpoint: a resumed run finds the record of every checkpointed step
             records.append(record)
             if (t.save_every and done % t.save_every == 0) or done == t.steps:

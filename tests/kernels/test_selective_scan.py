@@ -174,12 +174,12 @@ def test_decoder_on_both_kernels_keeps_packed_documents_apart(device):
     """Attention and Mamba on the Triton kernels, dropless MoE: a document of a packed row gives the logits it
     gives alone (positions restart, state resets), and changing it leaves the other documents unchanged."""
     from moe_dist.config import ModelConfig
-    from moe_dist.models.decoder import build_model, materialize
+    from moe_dist.models.decoder import build_model, materialize_whole
 
     cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, d_ff=48, mixer_pattern="AM", ffn_pattern="E")
     cfg.attention.n_heads, cfg.attention.n_kv_heads, cfg.attention.impl = 2, 1, "triton"
     cfg.mamba.impl, cfg.moe.num_experts, cfg.moe.capacity_factor = "triton", 4, None
-    model = materialize(build_model(cfg, device), device, seed=0)
+    model = materialize_whole(build_model(cfg, device), device, seed=0)
     assert model.implementations()["attention"] == "triton" and model.implementations()["scan"] == "triton"
     lengths = [5, 9, 1]
     docs = torch.cat([torch.full((n,), d) for d, n in enumerate(lengths)])[None].to(device)  # (1, 20)

@@ -7,7 +7,7 @@ from moe_dist.layers.attention import Attention
 from moe_dist.layers.mamba import Mamba
 from moe_dist.layers.mlp import SwiGLU
 from moe_dist.layers.moe import MoE
-from moe_dist.models.decoder import build_model, layer_kinds, lm_loss, materialize, param_counts
+from moe_dist.models.decoder import build_model, layer_kinds, lm_loss, materialize_whole, param_counts
 
 
 def _cfg(*overrides):
@@ -29,9 +29,9 @@ def test_blocks_follow_the_patterns():
 
 def test_materialize_is_deterministic_in_the_seed_and_forward_has_the_right_shapes():
     cfg = _cfg()
-    a = materialize(build_model(cfg), "cpu", seed=1)
-    b = materialize(build_model(cfg), "cpu", seed=1)
-    c = materialize(build_model(cfg), "cpu", seed=2)
+    a = materialize_whole(build_model(cfg), "cpu", seed=1)
+    b = materialize_whole(build_model(cfg), "cpu", seed=1)
+    c = materialize_whole(build_model(cfg), "cpu", seed=2)
     for (n, pa), pb in zip(a.named_parameters(), b.parameters()):
         assert torch.equal(pa, pb), n
     assert not all(torch.equal(pa, pc) for pa, pc in zip(a.parameters(), c.parameters()))
@@ -45,7 +45,7 @@ def test_materialize_is_deterministic_in_the_seed_and_forward_has_the_right_shap
 
 
 def test_tied_embeddings_share_the_matrix():
-    model = materialize(build_model(_cfg("model.tie_embeddings=true")), "cpu", 0)
+    model = materialize_whole(build_model(_cfg("model.tie_embeddings=true")), "cpu", 0)
     assert model.head is None
     tokens = torch.randint(0, 256, (2, 5))
     out = model(tokens)
@@ -65,7 +65,7 @@ def test_param_counts_active_counts_top_k_experts_per_moe_layer():
 
 def test_a_few_adam_steps_reduce_the_loss_on_a_fixed_batch():
     torch.manual_seed(0)
-    model = materialize(build_model(_cfg()), "cpu", 0)
+    model = materialize_whole(build_model(_cfg()), "cpu", 0)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     batch = torch.randint(0, 256, (4, 17))
     losses = []
@@ -91,7 +91,7 @@ def test_shard_by_shard_materialization_equals_whole_model_with_router_buffers()
     )
     mesh = Mesh(0, 1, 0, 1, torch.device("cpu"), 1, 0, 1, 0, None, None, "ep_size_1")
     got = parallelize(build_model(cfg.model), mesh, cfg).state_dict()
-    want = materialize(build_model(cfg.model), "cpu", cfg.train.seed).state_dict()
+    want = materialize_whole(build_model(cfg.model), "cpu", cfg.train.seed).state_dict()
     assert got.keys() == want.keys() and any(k.endswith("router.bias_E") for k in got)
     for name, t in want.items():
         assert got[name].device.type == "cpu" and torch.equal(got[name], t), name

@@ -10,7 +10,7 @@ from moe_dist.kernels.reference import selective_scan_ref
 from moe_dist.config import ModelConfig
 from moe_dist.layers.attention import _sdpa
 from moe_dist.layers.scan import selective_scan
-from moe_dist.models.decoder import build_model, materialize
+from moe_dist.models.decoder import build_model, materialize_whole
 
 LENGTHS = [[7, 12, 1, 12], [20, 12]]  # documents per row (row 1 ends mid-document, as a window does)
 
@@ -25,7 +25,7 @@ def _model(**over) -> torch.nn.Module:
     cfg.moe.num_experts, cfg.moe.capacity_factor = 4, None  # dropless: routing is per token
     for key, value in over.items():
         setattr(cfg, key, value)
-    return materialize(build_model(cfg), "cpu", seed=0)
+    return materialize_whole(build_model(cfg), "cpu", seed=0)
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 from moe_dist.config import load_config
 from moe_dist.layers.moe import MoE
-from moe_dist.models.decoder import build_model, materialize
+from moe_dist.models.decoder import build_model, materialize_whole
 from moe_dist.parallel import mesh as mesh_module
 from moe_dist.parallel.dedup import DedupAllToAllDispatcher
 from moe_dist.parallel.expert_parallel import apply_ep
@@ -70,7 +70,7 @@ def prepare(moe: MoE, scenario: str) -> None:
 
 def run_case(out_dir: Path, mesh, unit: str, scenario: str, dtype: str) -> None:
     cfg = load_config(None, [*layer_config(scenario, dtype), "parallel.ep=4", "parallel.a2a_dedup=" + unit])
-    model = materialize(apply_ep(build_model(cfg.model), mesh), "cpu", seed=0).to(DTYPES[dtype])
+    model = materialize_whole(apply_ep(build_model(cfg.model), mesh), "cpu", seed=0).to(DTYPES[dtype])
     moe = next(m for m in model.modules() if isinstance(m, MoE))
     assert isinstance(moe.dispatcher, DedupAllToAllDispatcher)
     prepare(moe, scenario)
@@ -91,7 +91,7 @@ def run_folded_case(out_dir: Path, mesh, tp_group, scenario: str) -> None:
     folded = dataclasses.replace(
         mesh, dp=2, dp_rank=mesh.rank // 2, tp=2, tp_rank=mesh.rank % 2, tp_group=tp_group, etp=1
     )
-    model = apply_tp(materialize(apply_ep(build_model(cfg.model), folded), "cpu", seed=0), folded)
+    model = apply_tp(materialize_whole(apply_ep(build_model(cfg.model), folded), "cpu", seed=0), folded)
     moe = next(m for m in model.modules() if isinstance(m, MoE))
     assert isinstance(moe.dispatcher, DedupAllToAllDispatcher) and moe.dispatcher.split.gather is False
     tensors = forward_backward(moe, scenario_inputs(scenario, mesh.rank // 2, cfg.model.d_model))

@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 from moe_dist.config import load_config
 from moe_dist.layers.moe import MoE
-from moe_dist.models.decoder import build_model, materialize
+from moe_dist.models.decoder import build_model, materialize_whole
 from moe_dist.parallel.comm import gather_rows, reduce_scatter_rows
 from moe_dist.parallel.expert_parallel import apply_ep
 from moe_dist.parallel.mesh import init_distributed
@@ -110,7 +110,7 @@ def forward_backward(moe: MoE, x: torch.Tensor) -> dict:
 
 def run_case(out_dir: Path, mesh, scenario: str, dtype: str, chunks: int = 1) -> None:
     cfg = _config(dtype)
-    model = materialize(apply_ep(build_model(cfg.model), mesh, chunks), "cpu", seed=0).to(DTYPES[dtype])
+    model = materialize_whole(apply_ep(build_model(cfg.model), mesh, chunks), "cpu", seed=0).to(DTYPES[dtype])
     moe = next(m for m in model.modules() if isinstance(m, MoE))
     assert isinstance(moe.dispatcher, ChunkedAllToAllDispatcher) == (chunks > 1)
     route_by_dimension(moe)
@@ -142,7 +142,7 @@ def run_folded_case(out_dir: Path, mesh, scenario: str, dtype: str, chunks: int 
     through the chunked dispatcher when `chunks` > 1."""
     folded = dataclasses.replace(mesh, dp=1, dp_rank=0, tp=2, tp_rank=mesh.rank, tp_group=mesh.ep_group, etp=1)
     cfg = _config(dtype)
-    model = materialize(apply_ep(build_model(cfg.model), folded, chunks), "cpu", seed=0).to(DTYPES[dtype])
+    model = materialize_whole(apply_ep(build_model(cfg.model), folded, chunks), "cpu", seed=0).to(DTYPES[dtype])
     model = apply_tp(model, folded)
     moe = next(m for m in model.modules() if isinstance(m, MoE))
     assert not hasattr(moe.experts.w13, "tp_dim") and moe.dispatcher.split.gather is False  # whole experts

@@ -12,7 +12,7 @@ from support import run_torchrun_worker
 
 from moe_dist.config import load_config
 from moe_dist.layers.moe import MoE
-from moe_dist.models.decoder import build_model, materialize
+from moe_dist.models.decoder import build_model, materialize_whole
 
 WORKER = Path(__file__).with_name("dedup_worker.py")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
@@ -38,7 +38,7 @@ def _reference(scenario: str, dtype: str, ranks: int = 4):
     gradients and kept (token, expert) assignments; the expert gradients summed over the ranks."""
     worker = _worker()
     cfg = load_config(None, worker.layer_config(scenario, dtype))
-    model = materialize(build_model(cfg.model), "cpu", seed=0).to(worker.DTYPES[dtype])
+    model = materialize_whole(build_model(cfg.model), "cpu", seed=0).to(worker.DTYPES[dtype])
     moe = next(m for m in model.modules() if isinstance(m, MoE))
     worker.prepare(moe, scenario)
     per_rank = []

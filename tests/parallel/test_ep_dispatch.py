@@ -12,7 +12,7 @@ from support import run_torchrun_worker
 
 from moe_dist.config import load_config
 from moe_dist.layers.moe import MoE
-from moe_dist.models.decoder import build_model, materialize
+from moe_dist.models.decoder import build_model, materialize_whole
 
 WORKER = Path(__file__).with_name("dispatch_worker.py")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -40,7 +40,7 @@ def _reference(scenario: str, dtype: str):
     """One process, all experts local: per-rank outputs and router grads, expert grads summed over ranks."""
     worker = _worker_module()
     cfg = load_config(None, worker.layer_config(dtype))
-    model = materialize(build_model(cfg.model), "cpu", seed=0).to(worker.DTYPES[dtype])
+    model = materialize_whole(build_model(cfg.model), "cpu", seed=0).to(worker.DTYPES[dtype])
     moe = next(m for m in model.modules() if isinstance(m, MoE))
     worker.route_by_dimension(moe)
     per_rank = []
@@ -86,7 +86,7 @@ def _folded_reference(scenario: str, dtype: str) -> dict:
     """One process, all experts local, on the tokens both TP ranks of the folded layout hold."""
     worker = _worker_module()
     cfg = load_config(None, worker.layer_config(dtype))
-    model = materialize(build_model(cfg.model), "cpu", seed=0).to(worker.DTYPES[dtype])
+    model = materialize_whole(build_model(cfg.model), "cpu", seed=0).to(worker.DTYPES[dtype])
     moe = next(m for m in model.modules() if isinstance(m, MoE))
     worker.route_by_dimension(moe)
     return worker.forward_backward(moe, worker.folded_inputs(scenario, cfg.model.d_model).to(worker.DTYPES[dtype]))

@@ -33,8 +33,8 @@ LAYOUTS = {  # dp-ep-tp: world size, overrides
             "deepspeed.zero_stage=2",
         ],
     ),
-    # Activation checkpointing of every part (models/recompute.py) under EP and TP: also compared with the same
-    # layout without it, exactly (test_recompute_changes_nothing_under_ep_and_tp).
+    # Activation checkpointing of every part (models/activation_checkpointing.py) under EP and TP: also compared with
+    # the same layout without it, exactly (test_recompute_changes_nothing_under_ep_and_tp).
     "dp2-ep2-tp2-recompute": (4, ["parallel.tp=2", "parallel.ep=2", "train.activation_checkpointing=full"]),
 }
 

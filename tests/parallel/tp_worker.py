@@ -15,7 +15,7 @@ import torch
 
 from moe_dist.config import load_config
 from moe_dist.layers.moe import MoE
-from moe_dist.models.decoder import build_model, lm_loss, materialize
+from moe_dist.models.decoder import build_model, lm_loss, materialize_whole
 from moe_dist.parallel.mesh import init_distributed
 from moe_dist.parallel.tensor_parallel import apply_tp, shard, vocab_parallel_lm_loss
 
@@ -93,7 +93,7 @@ def _documents(overrides: list[str], mesh, variant: str, out: dict) -> None:
     """Packed documents (dropless MoE, where routing is per token): the sharded model keeps them apart as the
     single-device one does; changing one document leaves the other documents' logits unchanged."""
     cfg = load_config(None, BASE + overrides + ["model.moe.capacity_factor=null"])
-    ref = materialize(build_model(cfg.model), "cpu", seed=0)
+    ref = materialize_whole(build_model(cfg.model), "cpu", seed=0)
     tp_model = apply_tp(copy.deepcopy(ref), mesh, cfg.parallel.sequence_parallel)
     docs = torch.tensor([[0] * 5 + [1] * 7 + [2] * 4, [0] * 9 + [1] * 7])  # (2, 16)
     tokens = torch.randint(0, cfg.model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
@@ -116,7 +116,7 @@ def main(path: str) -> None:
         cfg = load_config(None, BASE + overrides)
         if mesh is None:
             mesh = init_distributed(cfg)
-        ref = materialize(build_model(cfg.model), "cpu", seed=0)
+        ref = materialize_whole(build_model(cfg.model), "cpu", seed=0)
         tp_model = apply_tp(copy.deepcopy(ref), mesh, cfg.parallel.sequence_parallel)
         x = torch.randn(2, 16, cfg.model.d_model, generator=torch.Generator().manual_seed(0))
         for b_ref, b_tp in zip(ref.blocks, tp_model.blocks):

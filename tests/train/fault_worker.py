@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 
-import moe_dist.train.checkpoint as checkpoint
-import moe_dist.train.checkpoint_io as checkpoint_io
+import moe_dist.train.checkpoint.io as checkpoint_io
+import moe_dist.train.checkpoint.save as checkpoint_save
 import moe_dist.train.loop as loop
 from moe_dist.data.batches import TokenDataset
 
@@ -58,7 +58,7 @@ def _kill_here(where: str, step: int) -> bool:
 _micro_batches, _starts = TokenDataset.micro_batches, TokenDataset._starts
 _forward_loss = loop._forward_loss
 _write, _close = checkpoint_io.TensorFileWriter.write, checkpoint_io.TensorFileWriter.close
-_publish = checkpoint._publish
+_publish = checkpoint_save._publish
 
 
 def starts_of(self, step, batch_size):
@@ -83,8 +83,8 @@ def micro_batches(self, step, batch_size, micro_batch_size, dp_rank, dp_size):
     return out
 
 
-def forward_loss(engine, cfg, batch, device):
-    loss, lm, out = _forward_loss(engine, cfg, batch, device)
+def forward_loss(ctx, batch):
+    loss, lm, out = _forward_loss(ctx, batch)
     if not torch.is_grad_enabled():  # evaluation
         return loss, lm, out
     state["micro"] += 1
@@ -102,7 +102,7 @@ def forward_loss(engine, cfg, batch, device):
                 grad.view(-1)[0] = float("nan")
                 return grad
 
-            hook["handle"] = engine.module.embed.weight.register_hook(poison)
+            hook["handle"] = ctx.engine.module.embed.weight.register_hook(poison)
     return loss, lm, out
 
 
@@ -134,7 +134,7 @@ def publish(tmp, final):
 TokenDataset.micro_batches, TokenDataset._starts = micro_batches, starts_of
 loop._forward_loss = forward_loss
 checkpoint_io.TensorFileWriter.write, checkpoint_io.TensorFileWriter.close = write, close
-checkpoint._publish = publish
+checkpoint_save._publish = publish
 
 if __name__ == "__main__":
     sys.argv = [str(TRAIN), *sys.argv[1:]]

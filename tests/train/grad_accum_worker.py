@@ -20,11 +20,9 @@ from moe_dist.config import load_config
 from moe_dist.models.decoder import build_model, lm_loss
 from moe_dist.parallel.mesh import init_distributed
 from moe_dist.parallel.parallelize import parallelize
-from moe_dist.train.checkpoint import save_checkpoint
-from moe_dist.train.checkpoint_read import load_checkpoint
-from moe_dist.train.checkpoint_state import inner_optimizer
+from moe_dist.train.checkpoint import load_checkpoint, save_checkpoint, select_checkpoint
+from moe_dist.train.checkpoint.state import inner_optimizer
 from moe_dist.train.optim import build_optimizer, deepspeed_config
-from moe_dist.train.resume import select_checkpoint
 
 MICRO = 16
 BASE = [

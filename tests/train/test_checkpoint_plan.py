@@ -12,8 +12,8 @@ from safetensors import safe_open
 
 from moe_dist.config import load_config
 from moe_dist.models.decoder import build_model
-from moe_dist.train.checkpoint_io import FileWriterThread, TensorFileWriter
-from moe_dist.train.checkpoint_plan import (
+from moe_dist.train.checkpoint.io import FileWriterThread, TensorFileWriter
+from moe_dist.train.checkpoint.plan import (
     BYTES_PER_ELEMENT,
     bytes_per_rank,
     holders,

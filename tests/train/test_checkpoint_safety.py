@@ -15,9 +15,16 @@ import torch
 from safetensors.torch import save_file
 
 from moe_dist.parallel.mesh import Mesh
-from moe_dist.train.checkpoint import FORMAT_VERSION, CheckpointError
-from moe_dist.train.checkpoint_read import _sha256, latest_checkpoint, verify_checkpoint
-from moe_dist.train.resume import complete_checkpoints, prune_checkpoints, select_checkpoint
+from moe_dist.train.checkpoint import (
+    FORMAT_VERSION,
+    CheckpointError,
+    complete_checkpoints,
+    latest_checkpoint,
+    prune_checkpoints,
+    select_checkpoint,
+    verify_checkpoint,
+)
+from moe_dist.train.checkpoint.read import _sha256
 
 MESH = Mesh(
     rank=0,

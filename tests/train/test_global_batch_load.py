@@ -12,7 +12,7 @@ import torch
 
 from moe_dist.config import MoEConfig, load_config
 from moe_dist.layers.moe import Router, moe_routers
-from moe_dist.models.decoder import build_model, materialize
+from moe_dist.models.decoder import build_model, materialize_whole
 from moe_dist.train.loop import route_step_ahead
 
 # Softmax over E = 3 experts, top-1; the router weight is the identity, so the rows are the logits. One optimizer
@@ -107,8 +107,8 @@ def test_prepass_load_is_the_training_forwards_own_load_on_a_decoder(one_thread)
     pre-pass sets each layer's f to the fractions of the assignments the training forwards then make, and the
     pre-pass leaves those forwards' outputs and statistics unchanged (bitwise, against a model without it)."""
     cfg = load_config("configs/debug.json", ["model.moe.aux_loss_scope=global_batch"])
-    model = materialize(build_model(cfg.model), "cpu", seed=0)
-    twin = materialize(build_model(cfg.model), "cpu", seed=0)
+    model = materialize_whole(build_model(cfg.model), "cpu", seed=0)
+    twin = materialize_whole(build_model(cfg.model), "cpu", seed=0)
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, cfg.model.vocab_size, (2, 32), generator=g) for _ in range(4)]
     route_step_ahead(moe_routers(model), lambda x: model(x).moe_stats, batches, counted=True)
@@ -129,7 +129,7 @@ def test_prepass_changes_nothing_under_activation_recompute(one_thread):
     """The pre-pass's no-grad forwards bypass the recompute wrappers: a step of four micro-batches (pre-pass, then
     forward and backward of each) gives the same aux losses, loads and gradients with every part recomputed as
     without recompute, bitwise."""
-    from moe_dist.models.recompute import apply_activation_checkpointing
+    from moe_dist.models.activation_checkpointing import apply_activation_checkpointing
 
     cfg = load_config(
         "configs/debug.json", ["model.moe.aux_loss_scope=global_batch", "train.activation_checkpointing=full"]
@@ -138,7 +138,7 @@ def test_prepass_changes_nothing_under_activation_recompute(one_thread):
     batches = [torch.randint(0, cfg.model.vocab_size, (2, 32), generator=g) for _ in range(4)]
     results = []
     for recompute in (False, True):
-        model = materialize(build_model(cfg.model), "cpu", seed=0)
+        model = materialize_whole(build_model(cfg.model), "cpu", seed=0)
         if recompute:
             apply_activation_checkpointing(model, cfg.train)
         route_step_ahead(moe_routers(model), lambda x, m=model: m(x).moe_stats, batches, counted=True)

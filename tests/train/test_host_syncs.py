@@ -1,5 +1,6 @@
-"""Host syncs a CPU run can see, counted where a GPU step would wait (DESIGN.md §9: at most one device-to-host
-transfer per MoE layer per micro-batch, the counts the uneven all-to-all needs, and the metrics once per step).
+"""Host syncs a CPU run can see, counted where a GPU step would wait. The budget these tests hold: at most one
+device-to-host transfer per MoE layer per micro-batch, the counts the uneven all-to-all needs, and the metrics once
+per step.
 
 `HostSyncs` treats the CPU as the device and follows which tensors are host copies:
   - a TorchFunctionMode sees our Python calls: `.cpu()`, `.tolist()` and `.numpy()` of a device tensor are
@@ -29,7 +30,7 @@ from torch.utils._pytree import tree_leaves
 
 from moe_dist.config import MoEConfig, load_config
 from moe_dist.layers.moe import LocalDispatcher, MoE, Router
-from moe_dist.models.decoder import build_model, lm_loss, materialize
+from moe_dist.models.decoder import build_model, lm_loss, materialize_whole
 from moe_dist.parallel.dedup import DedupAllToAllDispatcher
 from moe_dist.parallel.dispatch import AllToAllDispatcher, TokenSplit
 from moe_dist.parallel.mesh import DedupGroups
@@ -255,7 +256,7 @@ def test_dedup_dispatcher_transfers_once_per_stage(solo_group, unit, transfers, 
 
 def test_decoder_step_syncs_once_per_moe_layer_at_most(one_thread):
     cfg = load_config("configs/debug.json")  # attention + Mamba mixers, MoE with capacity on every other layer
-    model = materialize(build_model(cfg.model), "cpu", seed=0)
+    model = materialize_whole(build_model(cfg.model), "cpu", seed=0)
     batch = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
     with HostSyncs() as s:
         out = model(batch[:, :-1])
@@ -268,7 +269,7 @@ def test_decoder_step_syncs_once_per_moe_layer_at_most(one_thread):
 
 def test_step_metrics_read_nothing_per_layer_and_move_once_per_step(one_thread):
     cfg = load_config("configs/debug.json")
-    model = materialize(build_model(cfg.model), "cpu", seed=0)
+    model = materialize_whole(build_model(cfg.model), "cpu", seed=0)
     batch = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
     with HostSyncs() as s:  # from the accumulator's construction on, so its host buffers are known as such
         acc = StepAccumulator(2, cfg.model.moe.num_experts)

@@ -1,4 +1,4 @@
-"""Finding, verifying and loading the checkpoints checkpoint.py writes (its docstring describes the format).
+"""Finding, verifying and loading the checkpoints save.py writes (the package docstring describes the format).
 
 `verify_checkpoint` checks every file a rank will read against its sha256 and its safetensors header before any
 tensor is used; `check_fits` refuses a sound checkpoint of another model shape or data order; `load_checkpoint`
@@ -18,9 +18,9 @@ from torch import nn
 from moe_dist.parallel import private_api
 from moe_dist.parallel.comm import barrier
 from moe_dist.parallel.mesh import Mesh
-from moe_dist.train.checkpoint import FORMAT_VERSION, STEP_DIR, TENSOR_FILE, CheckpointError, CheckpointMismatch
-from moe_dist.train.checkpoint_plan import MOMENTS, STATE_KEYS, stored_name
-from moe_dist.train.checkpoint_state import (
+from moe_dist.train.checkpoint.format import FORMAT_VERSION, STEP_DIR, TENSOR_FILE, CheckpointError, CheckpointMismatch
+from moe_dist.train.checkpoint.plan import MOMENTS, STATE_KEYS, stored_name
+from moe_dist.train.checkpoint.state import (
     Stored,
     ensure_optimizer_state,
     inner_optimizer,

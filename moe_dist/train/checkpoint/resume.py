@@ -1,7 +1,7 @@
 """Which checkpoint a run resumes from, and which old ones it deletes.
 
 Resume (`select_checkpoint`): the newest published checkpoint that verifies (every file's sha256 and
-safetensors header, checkpoint_read.verify_checkpoint) on every rank; a corrupted or truncated one is reported in one
+safetensors header, read.verify_checkpoint) on every rank; a corrupted or truncated one is reported in one
 warning line naming the file, and the previous one is tried. The ranks take each decision together, so they all
 load the same checkpoint. A run directory whose checkpoints all fail is an error, never a silent fresh start:
 starting over would overwrite the evidence and the run's history.
@@ -21,8 +21,8 @@ from typing import Callable
 
 from moe_dist.parallel.comm import agree_on_error, broadcast_bytes
 from moe_dist.parallel.mesh import Mesh
-from moe_dist.train.checkpoint import STEP_DIR, CheckpointError
-from moe_dist.train.checkpoint_read import verify_checkpoint
+from moe_dist.train.checkpoint.format import STEP_DIR, CheckpointError
+from moe_dist.train.checkpoint.read import verify_checkpoint
 
 
 def complete_checkpoints(ckpt_root: Path) -> list[tuple[int, Path]]:

@@ -1,12 +1,13 @@
-"""Measured memory on the CPU, to hold the memory plan (moe_dist/memory.py) and activation checkpointing honest.
+"""Measured memory on the CPU, to hold the memory plan (moe_dist/planning/memory.py) and activation checkpointing
+honest.
 
-    python benchmarks/memory.py activations --config C [--set K=V ...] [--settings none,full,...]
+    python benchmarks/memory_check.py activations --config C [--set K=V ...] [--settings none,full,...]
         one process, one micro-batch forward + backward per checkpointing setting: the peak resident memory above
         the level just before the forward (activations + gradients + transients), the bytes autograd saved, and
         the plan's figure for the same; JSON per setting on stdout.
-    torchrun --nproc_per_node N benchmarks/memory.py init --config C [--set ...] [--whole-then-slice]
+    torchrun --nproc_per_node N benchmarks/memory_check.py init --config C [--set ...] [--whole-then-slice]
         building the model: each rank's peak resident memory while it builds its shard, against the shard's size
-    torchrun --nproc_per_node N benchmarks/memory.py train --config C --run-dir D [--set ...]
+    torchrun --nproc_per_node N benchmarks/memory_check.py train --config C --run-dir D [--set ...]
         a real training run (launch/train.py's `train`); each rank writes D/memory_rankR.json: its peak resident
         memory above its level before the run started (after imports) up to the first checkpoint save, beside the
         plan for its layout.
@@ -53,9 +54,9 @@ SETTINGS = {
 
 def activations(args) -> None:
     from moe_dist.config import load_config
-    from moe_dist.memory import memory_plan
-    from moe_dist.models.decoder import build_model, lm_loss, materialize
-    from moe_dist.models.recompute import apply_activation_checkpointing
+    from moe_dist.models.activation_checkpointing import apply_activation_checkpointing
+    from moe_dist.models.decoder import build_model, lm_loss, materialize_whole
+    from moe_dist.planning.memory import memory_plan
 
     settings = args.settings.split(",")
     if len(settings) > 1:  # one fresh process each: freed memory stays resident and would hide the next peak
@@ -67,7 +68,7 @@ def activations(args) -> None:
     for setting in settings:
         cfg = load_config(args.config, [*args.set, *SETTINGS[setting]])
         t = cfg.train
-        model = apply_activation_checkpointing(materialize(build_model(cfg.model), "cpu", t.seed), t)
+        model = apply_activation_checkpointing(materialize_whole(build_model(cfg.model), "cpu", t.seed), t)
         batch = torch.randint(0, cfg.model.vocab_size, (t.micro_batch_size, t.seq_len + 1))
         saved = 0
 
@@ -107,7 +108,7 @@ def train_run(args) -> None:
     import deepspeed  # noqa: F401  (imported before the baseline: its import is not the run's memory)
 
     from moe_dist.config import load_config
-    from moe_dist.memory import memory_plan
+    from moe_dist.planning.memory import memory_plan
     from moe_dist.train.checkpoint import Checkpointer
     from moe_dist.train.loop import train
 
@@ -137,7 +138,7 @@ def init_run(args) -> None:
     --whole-then-slice the former way (materialize the local model whole, then slice it for TP), above the level
     after the process group exists; against the bytes of the shard it ends with."""
     from moe_dist.config import load_config
-    from moe_dist.models.decoder import build_model, materialize
+    from moe_dist.models.decoder import build_model, materialize_whole
     from moe_dist.parallel.expert_parallel import apply_ep
     from moe_dist.parallel.mesh import init_distributed
     from moe_dist.parallel.parallelize import parallelize
@@ -150,7 +151,7 @@ def init_run(args) -> None:
     reset_peak()
     base = rss_bytes()
     if args.whole_then_slice:
-        model = apply_tp(materialize(apply_ep(build_model(cfg.model), mesh), "cpu", cfg.train.seed), mesh)
+        model = apply_tp(materialize_whole(apply_ep(build_model(cfg.model), mesh), "cpu", cfg.train.seed), mesh)
     else:
         model = parallelize(build_model(cfg.model, mesh.device), mesh, cfg)
     peak = rss_bytes("VmHWM") - base

@@ -1,27 +1,6 @@
-"""Layout-independent, atomic, verified checkpoints: RUN_DIR/checkpoints/step_N/.
-
-Contents: `rankNNNNN.safetensors` files holding every parameter exactly once under its global name, experts
-split out by global index (`blocks.0.ffn.experts.w13.5`), each with its AdamW moments (`exp_avg.<name>`,
-`exp_avg_sq.<name>`), all fp32; `meta.json` (step, Adam step count, learning rate, layout it was written
-at, skipped-step count, the data identity, sha256 of every file) and `config.json`. Nothing is pickled:
-tensors are read with safetensors (a JSON header and raw bytes), metadata with `json`, so loading runs no
-code whatever the files contain.
-
-Because names are global and tensors whole (tensor-parallel shards are gathered on save; on load each rank
-reads only its slice along each parameter's `tp_dim`), a checkpoint written at one (dp, ep, tp) layout loads at
-any other.
-
-Saving (`Checkpointer`): every rank holding a replica of a tensor gathers it, and the tensors are spread over
-those ranks by bytes (checkpoint_plan.py): each rank writes its own file, streaming tensor by tensor through a
-bounded buffer and hashing the bytes as it writes them (checkpoint_io.py). Ranks write into `.step_N.tmp/` and
-fsync; rank 0 gathers the digests, writes meta.json last and publishes the directory by renaming it once every
-rank has finished, so a run killed mid-save never leaves a `step_N/` that resume would pick. With
-train.async_save the tensors are first copied to host memory and written and published in the background. On
-load every file is checked against its sha256 before a single tensor is read (checkpoint_read.py); resume.py
-falls back to the previous checkpoint when that fails.
-
-DeepSpeed's own checkpoints are not used: they pickle, and their expert files are tied to the EP size.
-"""
+"""Saving checkpoints: `Checkpointer` (every rank gathers what it holds a replica of, writes its share through a
+bounded buffer, rank 0 publishes), `save_checkpoint` (one synchronous save) and `write_whole_checkpoint` (one
+process holding every tensor). The format and the save's protocol: this package's docstring (__init__.py)."""
 
 from __future__ import annotations
 
@@ -40,10 +19,11 @@ from torch import nn
 
 from moe_dist.config import JobConfig, config_to_dict
 from moe_dist.parallel.comm import broadcast_bytes, gather_bytes, monitored_barrier
-from moe_dist.parallel.mesh import Mesh, new_gloo_group, set_group_timeouts
-from moe_dist.train.checkpoint_io import FileWriterThread, TensorFileWriter, fsync
-from moe_dist.train.checkpoint_plan import STATE_KEYS, plan_writers, stored_name, tensors_in_order
-from moe_dist.train.checkpoint_state import (
+from moe_dist.parallel.mesh import Mesh, new_gloo_group
+from moe_dist.train.checkpoint.format import FORMAT_VERSION
+from moe_dist.train.checkpoint.io import FileWriterThread, TensorFileWriter, fsync
+from moe_dist.train.checkpoint.plan import STATE_KEYS, plan_writers, stored_name, tensors_in_order
+from moe_dist.train.checkpoint.state import (
     Stored,
     adam_step,
     ensure_optimizer_state,
@@ -54,19 +34,6 @@ from moe_dist.train.checkpoint_state import (
     stored_params,
 )
 from moe_dist.train.guard import TrainingError, operation
-
-FORMAT_VERSION = 1
-STEP_DIR = re.compile(r"step_(\d+)")
-TENSOR_FILE = re.compile(r"rank\d{5}\.safetensors")  # the only files a checkpoint may ask us to open
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete, corrupted or unreadable; the message names the file."""
-
-
-class CheckpointMismatch(CheckpointError):
-    """A sound checkpoint that does not fit this run (model shape, data order): an input error, not a fault
-    to fall back from (every older checkpoint of the run would not fit either)."""
 
 
 def _write_manifest(tmp: Path, meta: dict, cfg: JobConfig) -> None:
@@ -117,11 +84,14 @@ class Checkpointer:
         self.bytes_written = 0  # by this rank in its latest save (tensor file size)
 
     @contextmanager
-    def _phase(self, step: int, what: str):
-        """A failed collective inside names the save, the phase and, past a monitored barrier, the late ranks."""
+    def _phase(self, step: int, what: str, training_groups: bool = False):
+        """A failed collective inside names the save, the phase and, past a monitored barrier, the late ranks.
+        `training_groups`: the phase runs collectives of the training's groups, which get the save's limit while
+        it runs (parallel.timeout_s again after it; the checkpoint group has its own)."""
         what = f"checkpoint save of step {step}: {what}"
+        limit = {"restore_s": self.cfg.parallel.timeout_s, "keep": (self.group,)} if training_groups else {}
         try:
-            with operation(what, self.timeout_s, "train.save_timeout_s"):
+            with operation(what, self.timeout_s, "train.save_timeout_s", **limit):
                 yield
         except RuntimeError as e:  # CollectiveError, or gloo's own monitored-barrier error (no "timed out" in it)
             late = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", str(e))
@@ -179,11 +149,10 @@ class Checkpointer:
             files = {r: f"rank{r:05d}.safetensors" for r in {*plan.values(), 0}}
             meta["tensors"] = {n: [files[plan[n]], list(e.shape)] for n, e, _ in tensors_in_order(entries)}
             meta["tensors"].update({n: [files[0], list(b.shape)] for n, b in buffers.items()})
-        # The gathers are the training groups' collectives: give them the save's limit while they run (a peer
-        # may be waiting for its disk through the bounded buffer).
-        set_group_timeouts(self.timeout_s, keep=(self.group,))
+        # The gathers are the training groups' collectives, under the save's limit while they run (a peer may be
+        # waiting for its disk through the bounded buffer).
         try:
-            with self._phase(step, "gathering tensors (ZeRO and tensor-parallel collectives)"):
+            with self._phase(step, "gathering tensors (ZeRO and tensor-parallel collectives)", training_groups=True):
                 self._gather(engine, stored, plan, thread, mesh)
                 if rank == 0:  # copies: the routers update their buffers in place every step
                     for name, b in buffers.items():
@@ -192,8 +161,6 @@ class Checkpointer:
         except BaseException:
             thread.finish_quietly()
             raise
-        finally:
-            set_group_timeouts(self.cfg.parallel.timeout_s, keep=(self.group,))
         if not self.asynchronous:
             self._finish(thread, path, tmp, final, meta)
             return final

@@ -2,7 +2,7 @@
 index) and their fp32 values and Adam moments, read from (and created in) DeepSpeed's optimizer.
 
 The names and full shapes are the same whatever the (dp, ep, tp) layout (`Stored.entry`), which is what makes
-the checkpoint layout-independent and lets every rank compute the same writer plan (checkpoint_plan.py).
+the checkpoint layout-independent and lets every rank compute the same writer plan (plan.py).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from moe_dist.layers.moe import Experts
 from moe_dist.parallel import private_api
 from moe_dist.parallel.mesh import Mesh
 from moe_dist.parallel.tensor_parallel import gather_shards
-from moe_dist.train.checkpoint_plan import MOMENTS, Entry
+from moe_dist.train.checkpoint.plan import MOMENTS, Entry
 
 
 @dataclass

@@ -1,13 +1,14 @@
-"""Activation checkpointing (models/recompute.py): training with any recompute setting follows the run without it
-exactly (fp32, CPU: the same ops in the same order, so bitwise), routing statistics are counted once, and each
-part really stops saving its interior. The EP and TP layouts with recompute: tests/parallel/test_tp_e2e.py."""
+"""Activation checkpointing (models/activation_checkpointing.py): training with any recompute setting follows the
+run without it exactly (fp32, CPU: the same ops in the same order, so bitwise), routing statistics are counted
+once, and each part really stops saving its interior. The EP and TP layouts with recompute:
+tests/parallel/test_tp_e2e.py."""
 
 import pytest
 import torch
 
 from moe_dist.config import ConfigError, load_config
-from moe_dist.models.decoder import build_model, lm_loss, materialize
-from moe_dist.models.recompute import apply_activation_checkpointing
+from moe_dist.models.activation_checkpointing import apply_activation_checkpointing
+from moe_dist.models.decoder import build_model, lm_loss, materialize_whole
 
 SETTINGS = {
     "none": [],
@@ -20,7 +21,7 @@ SETTINGS = {
 
 def _model(setting: str, *extra: str):
     cfg = load_config("configs/debug.json", [*SETTINGS[setting], *extra])
-    return apply_activation_checkpointing(materialize(build_model(cfg.model), "cpu", seed=3), cfg.train), cfg
+    return apply_activation_checkpointing(materialize_whole(build_model(cfg.model), "cpu", seed=3), cfg.train), cfg
 
 
 def _train(setting: str, steps: int = 3, micro: int = 2, *extra: str) -> list[dict]:

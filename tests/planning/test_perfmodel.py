@@ -8,11 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from moe_dist import perfmodel as pm
-from moe_dist import perfmodel_fit as fit
 from moe_dist.config import load_config
+from moe_dist.planning import fit
+from moe_dist.planning import perfmodel as pm
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 TRUE = pm.Hardware(
     name="synthetic", flops_per_s=3e10, ranks_per_node=2, intra=pm.Link(2e-4, 2e9), inter=pm.Link(9e-4, 3e8)

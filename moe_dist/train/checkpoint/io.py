@@ -5,7 +5,7 @@ itself, so the rank would hold all its tensors and then re-read the file to hash
 (an 8-byte little-endian header length, a JSON header of dtype/shape/data_offsets padded with spaces to 8
 bytes, raw little-endian tensor bytes), and every file is read back with the safetensors library.
 
-The tensors a rank writes, their shapes and order are known before the first one is gathered (checkpoint_plan),
+The tensors a rank writes, their shapes and order are known before the first one is gathered (plan.py),
 so the header goes first and each tensor's bytes follow the moment it arrives; the sha256 is updated from the
 same buffers, never from the disk.
 

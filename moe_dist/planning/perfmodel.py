@@ -1,5 +1,5 @@
 """Performance model of one training step, calibrated on measured runs (docs/perf_model.md; the fit of F, α
-and β to those runs is moe_dist/perfmodel_fit.py).
+and β to those runs is fit.py).
 
     step time = FLOPs_per_rank · ranks_per_device / F + Σ_collectives (hops · α + bytes_on_the_slowest_link / β)
 
@@ -11,7 +11,7 @@ does; conservative on GPUs) except for the expert-parallel row all-to-alls under
 which are pipelined against the expert GEMMs (`overlapped_rows_s`).
 
 The per-step list of collectives mirrors what a training step of this repository issues, checked against
-`benchmarks/scaling.py`'s instrumented runs (DESIGN.md §2):
+`benchmarks/scaling.py`'s instrumented runs (tests/test_bench_common.py):
 - per micro-batch and MoE layer: 1 all-to-all of per-expert counts, 2 all-to-alls of routed rows forward
   (dispatch, combine) and 2 backward, in the expert-parallel (EP) group;
 - per micro-batch with tensor parallelism (tp > 1, as moe_dist/parallel/tensor_parallel.py issues it, checked

@@ -1,6 +1,6 @@
-"""The memory plan (moe_dist/memory.py, `launch/train.py --dry-run --world-size N`): its activation terms against
-what autograd really keeps for each layer kind, and the dry-run's output. (Against measured peak memory of real
-runs: benchmarks/memory.py, docs/memory.md.)"""
+"""The memory plan (moe_dist/planning/memory.py, `launch/train.py --dry-run --world-size N`): its activation terms
+against what autograd really keeps for each layer kind, and the dry-run's output. (Against measured peak memory of
+real runs: benchmarks/memory_check.py, docs/memory.md.)"""
 
 import json
 import subprocess
@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from moe_dist.config import load_config
-from moe_dist.memory import activation_bytes, memory_plan
-from moe_dist.models.decoder import build_model, lm_loss, materialize
+from moe_dist.models.decoder import build_model, lm_loss, materialize_whole
+from moe_dist.planning.memory import activation_bytes, memory_plan
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SMALL = [
     "model.d_model=64",
     "model.d_ff=96",
@@ -34,7 +34,7 @@ SMALL = [
 
 def _kept_bytes(cfg) -> int:
     """Bytes of the distinct storages autograd keeps for the backward of one micro-batch (parameters excluded)."""
-    model = materialize(build_model(cfg.model), "cpu", 0)
+    model = materialize_whole(build_model(cfg.model), "cpu", 0)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     kept: dict[int, int] = {}
 

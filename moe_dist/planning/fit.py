@@ -1,4 +1,4 @@
-"""Calibration of the performance model (moe_dist/perfmodel.py) on measured runs.
+"""Calibration of the performance model (perfmodel.py) on measured runs.
 
 benchmarks/scaling.py measures steps and per-call collective samples; `fit_hardware` turns them into a
 `Hardware` (F from the compute times, (α, β) per link class from the samples by non-negative least squares)
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from moe_dist.config import JobConfig
-from moe_dist.perfmodel import Hardware, Layout, Link, predict_step, step_flops_per_rank
+from moe_dist.planning.perfmodel import Hardware, Layout, Link, predict_step, step_flops_per_rank
 
 
 def fit_link(hops: np.ndarray, wire_bytes: np.ndarray, seconds: np.ndarray) -> Link:

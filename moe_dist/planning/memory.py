@@ -21,7 +21,7 @@ Counted from the meta model (no storage) and the config's layout at the given wo
 
 Activation bytes per token (T = micro_batch_size · seq_len tokens on this rank; a = activation bytes, 4 fp32 or 2
 bf16; widths are this rank's: Hq, Hkv, Di, F, V divided by tp). They were read off the tensors autograd saves for
-each layer kind (tests/test_memory.py holds them to within a few per cent of that count):
+each layer kind (tests/planning/test_memory.py holds them to within a few per cent of that count):
 
     every sublayer   3·D·a + 4           norm input, its output, the linear's reshaped copy, rstd (fp32)
     attention        (2·Hq + 2·Hkv)·Dh·a + 4·Hq         q, k, v, output; log-sum-exp (fp32)
@@ -42,8 +42,8 @@ import math
 
 from moe_dist.config import JobConfig
 from moe_dist.config.checks import check_layout
+from moe_dist.models.activation_checkpointing import checkpointed_parts
 from moe_dist.models.decoder import build_model, layer_kinds
-from moe_dist.models.recompute import checkpointed_parts
 
 GB = 1e9
 # Parameters apply_tp splits over tensor-parallel ranks (parallel/tensor_parallel.py), by name suffix.

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from moe_dist.config import load_config
-from moe_dist.models.decoder import build_model, lm_loss, materialize
-from moe_dist.train.loop import maybe_compile
+from moe_dist.models.compile import maybe_compile
+from moe_dist.models.decoder import build_model, lm_loss, materialize_whole
 from moe_dist.train.optim import build_optimizer
 
 
@@ -15,7 +15,7 @@ def test_compile_on_equals_off():
     results = {}
     for compile_ in (False, True):
         cfg = load_config("configs/debug.json", [f"train.compile={str(compile_).lower()}"])
-        model = maybe_compile(materialize(build_model(cfg.model), "cpu", cfg.train.seed), cfg)
+        model = maybe_compile(materialize_whole(build_model(cfg.model), "cpu", cfg.train.seed), cfg)
         assert (model.blocks[0].mixer_norm._compiled_call_impl is not None) == compile_
         optimizer, _ = build_optimizer(model, cfg)
         tokens = torch.randint(0, cfg.model.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
