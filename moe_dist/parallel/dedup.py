@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_dist.layers.moe import Dispatcher, Routing, count_per_expert
+from moe_dist.layers.moe import Dispatcher
+from moe_dist.layers.router import Routing, count_per_expert
 from moe_dist.parallel.comm import all_to_all_equal, all_to_all_rows
 from moe_dist.parallel.dispatch import AllToAllDispatcher, token_parts
 from moe_dist.parallel.mesh import DedupGroups

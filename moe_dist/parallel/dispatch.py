@@ -33,8 +33,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moe_dist.layers.moe import Dispatcher, Routing, count_per_expert
+from moe_dist.layers.moe import Dispatcher
 from moe_dist.layers.permutation import Permutation, reorder_rows
+from moe_dist.layers.router import Routing, count_per_expert
 from moe_dist.parallel.comm import all_to_all_equal, all_to_all_rows, gather_rows, reduce_scatter_rows
 
 

@@ -45,8 +45,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from moe_dist.layers.moe import Routing
 from moe_dist.layers.permutation import Permutation, reorder_rows
+from moe_dist.layers.router import Routing
 from moe_dist.parallel.comm import all_to_all_equal, all_to_all_rows_async, gather_rows, reduce_scatter_rows
 from moe_dist.parallel.dispatch import AllToAllDispatcher, TokenSplit, segment_permutation
 

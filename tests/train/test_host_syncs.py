@@ -28,7 +28,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from moe_dist.config import MoEConfig, load_config
-from moe_dist.layers.moe import LocalDispatcher, MoE, Router
+from moe_dist.layers.moe import LocalDispatcher, MoE
+from moe_dist.layers.router import Router
 from moe_dist.models.decoder import build_model, lm_loss, materialize
 from moe_dist.parallel.dedup import DedupAllToAllDispatcher
 from moe_dist.parallel.dispatch import AllToAllDispatcher, TokenSplit
@@ -196,7 +197,7 @@ def test_moe_layer_local_dispatcher_syncs_only_for_the_kept_row_count(one_thread
         fwd_bwd(moe, x)
     # with capacity the kept rows' count R sizes the grouped GEMM: one transfer, in forward only
     assert [what for what, _ in s.events] == ["cpu()"], s.events
-    assert s.events[0][1].startswith("layers/moe.py")
+    assert s.events[0][1].startswith("layers/router.py")  # Routing.kept_rows
     with torch.no_grad():
         assert moe(x)[1].dropped.item() > 0
 
@@ -263,7 +264,7 @@ def test_decoder_step_syncs_once_per_moe_layer_at_most(one_thread):
     n_moe = len(out.moe_stats)
     assert n_moe == 2
     assert [what for what, _ in s.events] == ["cpu()"] * n_moe, s.events  # the kept counts, one per MoE layer
-    assert all(where.startswith("layers/moe.py") for _, where in s.events)
+    assert all(where.startswith("layers/router.py") for _, where in s.events)
 
 
 def test_step_metrics_read_nothing_per_layer_and_move_once_per_step(one_thread):
