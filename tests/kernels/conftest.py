@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_dist.layers.impl import triton_interpreting
+from moe_dist.layers.kernel_choice import triton_interpreting
 
 HERE = Path(__file__).resolve().parent
 KERNEL_TEST_FILES = ("test_flash_attention.py", "test_permute.py", "test_selective_scan.py")
