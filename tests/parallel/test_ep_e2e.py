@@ -1,5 +1,6 @@
 """Expert parallelism end to end under DeepSpeed: EP runs equal one process with gradient accumulation
-(DESIGN.md §5), step by step, for ZeRO 1 and 2, capacity and dropless; checkpoints reshard across EP sizes.
+(docs/parallelism.md, "The equivalence guarantee"), step by step, for ZeRO 1 and 2, capacity and dropless;
+checkpoints reshard across EP sizes.
 
 Every run is compared with the session's single-process `reference` of its mode (shared with test_tp_e2e.py),
 losses, clipped-gradient norms and expert load at every step, parameters and Adam moments at the end. A resumed

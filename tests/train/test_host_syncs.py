@@ -1,5 +1,6 @@
-"""Host syncs a CPU run can see, counted where a GPU step would wait (DESIGN.md §9: at most one device-to-host
-transfer per MoE layer per micro-batch, the counts the uneven all-to-all needs, and the metrics once per step).
+"""Host syncs a CPU run can see, counted where a GPU step would wait. The budget these tests hold: at most one
+device-to-host transfer per MoE layer per micro-batch (the counts the uneven all-to-all needs) and the metrics
+once per step.
 
 `HostSyncs` treats the CPU as the device and follows which tensors are host copies:
   - a TorchFunctionMode sees our Python calls: `.cpu()`, `.tolist()` and `.numpy()` of a device tensor are
