@@ -5,18 +5,12 @@ Shape legend as in dispatch.py (T tokens, D d_model, K top_k, E experts), plus: 
 consecutive EP ranks (one node's ranks for "node"; single ranks for "rank", G = 1), block n holding the B = E / N
 experts [n·B, (n+1)·B); U (block, token) pairs this rank sends, V pairs it receives (the rail's rows).
 
-Stage 1, across blocks: every token with at least one kept assignment in block n goes once to the rank at this
-rank's position g in block n, over the rail group {g, G + g, 2G + g, ...} (on GPU clusters the same-index GPU of
-every node: one NIC per rail). With each row travel K slots of metadata: the block-local expert of each of the
-token's k choices that falls in block n (-1 for the others) and its combine weight (0 for the others).
-Stage 2, inside the block: the receiving rank treats its V rows as tokens routed over the block's B experts and
-hands them to its inner dispatcher (composed, not inherited): the all-to-all one over the block group (the node's
-NVLink), or with G = 1 the local one. Its combine applies the weights, so a row returns over the rail once, as the
-weighted sum of its experts in that block; the source adds its token's rows from the blocks it reached.
-
-Node-limited routing (`model.moe.group_by` "node", `topk_groups` M) therefore bounds the rows a token sends
-across nodes by M, whatever K. The output is the plain dispatcher's up to the order of the sum (and, in bf16, one
-rounding of each block's partial sum on its way back). Every rank issues every collective, with or without rows.
+Stage 1 (here): each (block, token) pair travels once over the rail group to the rank at this rank's position in
+the block, with K slots of metadata (block-local expert or -1, combine weight). Stage 2: the receiver routes its
+V rows over the block's B experts (`block_routing`) and hands them to its inner dispatcher (composed: the
+all-to-all one over the block, or the local one for G = 1), whose combine applies the weights. The output is the
+plain dispatcher's up to the order of the sum (tests/parallel/test_ep_dedup.py); every rank issues every
+collective, with or without rows. The stages in full: docs/parallelism.md, "Deduplicated dispatch".
 """
 
 from __future__ import annotations
