@@ -118,10 +118,10 @@ def _moe_fwd_bwd(moe, x, dy):
 
 
 def _expert_gemms(moe, x):
-    """The layer's expert GEMMs alone (gate+up, down; `moe_dist.layers.moe.grouped_mm`), forward and backward, on
+    """The layer's expert GEMMs alone (gate+up, down; `moe_dist.layers.experts.grouped_mm`), forward and backward, on
     rows routed as the layer routes x: the time the layer would take if routing, permutation and the SwiGLU
     activation cost nothing (its ceiling)."""
-    from moe_dist.layers.moe import grouped_mm
+    from moe_dist.layers.experts import grouped_mm
 
     with torch.no_grad():
         routing, _ = moe.router(x)

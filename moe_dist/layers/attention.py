@@ -1,7 +1,7 @@
 """Causal multi-head attention with grouped-query heads, RoPE and an optional sliding window.
 
 The attention kernel is chosen once, when the layer is built for its device (`attention_kernel`, resolved by
-`moe_dist.layers.impl`): PyTorch SDPA (which never materializes repeated k/v for grouped-query heads; "auto"
+`moe_dist.layers.kernel_choice`): PyTorch SDPA (which never materializes repeated k/v for grouped-query heads; "auto"
 everywhere) or the Triton flash-attention kernel (`moe_dist.kernels.flash_attention`, impl "triton").
 Sliding-window attention (imported Mistral-style checkpoints) and the inference path with a `KVCache` take SDPA
 with an explicit mask.
@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_dist.config import AttentionConfig
-from moe_dist.layers.impl import Kernel, resolve
+from moe_dist.layers.kernel_choice import Kernel, resolve
 from moe_dist.layers.norm import RMSNorm
 from moe_dist.layers.rope import apply_rope, document_positions, rope_cos_sin
 
@@ -65,9 +65,13 @@ def _window_mask(q_len: int, k_len: int, offset: int, window: Optional[int], dev
 def attention_kernel(impl: str, device: torch.device | str = "cpu") -> Kernel:
     """`model.attention.impl` for a layer built for `device`, with `flash_attention`'s signature: SDPA ("torch",
     which "auto" takes everywhere: its flash / cuDNN backends on CUDA) or our Triton kernel ("triton")."""
-    return resolve(
-        impl, "model.attention.impl", device, _sdpa, "flash_attention.flash_attention", "flash-attention kernel"
-    )
+    return resolve(impl, "model.attention.impl", device, _sdpa, _triton_attention, "flash-attention kernel")
+
+
+def _triton_attention():
+    from moe_dist.kernels.flash_attention import flash_attention  # lazy: imports triton (kernel_choice.py)
+
+    return flash_attention
 
 
 @dataclass

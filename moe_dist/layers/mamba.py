@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_dist.config import MambaConfig
-from moe_dist.layers.impl import Kernel, resolve
+from moe_dist.layers.kernel_choice import Kernel, resolve
 from moe_dist.layers.norm import RMSNorm
 from moe_dist.layers.scan import selective_scan
 
@@ -33,9 +33,15 @@ def scan_kernel(impl: str, device: torch.device | str = "cpu", chunk_size: int =
         "model.mamba.impl",
         device,
         functools.partial(selective_scan, chunk_size=chunk_size),
-        "selective_scan.selective_scan",
+        _triton_scan,
         "selective scan",
     )
+
+
+def _triton_scan():
+    from moe_dist.kernels.selective_scan import selective_scan as triton_scan  # lazy: imports triton
+
+    return triton_scan
 
 
 @dataclass

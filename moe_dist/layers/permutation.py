@@ -6,7 +6,7 @@ R routed rows (kept assignments sorted by expert).
 The PyTorch path here has the semantics and signatures of `moe_dist.kernels.reference.(un)permute_tokens_ref`
 (their specification and test oracle), with backwards written as gathers: the reference's autograd would
 scatter-add with repeated indices, which runs serially on CPU. The GPU kernel is `moe_dist.kernels.permute`;
-`Permutation.for_device` chooses between the two once (moe_dist.layers.impl).
+`Permutation.for_device` chooses between the two once (moe_dist.layers.kernel_choice).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from moe_dist.layers.impl import Kernel, resolve
+from moe_dist.layers.kernel_choice import Kernel, resolve
 
 
 def _slots(rows_R: torch.Tensor, num_tokens: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,6 +163,18 @@ class Permutation:
         """`model.moe.impl` resolved for a layer built for `device`: the Triton kernels or the functions above."""
         key, what = "model.moe.impl", "token permutation"
         return cls(
-            resolve(impl, key, device, permute_rows, "permute.permute_tokens", what),
-            resolve(impl, key, device, unpermute_rows, "permute.unpermute_tokens", what),
+            resolve(impl, key, device, permute_rows, _triton_permute, what),
+            resolve(impl, key, device, unpermute_rows, _triton_unpermute, what),
         )
+
+
+def _triton_permute():
+    from moe_dist.kernels.permute import permute_tokens  # lazy: imports triton (kernel_choice.py)
+
+    return permute_tokens
+
+
+def _triton_unpermute():
+    from moe_dist.kernels.permute import unpermute_tokens  # lazy: imports triton (kernel_choice.py)
+
+    return unpermute_tokens

@@ -22,8 +22,9 @@ from moe_dist.data.batches import IGNORE
 from moe_dist.layers.attention import Attention, KVCache
 from moe_dist.layers.mamba import Mamba, MambaState
 from moe_dist.layers.mlp import SwiGLU
-from moe_dist.layers.moe import MoE, RoutingStats
+from moe_dist.layers.moe import MoE
 from moe_dist.layers.norm import RMSNorm
+from moe_dist.layers.router import RoutingStats
 
 
 def layer_kinds(cfg: ModelConfig) -> list[tuple[str, str]]:

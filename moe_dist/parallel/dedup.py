@@ -5,18 +5,12 @@ Shape legend as in dispatch.py (T tokens, D d_model, K top_k, E experts), plus: 
 consecutive EP ranks (one node's ranks for "node"; single ranks for "rank", G = 1), block n holding the B = E / N
 experts [n·B, (n+1)·B); U (block, token) pairs this rank sends, V pairs it receives (the rail's rows).
 
-Stage 1, across blocks: every token with at least one kept assignment in block n goes once to the rank at this
-rank's position g in block n, over the rail group {g, G + g, 2G + g, ...} (on GPU clusters the same-index GPU of
-every node: one NIC per rail). With each row travel K slots of metadata: the block-local expert of each of the
-token's k choices that falls in block n (-1 for the others) and its combine weight (0 for the others).
-Stage 2, inside the block: the receiving rank treats its V rows as tokens routed over the block's B experts and
-hands them to the plain all-to-all dispatcher over the block group (the node's NVLink), or with G = 1 to the local
-one. That dispatcher's combine applies the weights, so a row returns over the rail once, as the weighted sum of
-its experts in that block; the source adds its token's rows from the blocks it reached.
-
-Node-limited routing (`model.moe.group_by` "node", `topk_groups` M) therefore bounds the rows a token sends
-across nodes by M, whatever K. The output is the plain dispatcher's up to the order of the sum (and, in bf16, one
-rounding of each block's partial sum on its way back). Every rank issues every collective, with or without rows.
+Stage 1 (here): each (block, token) pair travels once over the rail group to the rank at this rank's position in
+the block, with K slots of metadata (block-local expert or -1, combine weight). Stage 2: the receiver routes its
+V rows over the block's B experts (`block_routing`) and hands them to its inner dispatcher (composed: the
+all-to-all one over the block, or the local one for G = 1), whose combine applies the weights. The output is the
+plain dispatcher's up to the order of the sum (tests/parallel/test_ep_dedup.py); every rank issues every
+collective, with or without rows. The stages in full: docs/parallelism.md, "Deduplicated dispatch".
 """
 
 from __future__ import annotations
@@ -25,9 +19,11 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_dist.layers.moe import Dispatcher, Routing, count_per_expert
+from moe_dist.layers.moe import Dispatcher
+from moe_dist.layers.permutation import Permutation
+from moe_dist.layers.router import Routing, count_per_expert
 from moe_dist.parallel.comm import all_to_all_equal, all_to_all_rows
-from moe_dist.parallel.dispatch import AllToAllDispatcher, token_parts
+from moe_dist.parallel.dispatch import TokenSplit, token_parts
 from moe_dist.parallel.mesh import DedupGroups
 
 
@@ -45,9 +41,8 @@ def block_routing(expert_VK: torch.Tensor, weight_VK: torch.Tensor, num_experts:
     per_key = count_per_expert(key_A, B + 1)
     kept_E = per_key[:B]
     counts_E = torch.cat([kept_E[:-1], kept_E[-1:] + per_key[B:]])
-    routing = Routing(order_A, counts_E, key_A[order_A] < B, kept_E, weight_VK.t().reshape(-1), num_tokens=V, top_k=K)
-    routing._rows_R = order_A[:kept]
-    return routing
+    weight_A = weight_VK.t().reshape(-1)
+    return Routing.with_kept_prefix(order_A, counts_E, key_A[order_A] < B, kept_E, weight_A, V, K, kept)
 
 
 @dataclass
@@ -60,18 +55,24 @@ class _DedupState:
     sent_bytes: int
 
 
-class DedupAllToAllDispatcher(AllToAllDispatcher):
-    """The two-stage dispatch of the module docstring. Subclasses `AllToAllDispatcher` for its settings (EP group,
-    experts, the token split of folded TP: each rank dispatches its own slice, `with_split`); the experts must be
-    whole (a split with `gather` is refused by the config check)."""
+class DedupAllToAllDispatcher(Dispatcher):
+    """The two-stage dispatch of the module docstring: stage 1 over `groups.rail` here, stage 2 by `inner` (the
+    all-to-all dispatcher over the block, or the local one). `split`: folded TP's token split, each rank sending
+    its own slice; the experts must be whole (a split with `gather` is refused by the config check)."""
 
-    def __init__(self, *args, groups: DedupGroups, inner: Dispatcher):
-        """`args` as `AllToAllDispatcher`'s (the whole EP group); `inner`: stage 2's dispatcher over the block."""
-        super().__init__(*args)
-        self.groups, self.inner = groups, inner
+    def __init__(
+        self,
+        num_experts: int,
+        permutation: Permutation,
+        groups: DedupGroups,
+        inner: Dispatcher,
+        split: TokenSplit | None = None,
+    ):
+        self.num_experts, self.permutation = num_experts, permutation
+        self.groups, self.inner, self.split = groups, inner, split
 
     def dispatch(self, x_TD: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, _DedupState]:
-        assert not self._gathers, "parallel.a2a_dedup needs whole experts (config check)"
+        assert self.split is None or not self.split.gather, "parallel.a2a_dedup needs whole experts (config check)"
         T, K, E, N = routing.num_tokens, routing.top_k, self.num_experts, self.groups.blocks
         B, A, dev = E // N, routing.order_A.numel(), x_TD.device
         order_A = routing.order_A

@@ -1,41 +1,36 @@
-"""Expert-parallel token dispatch: the all-to-all implementation of the MoE layer's dispatcher seam.
+"""Expert-parallel token dispatch: the all-to-all dispatcher, plain or pipelined over `chunks` token chunks.
 
-Shape legend: T tokens, D d_model, E experts, P = ep ranks in the EP group, L = E / P local experts,
-S = TP ranks that split the dispatch (1 without tensor parallelism), R rows routed from this rank (sorted by
-global expert), Q rows received here.
+Shape legend: T tokens, D d_model, E experts, P = ep ranks in the EP group, L = E / P local experts, S = TP ranks
+that split the dispatch (1 without tensor parallelism), C chunks (`parallel.a2a_chunks`), X = S·C token parts,
+R rows routed from this rank (by chunk, then global expert), Q rows received here.
 
-dispatch: the router's kept rows are already sorted by global expert, and rank p owns experts [p·L, (p+1)·L),
-so the rows for each destination rank are contiguous. Per-expert counts are exchanged first (one fixed-size
-all-to-all that every rank issues even when it routes nothing), then the rows (uneven splits). Received rows
-arrive grouped by (source rank, local expert) and are regrouped by (local expert, source rank) for the grouped
-GEMM, by a gather whose backward is the inverse gather. combine undoes both steps and applies the router
-weights on the token's own rank.
-
-Under tensor parallelism (experts split over TP along their hidden dimension, `TokenSplit`): the TP peers
-route the same tokens identically, and TP rank s dispatches only the kept rows of the s-th contiguous slice of
-them, so each all-to-all carries 1/S of the rows. The rows the S peers received are then all-gathered inside
-the TP group (every peer holds a slice of every local expert's hidden dimension and must see them all), and the
-partial expert outputs are reduce-scattered back to the peer that received each row. Each peer's combine
-yields its slice's tokens only (zeros elsewhere); the sum over TP where the MoE's output leaves the TP region
-assembles the whole micro-batch. The count all-to-all carries the counts of all S slices (each rank knows them:
-its routing is its TP peers' routing), so it stays the one count exchange of the layer.
-
-With whole experts (parallel.etp = 1, `TokenSplit.gather` false) the EP group spans TP ranks (mesh.py): each rank
-still dispatches its own slice, but its rows meet whole experts through the all-to-all alone, so there is no TP
-gather or reduce-scatter and each rank exchanges only its own slice's counts.
+Rank p owns experts [p·L, (p+1)·L), so the kept rows, sorted by expert, are contiguous per destination. One step
+(`_plan`) settles a layer's dispatch for both paths: the one count all-to-all (the counts of every part), the one
+device-to-host transfer, the split lists and the segment permutations that regroup received rows by local expert.
+`chunks` = 1 then moves all rows at once (`dispatch` → experts → `combine`); `chunks` = C > 1 pipelines C chunks so
+that one chunk's all-to-all overlaps another's expert GEMMs (`run`). Every rank issues the same collectives in the
+same order, with zero splits where it has no rows. The TP token split, whole experts (`parallel.etp` = 1) and the
+chunked schedule with its collective order: docs/parallelism.md. Proofs: the outputs equal one process's
+(tests/parallel/test_ep_dispatch.py, chunked and folded too), one transfer per layer (tests/train/test_host_syncs.py).
 """
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from moe_dist.layers.moe import Dispatcher, Routing, count_per_expert
+from moe_dist.layers.moe import Dispatcher
 from moe_dist.layers.permutation import Permutation, reorder_rows
-from moe_dist.parallel.comm import all_to_all_equal, all_to_all_rows, gather_rows, reduce_scatter_rows
+from moe_dist.layers.router import Routing, count_per_expert
+from moe_dist.parallel.comm import (
+    all_to_all_equal,
+    all_to_all_rows,
+    all_to_all_rows_async,
+    gather_rows,
+    reduce_scatter_rows,
+)
 
 
 def segment_permutation(counts_XY: torch.Tensor) -> torch.Tensor:
@@ -71,20 +66,38 @@ class TokenSplit:
 
 
 @dataclass
-class _A2AState:
-    routing: Routing
-    rows_R: torch.Tensor  # the kept rows this rank dispatched (its slice's, under a token split)
-    send_splits: list[int]
-    recv_splits: list[int]
-    peer_rows: list[int]  # rows each TP peer received (a single entry without a token split)
+class _Received:
+    """One chunk's rows as they meet here: (peer, source rank, local expert) segments."""
+
+    peer_rows: list[int]  # rows each TP peer received (a single entry without a gather)
     to_expert_order: torch.Tensor  # (peer, source, local expert) segments → (local expert, peer, source)
     to_source_order: torch.Tensor  # its inverse
-    sent_bytes: int  # bytes of rows this rank sent to other ranks in the dispatch all-to-all
+    rows_per_expert_L: torch.Tensor  # on the device: the grouped GEMM's group sizes
+
+
+@dataclass
+class _Plan:
+    """A layer's dispatch as settled by the one count exchange: everything the row collectives need."""
+
+    rows_R: torch.Tensor  # the kept rows this rank dispatches (its slice's, under a token split)
+    send_CP: list[list[int]]  # rows to each EP rank, per chunk
+    recv_CP: list[list[int]]  # rows from each EP rank, per chunk
+    received: list[_Received]  # per chunk
+    sent_bytes: int  # bytes of rows this rank sends to other ranks (all chunks)
+
+
+@dataclass
+class _A2AState:
+    routing: Routing
+    plan: _Plan
+    sent_bytes: int
 
 
 class AllToAllDispatcher(Dispatcher):
-    """Moves routed rows to the EP rank that owns their expert and back (swapped in by `apply_ep`; `apply_tp`
-    adds the token split)."""
+    """Moves routed rows to the EP rank that owns their expert and back, in `chunks` pipelined token chunks
+    (1: all at once). Built by `build_dispatcher` (parallel/expert_parallel.py), with the token split under TP.
+    `dispatch` and `combine` are the unchunked steps (for tools that call them one by one); `run` is what the
+    layer calls."""
 
     def __init__(
         self,
@@ -94,17 +107,13 @@ class AllToAllDispatcher(Dispatcher):
         num_experts: int,
         permutation: Permutation,
         split: TokenSplit | None = None,
+        chunks: int = 1,
     ):
         self.group, self.ep, self.ep_rank = group, ep, ep_rank
         self.num_experts, self.num_local = num_experts, num_experts // ep
         self.permutation = permutation
         self.split = split
-
-    def with_split(self, split: TokenSplit) -> "AllToAllDispatcher":
-        """This dispatcher (of whichever class, with all its settings) with the token split set."""
-        twin = copy.copy(self)
-        twin.split = split
-        return twin
+        self.chunks = chunks
 
     @property
     def _gathers(self) -> bool:
@@ -138,45 +147,75 @@ class AllToAllDispatcher(Dispatcher):
         lo = int(rows_X[: mine.start].sum())
         return routing.order_A[by_part[lo : lo + int(rows_X[mine].sum())]]
 
-    def dispatch(self, x_TD: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, _A2AState]:
-        P, L = self.ep, self.num_local
+    def _plan(self, routing: Routing, x_TD: torch.Tensor, chunks: int) -> _Plan:
+        """The count exchange and everything derived from it, for `chunks` chunks of this rank's token slice."""
+        P, L, C, dev = self.ep, self.num_local, chunks, x_TD.device
         S, s = (self.split.size, self.split.rank) if self.split else (1, 0)
-        counts_SE, by_slice = self._part_counts(routing, S)
-        # The slices whose rows meet here: every TP peer's when they gather (X = S), else this rank's own (X = 1).
-        X, x = (S, s) if self._gathers else (1, 0)
-        sent_XE = counts_SE if self._gathers else counts_SE[s : s + 1]
-        recv_PXL = all_to_all_equal(sent_XE.view(X, P, L).transpose(0, 1), self.group)  # [source, slice, l]
-        # The uneven all-to-all needs both split lists on the host: one device-to-host transfer for the two.
-        host = torch.cat([counts_SE.flatten(), recv_PXL.flatten()]).cpu()
-        counts_SE, recv_PXL = host[: counts_SE.numel()].view(S, P * L), host[counts_SE.numel() :].view(P, X, L)
-        rows_R = self._rows_of_parts(routing, by_slice, counts_SE, slice(s, s + 1))
-        x_RD = self.permutation.permute(x_TD, rows_R, routing.top_k)
-        send_splits = counts_SE[s].view(P, L).sum(1).tolist()
-        recv_splits = recv_PXL[:, x].sum(1).tolist()
-        x_QD = all_to_all_rows(x_RD, recv_splits, send_splits, self.group)
-        peer_rows = recv_PXL.sum((0, 2)).tolist()
+        counts_XE, by_part = self._part_counts(routing, S * C)
+        mine = slice(s * C, (s + 1) * C)  # this rank's parts: chunks 0..C-1 of its slice
+        # The slices whose rows meet here (G): every TP peer's when they gather, else this rank's own (etp = 1).
+        G, own = (S, mine) if self._gathers else (1, slice(0, C))
+        sent_XE = counts_XE if self._gathers else counts_XE[mine]
+        recv_PXL = all_to_all_equal(sent_XE.view(G * C, P, L).transpose(0, 1), self.group)  # [source, part, l]
+        # The uneven all-to-alls need the split lists on the host: one device-to-host transfer for all of them.
+        host = torch.cat([counts_XE.flatten(), recv_PXL.flatten()]).cpu()
+        counts_XPL = host[: counts_XE.numel()].view(S * C, P, L)
+        recv_PXL = host[counts_XE.numel() :].view(P, G * C, L)
+        rows_R = self._rows_of_parts(routing, by_part, counts_XPL.view(S * C, P * L), mine)  # by chunk, then expert
+        send_CP = counts_XPL[mine].sum(2).tolist()  # rows to each EP rank, per chunk
+        recv_CP = recv_PXL[:, own].sum(2).t().tolist()  # rows from each EP rank, per chunk
+        received = []
+        for c in range(C):
+            counts_GPL = recv_PXL[:, c::C].transpose(0, 1)  # chunk c of each slice met here [peer, source, l]
+            counts_YL = counts_GPL.reshape(G * P, L)
+            to_expert = segment_permutation(counts_YL).to(dev)
+            to_source = segment_permutation(counts_YL.t()).to(dev)
+            received.append(_Received(counts_GPL.sum((1, 2)).tolist(), to_expert, to_source, counts_YL.sum(0).to(dev)))
+        sent_rows = sum(sum(n) - n[self.ep_rank] for n in send_CP)
+        return _Plan(rows_R, send_CP, recv_CP, received, sent_rows * x_TD.shape[1] * x_TD.element_size())
+
+    def _to_experts(self, x_QD: torch.Tensor, got: _Received) -> torch.Tensor:
+        """Rows received by the all-to-all → every peer's rows (under a gather), regrouped by local expert."""
         if self._gathers:
-            x_QD = gather_rows(x_QD, peer_rows, self.split.group)  # (peer, source, local expert) segments
-        counts_XL = recv_PXL.transpose(0, 1).reshape(X * P, L)
-        to_expert = segment_permutation(counts_XL).to(x_TD.device)
-        to_source = segment_permutation(counts_XL.t()).to(x_TD.device)
-        sent_rows = sum(send_splits) - send_splits[self.ep_rank]
-        state = _A2AState(
-            routing,
-            rows_R,
-            send_splits,
-            recv_splits,
-            peer_rows,
-            to_expert,
-            to_source,
-            sent_rows * x_TD.shape[1] * x_TD.element_size(),
-        )
-        return reorder_rows(x_QD, to_expert, to_source), counts_XL.sum(0).to(x_TD.device), state
+            x_QD = gather_rows(x_QD, got.peer_rows, self.split.group)  # (peer, source, local expert) segments
+        return reorder_rows(x_QD, got.to_expert_order, got.to_source_order)
+
+    def _from_experts(self, y_QD: torch.Tensor, got: _Received) -> torch.Tensor:
+        """Inverse of `_to_experts`: expert outputs back in arrival order, partial sums reduced over the peers."""
+        y_QD = reorder_rows(y_QD, got.to_source_order, got.to_expert_order)
+        if self._gathers:  # partial outputs of every peer's rows, summed on the peer that received them
+            y_QD = reduce_scatter_rows(y_QD, got.peer_rows, self.split.group)
+        return y_QD
+
+    def dispatch(self, x_TD: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, _A2AState]:
+        plan = self._plan(routing, x_TD, chunks=1)
+        x_RD = self.permutation.permute(x_TD, plan.rows_R, routing.top_k)
+        x_QD = all_to_all_rows(x_RD, plan.recv_CP[0], plan.send_CP[0], self.group)
+        got = plan.received[0]
+        return self._to_experts(x_QD, got), got.rows_per_expert_L, _A2AState(routing, plan, plan.sent_bytes)
 
     def combine(self, y_QD: torch.Tensor, state: _A2AState) -> torch.Tensor:
-        y_XD = reorder_rows(y_QD, state.to_source_order, state.to_expert_order)
-        if self._gathers:  # partial outputs of every peer's rows, summed on the peer that received them
-            y_XD = reduce_scatter_rows(y_XD, state.peer_rows, self.split.group)
-        y_RD = all_to_all_rows(y_XD, state.send_splits, state.recv_splits, self.group)
-        r = state.routing
-        return self.permutation.unpermute(y_RD, state.rows_R, r.weight_A, r.num_tokens)
+        plan, r = state.plan, state.routing
+        y_RD = all_to_all_rows(self._from_experts(y_QD, plan.received[0]), plan.send_CP[0], plan.recv_CP[0], self.group)
+        return self.permutation.unpermute(y_RD, plan.rows_R, r.weight_A, r.num_tokens)
+
+    def run(self, x_TD: torch.Tensor, routing: Routing, experts) -> tuple[torch.Tensor, int]:
+        """dispatch → experts → combine; with `chunks` > 1 the C dispatch all-to-alls are issued at once, then per
+        chunk: wait for its rows, experts, issue its combine all-to-all; finally the C combines are awaited and
+        every token's rows summed once (docs/parallelism.md, "Dispatch in chunks")."""
+        if self.chunks == 1:
+            return Dispatcher.run(self, x_TD, routing, experts)
+        plan = self._plan(routing, x_TD, self.chunks)
+        x_RD = self.permutation.permute(x_TD, plan.rows_R, routing.top_k)
+        dispatched = [
+            all_to_all_rows_async(x_cD, plan.recv_CP[c], plan.send_CP[c], self.group)
+            for c, x_cD in enumerate(torch.split(x_RD, [sum(n) for n in plan.send_CP]))
+        ]
+        combined = []
+        for c, got in enumerate(plan.received):
+            y_QD = experts(self._to_experts(dispatched[c].wait(), got), got.rows_per_expert_L)
+            combined.append(
+                all_to_all_rows_async(self._from_experts(y_QD, got), plan.send_CP[c], plan.recv_CP[c], self.group)
+            )
+        y_RD = torch.cat([pending.wait() for pending in combined])
+        return self.permutation.unpermute(y_RD, plan.rows_R, routing.weight_A, routing.num_tokens), plan.sent_bytes

@@ -2,8 +2,9 @@
 
 Each MoE layer keeps its full router (routing is decided locally, over all experts) but holds only the
 experts [ep_rank·L, (ep_rank+1)·L) of its EP group (inside a tp_rank, or across TP ranks with parallel.etp = 1:
-mesh.py), and its dispatcher becomes the all-to-all one. The layer
-math is untouched: this is the one seam expert parallelism uses (DESIGN.md §4.2).
+mesh.py), and its dispatcher becomes the one `build_dispatcher` chooses for the layout, the one place that knows
+every dispatcher (the TP token split included). The layer math is untouched: the dispatcher is the one seam expert
+parallelism uses (docs/parallelism.md; the EP runs equal one process: tests/parallel/test_ep_dispatch.py).
 
 DeepSpeed integration. DeepSpeed's engine decides how to reduce gradients per parameter: those marked as
 expert parameters of a named group are summed over that expert-data-parallel group and divided by the
@@ -20,12 +21,12 @@ import torch
 from torch import nn
 
 from moe_dist.config import ConfigError
-from moe_dist.layers.moe import LocalDispatcher, MoE
+from moe_dist.layers.moe import Dispatcher, LocalDispatcher, MoE
+from moe_dist.layers.permutation import Permutation
 from moe_dist.parallel import private_api
 from moe_dist.parallel.dedup import DedupAllToAllDispatcher
-from moe_dist.parallel.dispatch import AllToAllDispatcher
+from moe_dist.parallel.dispatch import AllToAllDispatcher, TokenSplit
 from moe_dist.parallel.mesh import Mesh, layout_groups
-from moe_dist.parallel.overlap import ChunkedAllToAllDispatcher
 
 
 def check_node_groups(n_groups: int, mesh: Mesh) -> None:
@@ -40,27 +41,30 @@ def check_node_groups(n_groups: int, mesh: Mesh) -> None:
         )
 
 
-def _dispatcher(mesh: Mesh, num_experts: int, permutation, a2a_chunks: int) -> AllToAllDispatcher:
-    """The all-to-all dispatcher of the layout: deduplicated (mesh.ep_dedup), chunked, or plain."""
-    args = (mesh.ep_group, mesh.ep, mesh.ep_rank, num_experts, permutation)
+def build_dispatcher(mesh: Mesh, num_experts: int, permutation: Permutation, a2a_chunks: int = 1) -> Dispatcher:
+    """This rank's dispatcher for an MoE layer of `num_experts` experts, from the mesh and `parallel.a2a_chunks`:
+    local without EP; else deduplicated (`mesh.ep_dedup`, its stage 2 inside the block composed of the all-to-all
+    dispatcher over the block, or the local one for single-rank blocks) or all-to-all in `a2a_chunks` chunks. Under
+    TP every rank dispatches its own token slice (`TokenSplit`), gathering its peers' received rows when the
+    experts are split over TP. A new dispatcher is one more branch here."""
+    if mesh.ep == 1:
+        return LocalDispatcher(permutation)
+    split = TokenSplit(mesh.tp_group, mesh.tp, mesh.tp_rank, gather=mesh.experts_split) if mesh.tp > 1 else None
     groups = mesh.ep_dedup
-    if groups is not None:  # stage 2 inside the block: the plain dispatcher over it, or local for single ranks
+    if groups is not None:
         block_experts = num_experts // groups.blocks
         inner = (
             AllToAllDispatcher(groups.block, groups.size, groups.position, block_experts, permutation)
             if groups.size > 1
             else LocalDispatcher(permutation)
         )
-        return DedupAllToAllDispatcher(*args, groups=groups, inner=inner)
-    if a2a_chunks > 1:
-        return ChunkedAllToAllDispatcher(*args, chunks=a2a_chunks)
-    return AllToAllDispatcher(*args)
+        return DedupAllToAllDispatcher(num_experts, permutation, groups, inner, split)
+    return AllToAllDispatcher(mesh.ep_group, mesh.ep, mesh.ep_rank, num_experts, permutation, split, chunks=a2a_chunks)
 
 
 def apply_ep(model: nn.Module, mesh: Mesh, a2a_chunks: int = 1) -> nn.Module:
-    """Shard every MoE layer's experts over the EP group; call on the meta-device model. `a2a_chunks` > 1
-    pipelines each dispatch over that many token chunks (parallel/overlap.py); 1 is the plain dispatcher; with
-    `mesh.ep_dedup` the deduplicated one (parallel/dedup.py)."""
+    """Shard every MoE layer's experts over the EP group and install `build_dispatcher`'s dispatcher; call on the
+    meta-device model. `a2a_chunks` > 1 pipelines each all-to-all dispatch over that many token chunks."""
     if mesh.ep == 1:
         return model
     num_experts = None
@@ -78,7 +82,7 @@ def apply_ep(model: nn.Module, mesh: Mesh, a2a_chunks: int = 1) -> nn.Module:
             private_api.mark_expert_parameter(shard, mesh.ep_group_name)  # reduced over the EDP group only
             setattr(experts, name, shard)
         experts.expert_offset = mesh.ep_rank * local
-        module.dispatcher = _dispatcher(mesh, num_experts, module.dispatcher.permutation, a2a_chunks)
+        module.dispatcher = build_dispatcher(mesh, num_experts, module.dispatcher.permutation, a2a_chunks)
     if num_experts is not None:
         model.deepspeed_moe_marker = private_api.deepspeed_moe_marker(num_experts, mesh.ep, mesh.ep_group_name)
     return model

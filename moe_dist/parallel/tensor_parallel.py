@@ -20,9 +20,10 @@ this rank's tokens, get their gradients summed over TP.
                 region: TP peers route the same tokens identically. With expert parallelism each TP
                 rank dispatches only its 1/tp slice of the tokens through its own EP group (same tp_rank, see
                 mesh.py), so the all-to-all carries B·S·K·D/tp per rank; the TP peers' received rows are
-                all-gathered and the partial expert outputs reduce-scattered inside the TP group (dispatch.py,
-                `TokenSplit`). With parallel.etp = 1 the experts stay whole, the EP group spans TP ranks and
-                the slices meet the experts through the all-to-all alone (no TP gather). Either way each
+                all-gathered and the partial expert outputs reduce-scattered inside the TP group (`TokenSplit`,
+                set where the dispatcher is built: expert_parallel.py's `build_dispatcher`). With parallel.etp = 1
+                the experts stay whole, the EP group spans TP ranks and the slices meet the experts through the
+                all-to-all alone (no TP gather). Either way each
                 rank's combined output holds its slice's tokens, and the sum where it leaves the region
                 assembles them (B·S·D). The router weights re-enter the region (f), so their
                 gradient is the full one, and the router's input gradient, identical on every TP rank, is
@@ -65,7 +66,6 @@ from moe_dist.parallel.comm import (
     reduce_from_region,
     scatter_sequence,
 )
-from moe_dist.parallel.dispatch import AllToAllDispatcher, TokenSplit
 from moe_dist.parallel.mesh import Mesh
 
 # ------------------------------------------------------------------------------------------ shard math
@@ -194,10 +194,7 @@ def _moe(moe: MoE, mesh: Mesh, b: _Boundaries) -> None:
     else:  # whole experts, another EP rank's on each TP peer (or another ZeRO partition): each counted in the norm
         private_api.mark_model_parallel(experts.w13)
         private_api.mark_model_parallel(experts.w2)
-    _region(moe, b)
-    if isinstance(moe.dispatcher, AllToAllDispatcher):
-        split = TokenSplit(mesh.tp_group, mesh.tp, mesh.tp_rank, gather=mesh.experts_split)
-        moe.dispatcher = moe.dispatcher.with_split(split)
+    _region(moe, b)  # the dispatcher's token split is set where it is built (expert_parallel.build_dispatcher)
     group, scale = mesh.tp_group, 1.0 / mesh.tp
     moe.router.register_forward_pre_hook(lambda m, args: (_ScaleGrad.apply(args[0], scale), *args[1:]))
     if moe.shared is not None:  # sharded like the dense FFN, inside the MoE region (one all-reduce for both)

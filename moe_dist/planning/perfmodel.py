@@ -282,7 +282,7 @@ def expert_gemm_s(cfg: JobConfig, layout: Layout, hw: Hardware, ranks_per_device
 
 def overlapped_rows_s(call: Call, hw: Hardware, chunks: int, expert_fwd_s: float) -> float:
     """Exposed seconds of the row all-to-alls `call` stands for (4 per MoE layer and micro-batch: dispatch and
-    combine, forward and backward) when each dispatch is cut in `chunks` chunks (moe_dist/parallel/overlap.py).
+    combine, forward and backward) when each dispatch is cut in `chunks` chunks (moe_dist/parallel/dispatch.py).
 
     Per layer and direction, the link moves 2·C chunk all-to-alls of `a` seconds each (1/C of the bytes, the full
     latency α·hops) one after the other, and the device runs C chunk GEMMs of `g` = G/C (G = `expert_fwd_s`

@@ -6,7 +6,7 @@ The kernel test files (test_flash_attention.py, test_selective_scan.py, test_per
   `python -m pytest` runs these files in fresh subprocesses (test_kernel_suites.py) instead of collecting them.
 - cuda: MOE_DIST_KERNEL_DEVICE=cuda, on a GPU machine (benchmarks/gpu_check.py, or test_kernel_suites.py when
   CUDA is present); the same tests plus a few realistic sizes run on the GPU.
-In a plain run this directory collects only test_impl.py (the "auto"/"torch"/"triton" choice) and the runner.
+In a plain run this directory collects only test_kernel_choice.py (the "auto"/"torch"/"triton" choice) and the runner.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_dist.layers.impl import triton_interpreting
+from moe_dist.layers.kernel_choice import triton_interpreting
 
 HERE = Path(__file__).resolve().parent
 KERNEL_TEST_FILES = ("test_flash_attention.py", "test_permute.py", "test_selective_scan.py")
-RUNNER, IMPL_TESTS = "test_kernel_suites.py", "test_impl.py"
+RUNNER, IMPL_TESTS = "test_kernel_suites.py", "test_kernel_choice.py"
 
 if os.environ.get("MOE_DIST_KERNEL_DEVICE") == "cuda":
     MODE = "cuda"

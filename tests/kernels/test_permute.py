@@ -15,8 +15,9 @@ from moe_dist.kernels.permute import permute_tokens, unpermute_tokens
 from moe_dist.kernels.reference import permute_tokens_ref, unpermute_tokens_ref
 
 from moe_dist.config import MoEConfig
-from moe_dist.layers.moe import LocalDispatcher, Router
+from moe_dist.layers.moe import LocalDispatcher
 from moe_dist.layers.permutation import Permutation
+from moe_dist.layers.router import Router
 
 ON_CUDA = os.environ.get("MOE_DIST_KERNEL_DEVICE") == "cuda"
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32

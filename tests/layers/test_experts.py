@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import moe_dist.layers.moe as moe_mod
+import moe_dist.layers.experts as experts_mod
 from moe_dist.config import MoEConfig
 from moe_dist.layers.moe import MoE
 
@@ -22,7 +22,7 @@ def test_grouped_mm_function_with_empty_groups(path_spy, d_in, d_out, dtype, use
     counts = torch.tensor([0, 3, 0, 4])
     x = torch.randn(7, d_in, dtype=dtype, requires_grad=True)
     w = torch.randn(4, d_in, d_out, dtype=dtype, requires_grad=True)
-    y = moe_mod.grouped_mm(x, w, counts)
+    y = experts_mod.grouped_mm(x, w, counts)
     ref = torch.cat(
         [x.detach()[:3].double() @ w.detach()[1].double(), x.detach()[3:].double() @ w.detach()[3].double()]
     )
@@ -40,11 +40,11 @@ def test_grouped_mm_function_with_empty_groups(path_spy, d_in, d_out, dtype, use
 
 def test_grouped_mm_ok_alignment_rule():
     x32 = torch.zeros(3, 16)
-    assert moe_mod._grouped_mm_ok(x32, torch.zeros(2, 16, 32))
-    assert not moe_mod._grouped_mm_ok(torch.zeros(3, 7), torch.zeros(2, 7, 32))  # 28-byte rows
-    assert not moe_mod._grouped_mm_ok(x32, torch.zeros(2, 16, 5))  # 20-byte weight rows
-    assert not moe_mod._grouped_mm_ok(x32, torch.zeros(2, 32, 16).transpose(1, 2))  # non-contiguous weight
-    assert not moe_mod._grouped_mm_ok(x32.double(), torch.zeros(2, 16, 32))  # dtype mismatch
+    assert experts_mod._grouped_mm_ok(x32, torch.zeros(2, 16, 32))
+    assert not experts_mod._grouped_mm_ok(torch.zeros(3, 7), torch.zeros(2, 7, 32))  # 28-byte rows
+    assert not experts_mod._grouped_mm_ok(x32, torch.zeros(2, 16, 5))  # 20-byte weight rows
+    assert not experts_mod._grouped_mm_ok(x32, torch.zeros(2, 32, 16).transpose(1, 2))  # non-contiguous weight
+    assert not experts_mod._grouped_mm_ok(x32.double(), torch.zeros(2, 16, 32))  # dtype mismatch
 
 
 # ------------------------------------------------------------------------------- model.moe.backend
@@ -55,7 +55,7 @@ def test_unknown_or_unusable_backend_is_a_config_error_naming_the_key():
     from moe_dist.layers.megablocks_backend import megablocks_unavailable
 
     with pytest.raises(ConfigError, match=r"^model\.moe\.backend: expected 'native' or 'megablocks', got 'tutel'$"):
-        moe_mod.expert_swiglu("tutel")
+        experts_mod.expert_swiglu("tutel")
     why = megablocks_unavailable()
     if why is None:
         pytest.skip("megablocks is usable here: nothing to refuse")

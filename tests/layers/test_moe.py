@@ -11,10 +11,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import moe_dist.layers.moe as moe_mod
+import moe_dist.layers.router as router_mod
 from moe_dist.config import MoEConfig
 from moe_dist.layers.mlp import SwiGLU
-from moe_dist.layers.moe import MoE, Router, expert_capacity
+from moe_dist.layers.moe import MoE
+from moe_dist.layers.router import Router, expert_capacity
 
 F64 = torch.float64
 
@@ -393,7 +394,7 @@ def check_against_naive(moe, x_shape, seed, tol, force_expert=None, expect_drops
         assert counts_r[e] == 0
     assert stats.tokens_per_expert_E.tolist() == [float(c) for c in counts_r]
     assert stats.dropped.item() == float(dropped_r)
-    assert moe_mod.expert_capacity(cfg, xm.numel() // x_shape[-1]) == cap
+    assert router_mod.expert_capacity(cfg, xm.numel() // x_shape[-1]) == cap
 
     torch.testing.assert_close(out_m.double(), out_r.view(x_shape).detach(), rtol=tol, atol=tol)
     torch.testing.assert_close(stats.aux_loss.double(), aux_r.detach(), rtol=tol, atol=tol)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from moe_dist.config import ConfigError, MoEConfig, load_config
-from moe_dist.layers.moe import MoE, Router, limit_to_groups, top_k_lower_index_first
+from moe_dist.layers.moe import MoE
+from moe_dist.layers.router import Router, limit_to_groups, top_k_lower_index_first
 
 F64 = torch.float64
 LN3, LN9 = math.log(3.0), math.log(9.0)

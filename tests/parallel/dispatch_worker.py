@@ -24,7 +24,6 @@ from moe_dist.models.decoder import build_model, materialize_whole
 from moe_dist.parallel.comm import gather_rows, reduce_scatter_rows
 from moe_dist.parallel.expert_parallel import apply_ep
 from moe_dist.parallel.mesh import init_distributed
-from moe_dist.parallel.overlap import ChunkedAllToAllDispatcher
 from moe_dist.parallel.tensor_parallel import apply_tp
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -65,7 +64,7 @@ def scenario_inputs(scenario: str, rank: int, d_model: int = 8) -> torch.Tensor:
     return x + 0.01 * torch.randn(6, d_model, generator=torch.Generator().manual_seed(rank))
 
 
-# The chunked dispatcher (parallel/overlap.py) on every scenario, fp32: 2 and 3 chunks cut the 6 tokens evenly
+# The chunked dispatch (dispatch.py, chunks > 1) on every scenario, fp32: 2 and 3 chunks cut the 6 tokens evenly
 # (3 and 2 per chunk), 4 unevenly (2, 1, 2, 1) and 8 leaves chunks 3 and 7 empty on every rank (⌊t · 8 / 6⌋).
 CHUNKS = [2, 3, 4, 8]
 
@@ -112,7 +111,7 @@ def run_case(out_dir: Path, mesh, scenario: str, dtype: str, chunks: int = 1) ->
     cfg = _config(dtype)
     model = materialize_whole(apply_ep(build_model(cfg.model), mesh, chunks), "cpu", seed=0).to(DTYPES[dtype])
     moe = next(m for m in model.modules() if isinstance(m, MoE))
-    assert isinstance(moe.dispatcher, ChunkedAllToAllDispatcher) == (chunks > 1)
+    assert moe.dispatcher.chunks == chunks
     route_by_dimension(moe)
     tensors = forward_backward(moe, scenario_inputs(scenario, mesh.rank, cfg.model.d_model).to(DTYPES[dtype]))
     save_file(
@@ -146,7 +145,7 @@ def run_folded_case(out_dir: Path, mesh, scenario: str, dtype: str, chunks: int 
     model = apply_tp(model, folded)
     moe = next(m for m in model.modules() if isinstance(m, MoE))
     assert not hasattr(moe.experts.w13, "tp_dim") and moe.dispatcher.split.gather is False  # whole experts
-    assert isinstance(moe.dispatcher, ChunkedAllToAllDispatcher) == (chunks > 1)
+    assert moe.dispatcher.chunks == chunks
     route_by_dimension(moe)
     tensors = forward_backward(moe, folded_inputs(scenario, cfg.model.d_model).to(DTYPES[dtype]))
     save_file(

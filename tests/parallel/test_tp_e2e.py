@@ -20,7 +20,7 @@ LAYOUTS = {  # dp-ep-tp: world size, overrides
     "dp2-ep1-tp2": (4, ["parallel.tp=2", "deepspeed.zero_stage=2"]),
     "dp2-ep2-tp2-sequence-parallel": (4, ["parallel.tp=2", "parallel.ep=2", "parallel.sequence_parallel=true"]),
     "dp1-ep1-tp2-recipes": (2, ["parallel.tp=2", *E2E_MODES["recipes"]]),
-    # The chunked, overlapped dispatch (parallel/overlap.py) inside each TP rank's token slice: 32 tokens in 3
+    # The chunked, overlapped dispatch (parallel.a2a_chunks) inside each TP rank's token slice: 32 tokens in 3
     # chunks (11, 11, 10), or the sequence-parallel 32 in 2, with ZeRO 2.
     "dp2-ep2-tp2-chunks3": (4, ["parallel.tp=2", "parallel.ep=2", "parallel.a2a_chunks=3"]),
     "dp2-ep2-tp2-sequence-parallel-chunks2": (

@@ -29,12 +29,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from moe_dist.config import MoEConfig, load_config
-from moe_dist.layers.moe import LocalDispatcher, MoE, Router
+from moe_dist.layers.moe import LocalDispatcher, MoE
+from moe_dist.layers.router import Router
 from moe_dist.models.decoder import build_model, lm_loss, materialize_whole
 from moe_dist.parallel.dedup import DedupAllToAllDispatcher
 from moe_dist.parallel.dispatch import AllToAllDispatcher, TokenSplit
 from moe_dist.parallel.mesh import DedupGroups
-from moe_dist.parallel.overlap import ChunkedAllToAllDispatcher
 from moe_dist.train.metrics import StepAccumulator
 
 aten = torch.ops.aten
@@ -197,7 +197,7 @@ def test_moe_layer_local_dispatcher_syncs_only_for_the_kept_row_count(one_thread
         fwd_bwd(moe, x)
     # with capacity the kept rows' count R sizes the grouped GEMM: one transfer, in forward only
     assert [what for what, _ in s.events] == ["cpu()"], s.events
-    assert s.events[0][1].startswith("layers/moe.py")
+    assert s.events[0][1].startswith("layers/router.py")  # Routing.kept_rows
     with torch.no_grad():
         assert moe(x)[1].dropped.item() > 0
 
@@ -221,14 +221,14 @@ def test_all_to_all_dispatcher_makes_one_transfer_per_layer(solo_group, kind, ca
     a2a = AllToAllDispatcher(solo_group, 1, 0, 8, perm)
     moe.dispatcher = {  # the chunked dispatcher cuts the kept rows into 3 token parts with fixed-size index math
         "ep": a2a,
-        "ep-tp-split": a2a.with_split(TokenSplit(solo_group, 1, 0)),
-        "ep-chunks3": ChunkedAllToAllDispatcher(solo_group, 1, 0, 8, perm, chunks=3),
+        "ep-tp-split": AllToAllDispatcher(solo_group, 1, 0, 8, perm, split=TokenSplit(solo_group, 1, 0)),
+        "ep-chunks3": AllToAllDispatcher(solo_group, 1, 0, 8, perm, chunks=3),
     }[kind]
     x = torch.randn(2, 40, 16, generator=torch.Generator().manual_seed(2))
     with HostSyncs() as s:
         fwd_bwd(moe, x)
     assert [what for what, _ in s.events] == ["cpu()"], s.events  # the counts for the uneven all-to-all, one copy
-    assert s.events[0][1].startswith("parallel/overlap.py" if kind == "ep-chunks3" else "parallel/dispatch.py")
+    assert s.events[0][1].startswith("parallel/dispatch.py")
     local = moe_layer(capacity_factor=capacity_factor)  # the same weights: the same output as the local dispatcher
     exact = kind != "ep-chunks3"  # chunks run the expert GEMMs on fewer rows at a time: fp32 rounding may differ
     torch.testing.assert_close(moe(x)[0], local(x)[0], rtol=0 if exact else 1e-5, atol=0 if exact else 1e-5)
@@ -244,7 +244,7 @@ def test_dedup_dispatcher_transfers_once_per_stage(solo_group, unit, transfers, 
     perm = moe.dispatcher.permutation
     groups = DedupGroups(solo_group, 1, 0, solo_group if unit == "node" else None, 1, 0)
     inner = AllToAllDispatcher(solo_group, 1, 0, 8, perm) if unit == "node" else LocalDispatcher(perm)
-    moe.dispatcher = DedupAllToAllDispatcher(solo_group, 1, 0, 8, perm, groups=groups, inner=inner)
+    moe.dispatcher = DedupAllToAllDispatcher(8, perm, groups, inner)
     x = torch.randn(2, 40, 16, generator=torch.Generator().manual_seed(2))
     with HostSyncs() as s:
         fwd_bwd(moe, x)
@@ -264,7 +264,7 @@ def test_decoder_step_syncs_once_per_moe_layer_at_most(one_thread):
     n_moe = len(out.moe_stats)
     assert n_moe == 2
     assert [what for what, _ in s.events] == ["cpu()"] * n_moe, s.events  # the kept counts, one per MoE layer
-    assert all(where.startswith("layers/moe.py") for _, where in s.events)
+    assert all(where.startswith("layers/router.py") for _, where in s.events)
 
 
 def test_step_metrics_read_nothing_per_layer_and_move_once_per_step(one_thread):

@@ -1,4 +1,4 @@
-"""The one place that turns a kernel choice, "auto" | "torch" | "triton", into a function (DESIGN.md §4.6).
+"""The one place that turns a kernel choice, "auto" | "torch" | "triton", into a function.
 
 Every operation has at most two implementations: the PyTorch path, which the layer names (the readable spec
 and the CPU path), and one GPU kernel, ours in Triton from `moe_dist.kernels`. The choice is made once, when a
@@ -12,13 +12,14 @@ layer is built for the device it will run on, never per call:
 
 A kernel checks its own preconditions (shapes, dtypes, devices) at its entry and raises a one-line ValueError
 naming what it got: "auto" never falls back behind the user's back; `impl="torch"` is the way around a case a
-kernel does not take. Triton kernel modules are imported here, lazily, and nowhere else in the layers: Triton
-reads TRITON_INTERPRET when a kernel is decorated, i.e. when its module is first imported.
+kernel does not take. Each layer names its kernel by a loader, a function that imports it from `moe_dist.kernels`
+(a plain import a reader can follow); `resolve` calls the loader only when "triton" is chosen and can run, so a
+Triton kernel module is imported then and never earlier: Triton reads TRITON_INTERPRET when a kernel is decorated,
+i.e. when its module is first imported. Tested in tests/kernels/test_kernel_choice.py.
 """
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -65,11 +66,14 @@ def _why_no_triton(device: torch.device) -> Optional[str]:
     return f"the model is built for {device}; the Triton kernels run on CUDA"
 
 
-def resolve(impl: str, key: str, device: torch.device | str, torch_fn: Callable, kernel: str, what: str) -> Kernel:
+def resolve(
+    impl: str, key: str, device: torch.device | str, torch_fn: Callable, kernel: Callable[[], Callable], what: str
+) -> Kernel:
     """The implementation of config value `impl` (of config key `key`) for a layer built for `device`.
 
-    `torch_fn` is the PyTorch path; `kernel` is "module.function" in moe_dist.kernels with the same signature;
-    `what` names it in messages ("selective scan").
+    `torch_fn` is the PyTorch path; `kernel` loads the Triton function with the same signature (a zero-argument
+    function that imports it from moe_dist.kernels, called only when it is chosen); `what` names it in messages
+    ("selective scan").
     """
     if impl not in IMPLS:
         quoted = [repr(c) for c in IMPLS]
@@ -82,5 +86,4 @@ def resolve(impl: str, key: str, device: torch.device | str, torch_fn: Callable,
     why_not = _why_no_triton(device)
     if why_not is not None:
         raise ValueError(f"{key}='triton': the Triton {what} is not available: {why_not}")
-    module_name, fn_name = kernel.split(".")
-    return Kernel("triton", getattr(importlib.import_module(f"moe_dist.kernels.{module_name}"), fn_name))
+    return Kernel("triton", kernel())

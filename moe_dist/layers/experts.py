@@ -1,0 +1,106 @@
+"""The experts: E SwiGLU experts with stacked weights, run as grouped GEMMs over expert-sorted rows.
+
+Shape legend as in moe.py: R routed rows sorted by expert, D d_model, F expert hidden size (2F: gate and up
+fused), E experts; I and O a GEMM's input and output widths. `model.moe.backend` picks the expert computation
+once ("native": torch's grouped GEMM; "megablocks": megablocks_backend.py).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe_dist.config import ConfigError
+from moe_dist.layers.mlp import gated_silu
+
+
+def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
+    # torch's grouped GEMM needs 16-byte aligned strides and a supported dtype (bf16 on CUDA; fp32/bf16/fp16 on
+    # CPU); other cases (odd test sizes, fp64) take the loop below.
+    dtypes = (torch.bfloat16,) if x.is_cuda else (torch.float32, torch.bfloat16, torch.float16)
+    es = x.element_size()
+    return (
+        hasattr(F, "grouped_mm")
+        and x.dtype in dtypes
+        and x.dtype == w.dtype
+        and x.is_contiguous()
+        and w.is_contiguous()
+        and (x.shape[1] * es) % 16 == 0
+        and (w.shape[2] * es) % 16 == 0
+    )
+
+
+def grouped_mm(x_RI: torch.Tensor, w_EIO: torch.Tensor, rows_per_expert_E: torch.Tensor) -> torch.Tensor:
+    """(R, I) rows sorted by expert × (E, I, O) stacked weights → (R, O): row r uses its expert's weight.
+    torch's grouped GEMM (the vendor kernel on CUDA, oneDNN/BLAS on CPU) where it takes the tensors."""
+    if _grouped_mm_ok(x_RI, w_EIO):
+        offs_E = torch.cumsum(rows_per_expert_E, 0).to(torch.int32)
+        y = F.grouped_mm(x_RI, w_EIO, offs=offs_E)
+        if y.requires_grad:
+            y.register_hook(lambda g: g.contiguous())  # its CPU backward rejects broadcast (stride-0) grads
+        return y
+    # Unaligned sizes and other dtypes: one matmul per expert over contiguous slices (no masks, no per-token work).
+    chunks = torch.split(x_RI, rows_per_expert_E.tolist())
+    return torch.cat([c @ w_EIO[e] for e, c in enumerate(chunks)]) if len(chunks) else x_RI.new_zeros(0, w_EIO.shape[2])
+
+
+def native_swiglu(
+    x_RD: torch.Tensor, w13_ED2F: torch.Tensor, w2_EFD: torch.Tensor, rows_per_expert_E: torch.Tensor
+) -> torch.Tensor:
+    """SwiGLU experts over expert-sorted rows with grouped GEMMs. (R, D) → (R, D). The gate and up projections are
+    one GEMM over [w1 | w3], with the gated SiLU over its (R, 2F) output."""
+    h_RF = gated_silu(grouped_mm(x_RD, w13_ED2F, rows_per_expert_E))
+    return grouped_mm(h_RF, w2_EFD, rows_per_expert_E)
+
+
+def expert_swiglu(backend: str) -> Callable[..., torch.Tensor]:
+    """The expert computation of `model.moe.backend`, chosen once; "megablocks" raises a ConfigError naming the
+    key where MegaBlocks cannot run (not installed, no CUDA)."""
+    if backend == "native":
+        return native_swiglu
+    if backend == "megablocks":
+        from moe_dist.layers.megablocks_backend import check_megablocks, megablocks_swiglu
+
+        check_megablocks()
+        return megablocks_swiglu
+    raise ConfigError(f"model.moe.backend: expected 'native' or 'megablocks', got {backend!r}")
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts with stacked weights, run as grouped GEMMs over expert-sorted rows. The gate (w1) and up
+    (w3) projections are stored side by side as w13 = [w1 | w3] (E, D, 2F), as Megatron's grouped MLP does, so
+    that one GEMM computes both; `gate_up` names the halves where they are taken apart (checkpoints stay whole)."""
+
+    def __init__(
+        self, num_experts: int, d_model: int, d_ff: int, init_std: float, n_layers: int, backend: str = "native"
+    ):
+        super().__init__()
+        self.backend = backend
+        self.swiglu = expert_swiglu(backend)
+        self.w13 = nn.Parameter(torch.empty(num_experts, d_model, 2 * d_ff))  # [gate | up] (E, D, 2F)
+        self.w2 = nn.Parameter(torch.empty(num_experts, d_ff, d_model))  # down (E, F, D)
+        self.init_std = init_std
+        self.out_std = init_std / math.sqrt(2 * n_layers)
+        self.expert_offset = 0  # global index of the first expert held here (apply_ep holds a slice)
+
+    def gate_up(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of w1 (gate) and w3 (up) in w13, each (E, D, F)."""
+        return self.w13.chunk(2, dim=2)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        # One generator per global expert, seeded from the global RNG: expert e gets the same values whichever
+        # rank holds it, and the draws of the rest of the model do not depend on the expert-parallel layout.
+        base = int(torch.randint(0, 2**62, (1,)).item())
+        w1, w3 = self.gate_up()
+        for j in range(self.w13.shape[0]):
+            gen = torch.Generator(device=self.w13.device).manual_seed(base + self.expert_offset + j)
+            for w, std in ((w1[j], self.init_std), (w3[j], self.init_std), (self.w2[j], self.out_std)):
+                w.copy_(torch.randn(w.shape, generator=gen, device=w.device, dtype=w.dtype) * std)
+
+    def forward(self, x_RD: torch.Tensor, rows_per_expert_E: torch.Tensor) -> torch.Tensor:
+        return self.swiglu(x_RD, self.w13, self.w2, rows_per_expert_E)
