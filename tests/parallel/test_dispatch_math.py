@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from moe_dist.config import MoEConfig
-from moe_dist.layers.moe import Router
+from moe_dist.layers.router import Router
 from moe_dist.parallel.dispatch import segment_permutation, token_parts
 from moe_dist.parallel.mesh import ep_layout, ep_rank_of, layout_groups
 

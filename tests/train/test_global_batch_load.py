@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from moe_dist.config import MoEConfig, load_config
-from moe_dist.layers.moe import Router, moe_routers
+from moe_dist.layers.moe import moe_routers
+from moe_dist.layers.router import Router
 from moe_dist.models.decoder import build_model, materialize_whole
 from moe_dist.train.loop import route_step_ahead
 

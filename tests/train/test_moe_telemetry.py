@@ -7,7 +7,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from moe_dist.layers.moe import RoutingStats
+from moe_dist.layers.router import RoutingStats
 from moe_dist.models.decoder import DecoderOutput
 from moe_dist.train.metrics import DeadExperts, MetricsLogger, StepAccumulator
 

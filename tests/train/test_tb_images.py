@@ -16,7 +16,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.plugins.custom_scalar import layout_pb2
 
 from moe_dist.config import MoEConfig
-from moe_dist.layers.moe import Router
+from moe_dist.layers.router import Router
 from moe_dist.train.metrics import CELL, LABEL_W, TITLE_H, MetricsLogger, colormap, dropped_per_expert, heatmap_size
 
 REPO = Path(__file__).resolve().parents[2]

@@ -98,7 +98,7 @@ def bytes_per_rank(entries: list[Entry], plan: dict[str, int], world_size: int) 
 
 def model_entries(model) -> list[Entry]:
     """Entries of an unsharded model (e.g. built on the meta device): a plan without any process group."""
-    from moe_dist.layers.moe import Experts
+    from moe_dist.layers.experts import Experts
 
     stacked = {id(p) for m in model.modules() if isinstance(m, Experts) for p in m.parameters(recurse=False)}
     return [

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from moe_dist.layers.moe import Experts
+from moe_dist.layers.experts import Experts
 from moe_dist.parallel import private_api
 from moe_dist.parallel.mesh import Mesh
 from moe_dist.parallel.tensor_parallel import gather_shards
