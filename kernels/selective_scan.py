@@ -1,19 +1,12 @@
 """Mamba-1 selective scan in Triton (argument layout of mamba_ssm's `selective_scan_fn`), forward and backward.
 
-Each program owns BLOCK_D channels of one sequence and walks the sequence in chunks of BLOCK_L timesteps with
-its (BLOCK_D, state) SSM state held on chip. Inside a chunk the recurrence h_t = a_t h_{t-1} + b_t runs as a
-parallel `tl.associative_scan` over (channel, state, time) tiles; the state carried in from the previous chunk
-is folded into the chunk's first b. The forward writes only y (plus, when a gradient is needed, the state at
-the start of each chunk: batch·dim·chunks·state fp32, like mamba_ssm's saved `x`).
-
-The backward walks the chunks in reverse. From the saved chunk-start state it recomputes h_{t-1} with one
-forward scan over the inputs shifted by one step, then runs the adjoint recurrence λ_t = g_t + a_{t+1} λ_{t+1}
-as a reverse scan, carrying λ between chunks. Gradients of B and C sum over channels, so channel blocks add
-into fp32 buffers atomically; dA, dD and d(delta_bias) sum over batch, so each sequence writes its own row and
-PyTorch sums them.
-
-All math is fp32 whatever the input dtype. The plain-PyTorch specification is
-`moe_dist.kernels.reference.selective_scan_ref`.
+Each program owns BLOCK_D channels of one sequence and walks it in chunks of BLOCK_L timesteps with its SSM state on
+chip; inside a chunk a `tl.associative_scan`, the carried state folded into the chunk's first b. The forward saves
+only the state at each chunk start; the backward recomputes h_{t-1} from it and runs the adjoint recurrence as a
+reverse scan. Invariants: all math is fp32 whatever the input dtype; B and C gradients add into fp32 buffers
+atomically, per-batch rows of dA, dD, d(delta_bias) are summed by PyTorch. The specification is
+`moe_dist.kernels.reference.selective_scan_ref` (tests/kernels/test_selective_scan.py); the walk in full:
+docs/kernels.md, section "The Triton selective scan".
 """
 
 from __future__ import annotations

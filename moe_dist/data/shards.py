@@ -1,20 +1,10 @@
 """Token shards on disk: writing them atomically, and reading many of them memory-mapped as one stream.
 
-A shard set with prefix P (written by `launch/prepare_data.py --output P`):
-
-    P.00000.bin    token ids, raw `dtype` (uint16 or uint32)
-    P.00000.idx    document ends: uint64 offsets (exclusive) into the shard, one per document, increasing
-    P.00000.mask   (fine-tuning data only) uint8 per token: 1 where the token is a loss target
-    P.json         the sidecar: format, tokenizer identity (sha256 of its tokenizer.json), vocab_size, eos_id,
-                   dtype, and every shard's file names, token and document counts
-
-Every file is written to a temp file and renamed into place, and the sidecar is written last: a reader opens
-a set only through its sidecar and checks each file's size against it, so an interrupted run (whose sidecar is
-missing, or predates the shards) is never read as complete. Documents never straddle shards; every document
-ends with EOS.
-
-At 1 TB of tokens (uint16/uint32: 2–4 TB of .bin) with ~1k-token documents the index is ~8 GB of uint64
-offsets, memory-mapped like the tokens: a rank touches only the pages of the windows it reads.
+A shard set with prefix P is P.NNNNN.bin (token ids), .idx (uint64 document ends), optional .mask (loss targets)
+and the sidecar P.json. Invariants: every file is written to a temp file and renamed into place, the sidecar last;
+a reader opens a set only through its sidecar and checks each file's size against it, so an interrupted write is
+never read as complete; documents never straddle shards and every document ends with EOS. The format in full:
+docs/data.md, section "Shard sets on disk".
 """
 
 from __future__ import annotations

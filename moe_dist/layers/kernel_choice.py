@@ -1,21 +1,10 @@
 """The one place that turns a kernel choice, "auto" | "torch" | "triton", into a function.
 
-Every operation has at most two implementations: the PyTorch path, which the layer names (the readable spec
-and the CPU path), and one GPU kernel, ours in Triton from `moe_dist.kernels`. The choice is made once, when a
-layer is built for the device it will run on, never per call:
-
-- "torch": the PyTorch path, on any device.
-- "triton": the Triton kernel; a one-line ValueError naming the config key where it cannot run (triton not
-  installed, or the layer is built for a device other than CUDA without TRITON_INTERPRET=1).
-- "auto": on CUDA, what `AUTO_ON_CUDA` says for the key (the PyTorch path where triton is not installed); on
-  every other device, the PyTorch path (so CPU runs never import triton).
-
-A kernel checks its own preconditions (shapes, dtypes, devices) at its entry and raises a one-line ValueError
-naming what it got: "auto" never falls back behind the user's back; `impl="torch"` is the way around a case a
-kernel does not take. Each layer names its kernel by a loader, a function that imports it from `moe_dist.kernels`
-(a plain import a reader can follow); `resolve` calls the loader only when "triton" is chosen and can run, so a
-Triton kernel module is imported then and never earlier: Triton reads TRITON_INTERPRET when a kernel is decorated,
-i.e. when its module is first imported. Tested in tests/kernels/test_kernel_choice.py.
+Invariants: the choice is made once, when a layer is built for its device, never per call; "auto" is the PyTorch
+path on every device but CUDA (`AUTO_ON_CUDA` there) and never falls back behind the user's back: a kernel that
+cannot take its inputs raises a one-line ValueError; a Triton kernel module is imported only when "triton" is
+chosen and can run (Triton reads TRITON_INTERPRET at import), so CPU runs never import triton. Rules in full:
+docs/kernels.md, section "Choosing an implementation"; tested in tests/kernels/test_kernel_choice.py.
 """
 
 from __future__ import annotations

@@ -1,25 +1,11 @@
 """Selective scan for training in pure PyTorch: chunked, with a log-depth parallel scan inside each chunk.
 
 This is the PyTorch path of the scan (the CPU path; impl "torch" on any device); the GPU kernel is
-`moe_dist.kernels.selective_scan`.
-
-The sequential recurrence (`moe_dist.kernels.reference.selective_scan_ref`) runs one tiny op per timestep,
-which is slow and builds a huge autograd graph. Here the sequence is cut into chunks of T timesteps that are
-looped over in Python, carrying the state between them; inside a chunk the recurrence is an in-place
-Blelloch (up-sweep/down-sweep) scan: ⌈log2 T⌉ levels of strided elementwise ops, O(T) work in all.
-
-What the CPU time goes to, and how this file answers it:
-- Elementwise passes over (batch, time, state, dim) tensors. One autograd Function maps (u, Δ, A, B, C) to
-  y with a hand-written backward, so autograd never saves, materializes or reduces the broadcast products
-  exp(ΔA) and ΔuB; each gradient is one product-and-reduce (or one small matmul) per chunk.
-- Page faults: a fresh tensor of that size costs more on first touch than the arithmetic done on it, so
-  every such tensor is chunk-sized and lives in a few buffers reused by every chunk. Nothing of size
-  (B, L, N, D) is saved for backward: only the state entering each chunk, from which the backward
-  recomputes the chunk's states.
-- Python overhead on small chunks: the scan's sliced views are built once per buffer and replayed.
-
-The scan works on products of decays exp(Δ A) ∈ (0, 1] directly instead of the log-space cumsum trick
-(exp(cumsum) / exp(cumsum)), which would divide by decays that underflow to zero over long chunks.
+`moe_dist.kernels.selective_scan`. Invariants: it equals the sequential recurrence
+(`moe_dist.kernels.reference.selective_scan_ref`, tests/layers/test_scan.py); nothing of size (B, L, N, D) is saved
+for backward, only the state entering each chunk; chunk-sized work tensors live in reused buffers; decays are
+multiplied directly, never divided (no log-space cumsum). Why, and where the CPU time goes: docs/kernels.md, section
+"The chunked PyTorch scan".
 """
 
 from __future__ import annotations

@@ -1,30 +1,13 @@
 """Activation checkpointing (`train.activation_checkpointing`, `train.checkpoint_parts`): chosen sublayers keep only
 their input in the forward and recompute their interior in the backward (torch.utils.checkpoint, non-reentrant).
 
-    part           recomputed region                                   what it no longer keeps, per micro-batch
-    "attention"    Attention.forward: q/k/v/o projections, RoPE, SDPA   q, k, v, the attention output, its stats
-    "mamba"        Mamba.forward: in_proj, conv, x_proj, scan, out_proj  the (B, L, 2·Di) projection, conv output,
-                                                                        Δ/B/C and the scan's saved chunk states
-    "mlp"          SwiGLU.forward (dense FFN)                           the (B, S, F) gate/up activations
-    "moe_experts"  Experts.forward: the grouped expert GEMMs            the (R, 2F) and (R, F) expert activations
-
-"full" recomputes all four in every block; "selective" the listed parts. The norms' outputs and the residual
-stream stay saved (they are O(B·S·D) per block, the interiors are many times that).
-
-MoE: the router, the dispatch all-to-all and the combine are never recomputed; only the experts are, from the
-dispatched rows they were given. Why: (1) the all-to-all is the MoE layer's costliest operation at scale (it leaves
-the node once ep spans nodes), and recomputing it would add a third and fourth one per layer per micro-batch;
-(2) recomputing the router on a GPU whose kernels are not bitwise reproducible could flip a top-k choice, change the
-rows per expert, and so the all-to-all's split sizes, which the other ranks of the EP group would not agree with
-(a hang or wrong gradients) -- with the routing kept, the recompute is purely local, the same on every rank, and
-issues no collective; (3) routing statistics, aux/z losses, drop counts and all-to-all byte counts come from the
-one forward of the router and dispatcher, so they are counted exactly once per micro-batch by construction. The
-dispatched rows (R, D) stay saved: the price is O(K·T·D) per MoE layer, against O(K·T·F) for the experts' interior.
-
-Tensor parallelism: each recomputed region is its module's own `forward`, inside the TP region hooks (which run in
-`__call__`), so the region's entry and exit collectives are not repeated; Mamba's x_proj all-reduce is inside its
-forward and is repeated, by every TP rank in the same (backward) order. Parameter names do not change: the
-module's `forward` is wrapped on the instance.
+Parts: "attention", "mamba", "mlp", "moe_experts"; "full" recomputes all four in every block. Invariants: in MoE
+layers only the experts are recomputed, from their saved dispatched rows, never the router, the dispatch
+all-to-all or the combine, so a recompute issues no collective and routing statistics are counted once; each
+recomputed region is its module's own `forward`, inside the TP region hooks, so region collectives are not repeated
+(Mamba's x_proj all-reduce is, in the same order on every TP rank); parameter names do not change (the `forward`
+is wrapped on the instance). The parts table and the reasons: docs/memory.md, section "Activation checkpointing";
+proof: tests/models/test_activation_checkpointing.py (bitwise equal to no recompute).
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
 """apply_ep: turn a single-device model into its expert-parallel shard, before it is materialized.
 
-Each MoE layer keeps its full router (routing is decided locally, over all experts) but holds only the
-experts [ep_rank·L, (ep_rank+1)·L) of its EP group (inside a tp_rank, or across TP ranks with parallel.etp = 1:
-mesh.py), and its dispatcher becomes the one `build_dispatcher` chooses for the layout, the one place that knows
-every dispatcher (the TP token split included). The layer math is untouched: the dispatcher is the one seam expert
-parallelism uses (docs/parallelism.md; the EP runs equal one process: tests/parallel/test_ep_dispatch.py).
-
-DeepSpeed integration. DeepSpeed's engine decides how to reduce gradients per parameter: those marked as
-expert parameters of a named group are summed over that expert-data-parallel group and divided by the
-data-parallel size, and ZeRO partitions them over that group. But the engine only enables that path when it
-finds an instance of its own `deepspeed.moe.layer.MoE` class in the model. We therefore mark the expert shards
-and attach one parameter-free marker subclass of that class to the model; it is never called. Both go through
-private_api.py (they rest on DeepSpeed internals). The equivalence tests (EP run == one process with gradient
-accumulation, ZeRO 1 and 2) are what prove the integration, not this comment.
+Each MoE layer keeps its full router (routing is decided locally, over all experts) but holds only the experts
+[ep_rank·L, (ep_rank+1)·L) of its EP group (mesh.py), and its dispatcher becomes the one `build_dispatcher` chooses,
+the one place that knows every dispatcher (the TP token split included). Invariants: the layer math is untouched,
+the dispatcher is the one seam expert parallelism uses; expert shards are marked for DeepSpeed and one
+parameter-free marker of its MoE class is attached (private_api.py), or its engine would not reduce them over the
+EDP group. Why and how: docs/parallelism.md, section "The mesh"; proof: tests/parallel/test_ep_dispatch.py and the
+EP equivalence tests (EP run equals one process with gradient accumulation, ZeRO 1 and 2).
 """
 
 from __future__ import annotations

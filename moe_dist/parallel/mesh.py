@@ -1,29 +1,12 @@
 """Process start-up and the parallel layout: world = dp × tp, with ep dividing dp, or dp × tp when the experts are
-whole (`parallel.etp` = 1; docs/parallelism.md, "Expert parallelism folded across TP").
+whole (`parallel.etp` = 1).
 
-Ranks are laid out tp-innermost: rank = dp_rank · tp + tp_rank, so a tensor-parallel (TP) group is `tp`
-neighbouring ranks (one node's GPUs). Data-parallel (DP) groups hold the ranks with the same tp_rank. Dense
-parameters always keep this (dp, tp) layout. The expert groups depend on the expert tensor-parallel size etp:
-
-- etp = tp (the default: experts split over TP, each TP rank holds a slice of every local expert's hidden
-  dimension): inside the data-parallel dimension, expert-parallel (EP) groups are blocks of `ep` consecutive dp
-  ranks, and the expert-data-parallel (EDP) groups that average expert gradients stride across them
-  (DeepSpeed-MoE/Megatron layout); both stay inside one tp_rank;
-- etp = 1 (experts whole, "MoE parallel folding" as Megatron-Core calls it): the EP groups are blocks of `ep`
-  consecutive global ranks, spanning TP and DP ranks (inside a node first, where the all-to-all is cheapest), and
-  the EDP groups stride across them: ep_rank = rank mod ep, dp × tp / ep replicas of each expert.
-
-    dp = 4, ep = 2, tp = 1:          EP groups {0, 1} {2, 3}      EDP groups {0, 2} {1, 3}
-    dp = 2, ep = 2, tp = 2:          TP groups {0, 1} {2, 3}      DP = EP groups {0, 2} {1, 3}    EDP {0} ... {3}
-    dp = 2, ep = 2, tp = 2, etp = 1: TP = EP groups {0, 1} {2, 3} DP = EDP groups {0, 2} {1, 3}
-    dp = 2, ep = 4, tp = 2, etp = 1: TP groups {0, 1} {2, 3}      EP group {0, 1, 2, 3}            EDP {0} ... {3}
-    dp = 1, ep = 2, tp = 4, etp = 1: TP group {0, 1, 2, 3}        EP groups {0, 1} {2, 3}          EDP {0, 2} {1, 3}
-
-We create every group ourselves, in the same order on every rank, and register the expert groups under
-DeepSpeed's names (its own constructor would put TP peers into one EDP group, which suits experts replicated
-over TP, not split or spread) through private_api.py, the one module that touches DeepSpeed's and torch's
-internals. DeepSpeed's engine gets the TP and DP groups through `Mesh.mpu`. The handles live in the Mesh object,
-never in module globals of ours.
+Invariants: ranks are tp-innermost, rank = dp_rank · tp + tp_rank (a TP group is `tp` neighbouring ranks); dense
+parameters always keep the (dp, tp) layout; with etp = tp the EP groups are blocks of `ep` consecutive dp ranks
+inside one tp_rank, with etp = 1 blocks of `ep` consecutive global ranks (ep_rank = rank mod ep), and the EDP
+groups stride across them. Every group is created here, in the same order on every rank, the expert groups
+registered under DeepSpeed's names through private_api.py; the handles live in the Mesh object, never in module
+globals. Layouts with examples: docs/parallelism.md, sections "The mesh" and "Expert parallelism folded across TP".
 """
 
 from __future__ import annotations

@@ -1,45 +1,14 @@
 """apply_tp: Megatron-style tensor parallelism applied to an unchanged single-device model.
 
-Every layer keeps its math; apply_tp replaces weights by this rank's shard and marks the boundaries of each
-tensor-parallel region with autograd functions from comm.py, placed by hooks so parameter names stay global:
-`copy_to_region` (f: identity forward, gradient all-reduce backward) where a replicated activation enters,
-`reduce_from_region` (g: all-reduce forward, identity backward) where partial outputs leave. With sequence
-parallelism (`parallel.sequence_parallel`) the residual stream and the norms outside the regions hold 1/tp of
-the sequence: f becomes an all-gather along the sequence (reduce-scatter backward), g a reduce-scatter (all-
-gather backward) -- the same bytes, 1/tp of those activations -- and the norm weights, which then see only
-this rank's tokens, get their gradients summed over TP.
-
-    attention   wq/wk/wv column-parallel by heads (query and kv heads alike, so grouped queries keep their kv
-                head), wo row-parallel                                   → 1 all-reduce (B·S·D) forward
-    Mamba       in_proj column-parallel (x and z halves split separately), conv1d, dt_proj, A_log, D local per
-                channel, x_proj row-parallel: its (Δ, B, C) output is summed (g) and, after Jamba's inner norms,
-                re-enters the region (f), out_proj row-parallel          → 2 all-reduces: B·S·(R+2N), B·S·D
-    dense FFN   w1/w3 column-parallel, w2 row-parallel                   → 1 all-reduce (B·S·D)
-    MoE         every expert's hidden dimension split (expert tensor parallelism), and the shared experts' as the
-                dense FFN's (their gate replicated like the router); the router is replicated inside the
-                region: TP peers route the same tokens identically. With expert parallelism each TP
-                rank dispatches only its 1/tp slice of the tokens through its own EP group (same tp_rank, see
-                mesh.py), so the all-to-all carries B·S·K·D/tp per rank; the TP peers' received rows are
-                all-gathered and the partial expert outputs reduce-scattered inside the TP group (`TokenSplit`,
-                set where the dispatcher is built: expert_parallel.py's `build_dispatcher`). With parallel.etp = 1
-                the experts stay whole, the EP group spans TP ranks and the slices meet the experts through the
-                all-to-all alone (no TP gather). Either way each
-                rank's combined output holds its slice's tokens, and the sum where it leaves the region
-                assembles them (B·S·D). The router weights re-enter the region (f), so their
-                gradient is the full one, and the router's input gradient, identical on every TP rank, is
-                scaled by 1/tp because the region entry sums the ranks' input gradients.
-    vocabulary  embedding rows and LM-head rows split; cross-entropy from the logit shards
-                (`vocab_parallel_lm_loss`): max, sum of exponentials and the target's logit are all-reduced
-                (3 · B·S floats), the (B·S, V) logits are never gathered.
-
-Initialization: apply_tp runs on the meta model (shapes only; it also takes a materialized one, slicing its
-tensors). parallelize then allocates each rank's shards and fills them one init unit at a time from an unsharded
-meta template: the unit is initialized whole on the CPU from the shared seed (as Megatron's CPU initialization
-does), sliced, and freed, so values do not depend on the layout and no rank holds more than one unit unsharded.
-Sharded parameters carry `tp_dim` (and `tp_parts` for
-in_proj's two halves) for layout-independent checkpoints, and DeepSpeed's model-parallel mark
-(private_api.mark_model_parallel) so its gradient norm counts each shard once and each replicated parameter once
-(on tp_rank 0).
+Every layer keeps its math; apply_tp replaces weights by this rank's shard and marks each TP region with comm.py's
+autograd functions, placed by hooks so parameter names stay global: `copy_to_region` (f) where a replicated
+activation enters, `reduce_from_region` (g) where partial outputs leave (all-gather / reduce-scatter along the
+sequence with sequence parallelism). Invariants: TP peers route MoE tokens identically (the router is replicated
+inside the region); every sharded parameter carries `tp_dim` (and `tp_parts` for in_proj's halves) and DeepSpeed's
+model-parallel mark, so checkpoints gather it and the gradient norm counts it once; initial values do not depend on
+the layout. The per-layer sharding table and its collectives: docs/parallelism.md, section "Tensor and sequence
+parallelism"; initialization: docs/memory.md, section "Initialization without a full copy"; proof:
+tests/parallel/test_tp_e2e.py (every layout equals one process).
 """
 
 from __future__ import annotations

@@ -1,39 +1,12 @@
-"""The memory plan of one rank: what `launch/train.py --dry-run --world-size N` prints (docs/memory.md).
+"""The memory plan of one rank: what `launch/train.py --dry-run --world-size N` prints.
 
-Counted from the meta model (no storage) and the config's layout at the given world size:
-
-    params       this rank's parameters: dense ones split by TP where apply_tp splits them, experts by EP and TP
-                 (by EP alone with parallel.etp = 1: whole experts)
-    grads        ZeRO 0/1: a full-size gradient per local parameter, in the parameter dtype; ZeRO 2: the reduced
-                 fp32 partition (1/dp of the dense, 1/edp of the expert gradients) plus the micro-batch's bf16
-                 gradients until they are bucketed (bounded by the reduce bucket, under `transient`)
-    optimizer    fp32 master weights and Adam's two moments, partitioned over dp (dense) and edp = dp/ep (experts;
-                 dp·tp/ep with parallel.etp = 1)
-    activations  what autograd keeps for the backward of one micro-batch, per layer kind (below), with the
-                 configured recompute
-    runtime      the framework's own memory per process, which no tensor of ours accounts for (`runtime_bytes`)
-    total        params + optimizer + runtime + the larger of the backward phase (accumulating gradients,
-                 activations, the largest backward buffer; ZeRO 2's reduce bucket) and the boundary phase (all
-                 gradients, the bucket)
-    transient    the largest buffer that lives only briefly: the logits with their log-softmax and gradient, one
-                 sublayer's backward (the gradients of its interior; under recompute also the recomputed interior),
-                 the MoE all-to-all send/receive rows, DeepSpeed's reduce bucket
-
-Activation bytes per token (T = micro_batch_size · seq_len tokens on this rank; a = activation bytes, 4 fp32 or 2
-bf16; widths are this rank's: Hq, Hkv, Di, F, V divided by tp). They were read off the tensors autograd saves for
-each layer kind (tests/planning/test_memory.py holds them to within a few per cent of that count):
-
-    every sublayer   3·D·a + 4           norm input, its output, the linear's reshaped copy, rstd (fp32)
-    attention        (2·Hq + 2·Hkv)·Dh·a + 4·Hq         q, k, v, output; log-sum-exp (fp32)
-    Mamba            (11·Di + R + 4N + Di·N/chunk)·a    in_proj output, conv, x_proj (Δ, B, C), scan inputs and
-                                                        chunk states, gate, out_proj input
-    dense SwiGLU     4·F·a                              gate and up outputs, SiLU, product
-    MoE              (8·E + 12) + K·(2·D + 4·F)·a       router (fp32), rows gathered to and from the experts,
-                                                        expert gate/up, SiLU, product
-    head and loss    3·D·a + 4 + 4·V                    final norm, the log-softmax (fp32)
-
-Recompute keeps a sublayer's input (2·D·a + 4 per sublayer: norm input, norm output) and, for the MoE experts,
-their K·D input rows (2·K·D·a instead of K·(2·D + 4·F)·a). Sequence parallelism divides the norm terms by tp.
+Counted from the meta model (no storage) and the config's layout at the given world size, by kind: params, grads,
+optimizer, activations, runtime, transient and total. Invariants: `total` is params + optimizer + runtime + the
+larger of the backward phase and the accumulation-boundary phase (not the sum of the other keys); shard sizes
+follow apply_tp/apply_ep exactly (experts by EP and TP, by EP alone with parallel.etp = 1); the per-token
+activation terms are those of the tensors autograd saves, so a change to what a layer saves must change them too.
+Every term and the activation table: docs/memory.md, sections "The plan" and "Activation bytes per token"; held to
+the saved tensors by tests/planning/test_memory.py.
 """
 
 from __future__ import annotations

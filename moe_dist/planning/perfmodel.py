@@ -1,35 +1,13 @@
-"""Performance model of one training step, calibrated on measured runs (docs/perf_model.md; the fit of F, α
-and β to those runs is fit.py).
+"""Performance model of one training step, calibrated on measured runs (the fit of F, α and β to them is fit.py).
 
     step time = FLOPs_per_rank · ranks_per_device / F + Σ_collectives (hops · α + bytes_on_the_slowest_link / β)
 
-F is the device's sustained throughput on this model (fitted to measured compute times on CPU; peak × MFU on a
-GPU), α a per-message latency and β a per-rank bandwidth, one (α, β) pair for links inside a node and one
-across nodes. Collectives are costed with the textbook algorithms (ring all-reduce / reduce-scatter /
-all-gather, pairwise all-to-all), with no overlap of communication and compute (what our DeepSpeed/gloo stack
-does; conservative on GPUs) except for the expert-parallel row all-to-alls under `parallel.a2a_chunks` > 1,
-which are pipelined against the expert GEMMs (`overlapped_rows_s`).
-
-The per-step list of collectives mirrors what a training step of this repository issues, checked against
-`benchmarks/scaling.py`'s instrumented runs (tests/test_bench_common.py):
-- per micro-batch and MoE layer: 1 all-to-all of per-expert counts, 2 all-to-alls of routed rows forward
-  (dispatch, combine) and 2 backward, in the expert-parallel (EP) group;
-- per micro-batch with tensor parallelism (tp > 1, as moe_dist/parallel/tensor_parallel.py issues it, checked
-  against benchmarks/comm_report.py): an all-reduce of the activations (tokens · d_model) leaving each sub-block
-  forward and entering it backward, one forward for the embedding and one backward for the LM head; per Mamba
-  layer an all-reduce of x_proj's (Δ, B, C) forward and backward; per MoE layer one of the router weights
-  backward; 3 of one float per token for the vocabulary-parallel loss. With expert parallelism each TP rank
-  sends 1/tp of the micro-batch's rows through its EP all-to-all (the count all-to-all carries all tp slices'
-  counts), and per MoE layer the received rows are all-gathered in the TP group and the partial expert outputs
-  reduce-scattered, forward and again backward; with whole experts (parallel.etp = 1) there is no such TP
-  gather, the count all-to-all carries one slice's counts and the EP group spans TP ranks;
-- per step (ZeRO-1, as DeepSpeed does it here): all-reduce of the dense gradients over dp and of the expert
-  gradients over the expert-data-parallel group (dp / ep; dp · tp / ep with etp = 1), then all-gather of the
-  updated parameters over the same groups, plus a few scalar all-reduces (gradient norm, metrics). ZeRO-2
-  reduces every micro-batch.
-
-Rank placement follows moe_dist.parallel.mesh: rank = dp_rank · tp + tp_rank, EP groups are blocks of ep
-consecutive dp ranks (of ep consecutive ranks with etp = 1), nodes hold consecutive ranks.
+One (α, β) pair for links inside a node and one across nodes; textbook collective algorithms; no overlap of
+communication and compute except the EP row all-to-alls under `parallel.a2a_chunks` > 1 (`overlapped_rows_s`).
+Invariant: the per-step list of collectives mirrors what a training step of this repository issues (EP, TP, ZeRO)
+and the rank placement of moe_dist.parallel.mesh; a change to either must change this file too. The list, the
+placement and the calibration: docs/perf_model.md, section "The model"; checked against benchmarks/scaling.py's
+instrumented runs by tests/test_bench_common.py.
 """
 
 from __future__ import annotations
@@ -229,7 +207,7 @@ def step_flops_per_rank(cfg: JobConfig, layout: Layout, cost: ModelCost | None =
 
 
 def step_calls(cfg: JobConfig, layout: Layout, ranks_per_node: int, cost: ModelCost | None = None) -> list[Call]:
-    """Every collective one rank issues in one optimizer step (see the module docstring)."""
+    """Every collective one rank issues in one optimizer step (docs/perf_model.md, section "The model")."""
     cost = cost or model_cost(cfg)
     t, moe = cfg.train, cfg.model.moe
     act = 2 if t.dtype == "bf16" else 4  # activations and the gradients DeepSpeed reduces, in the training dtype

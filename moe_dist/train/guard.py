@@ -1,32 +1,12 @@
 """Failures inside a training step: non-finite steps and collectives that fail or hang.
 
-Non-finite steps. Every rank flags a NaN/Inf loss in any of its micro-batches and a NaN/Inf in its gradients
-after the accumulation boundary's reduction (this rank's ZeRO partition, or the full reduced gradients without
-ZeRO; a non-finite local gradient on any rank is non-finite in the reduced sum). One all-reduce of the flags is
-the decision, so every rank skips the same steps. A skipped step leaves parameters and optimizer state (Adam
-moments and step count) exactly as they were, while data and the learning-rate schedule move on: both are
-functions of the step (data.py, optim.lr_lambda), so a resumed run replays the same steps. Too many skips in a
-row (train.max_nonfinite_steps) stop the run: nothing it could do next would be better.
-
-Zeroing the gradients is not skipping: Adam would still decay its moments, bump its step count and apply weight
-decay. What we do instead, per optimizer DeepSpeed builds from our config (private_api.step_without_update: it
-rests on DeepSpeed internals):
-- ZeRO 1/2 (DeepSpeedZeroOptimizer, fp32 or bf16): the boundary `engine.step()` runs with the optimizer's own
-  overflow verdict forced. That is DeepSpeed's path for fp16/bf16 overflow: it frees the reduced gradient
-  partitions, resets its micro-step bookkeeping, touches neither the fp32 master weights nor the Adam state, and
-  `engine.was_step_applied()` turns false. (Left alone, DeepSpeed takes it for non-finite gradients but not for
-  a non-finite loss with finite gradients, and under bf16 only when bf16.check_grad_overflow is on.)
-- ZeRO 0 (the torch optimizer itself): the boundary `engine.step()` runs with the optimizer's `step` shadowed by
-  a no-op for that call, so DeepSpeed does its bookkeeping (gradient clipping, zero_grad, LR, counters) and
-  nothing is updated. (Dropping the gradients instead makes DeepSpeed's fp32 clipping fail on an empty list.)
-Under fp16 loss scaling (deepspeed.extra) DeepSpeed's own overflow skips stay as DeepSpeed documents them (the
-loss scale drops); they show up here as skipped steps too.
-
-Collectives. torch raises a RuntimeError after parallel.timeout_s when a peer stops answering (gloo) or at once
-when it dies; `operation` re-raises it as a one-line CollectiveError naming the step and the operation. The
-caller then exits non-zero and the launcher's restart path takes over (launch/train.py). Checkpoint reads and
-writes on the training groups run under train.save_timeout_s instead: `operation` with `restore_s` sets that limit
-for its block and parallel.timeout_s again after it (mesh.group_timeouts), the only place limits change.
+Non-finite steps: every rank flags a NaN/Inf loss or reduced gradient, one all-reduce of the flags decides, so every
+rank skips the same steps; a skipped step leaves parameters and optimizer state (Adam moments and step count)
+exactly as they were, while data and the LR schedule, functions of the step, move on. Skipping is not zeroing the
+gradients (Adam would still decay its moments): it goes through private_api.step_without_update, per optimizer.
+Collectives: `operation` re-raises torch's RuntimeError as a one-line CollectiveError naming the step and the
+operation; with `restore_s` it is the only place the group timeouts change (mesh.group_timeouts). The mechanism per
+ZeRO stage and the timeouts: docs/reliability.md, sections "Non-finite steps" and "Hangs and timeouts".
 """
 
 from __future__ import annotations
@@ -90,7 +70,7 @@ def _local_grads(engine) -> list[torch.Tensor]:
 
 
 class NonFiniteGuard:
-    """Runs the accumulation boundary's optimizer step, or skips it on every rank (see the module docstring)."""
+    """Runs the boundary's optimizer step, or skips it on every rank (docs/reliability.md, "Non-finite steps")."""
 
     def __init__(
         self, engine, scheduler, mesh: Mesh, max_in_row: int, warn: Callable[[str], None], skipped_total: int = 0

@@ -1,19 +1,11 @@
 """Writing a checkpoint's tensor file: streamed tensor by tensor, hashed while written, from a bounded queue.
 
-Hand-written rather than safetensors' `save_file`: that takes the whole dict at once and writes the file
-itself, so the rank would hold all its tensors and then re-read the file to hash it. The format is the same
-(an 8-byte little-endian header length, a JSON header of dtype/shape/data_offsets padded with spaces to 8
-bytes, raw little-endian tensor bytes), and every file is read back with the safetensors library.
-
-The tensors a rank writes, their shapes and order are known before the first one is gathered (plan.py),
-so the header goes first and each tensor's bytes follow the moment it arrives; the sha256 is updated from the
-same buffers, never from the disk.
-
-`FileWriterThread` decouples gathering (the save's collectives, in the caller's thread) from disk I/O: the
-caller `reserve`s a tensor's bytes before gathering it, `put`s what it writes from it, and the thread writes.
-Bytes reserved and not yet written stay at most `limit` (or one tensor, when a single one is larger): with the
-tensor being gathered, a rank's extra host memory is at most the buffer plus its largest tensor. `limit=None`
-is the asynchronous snapshot: nothing waits, the caller's copies are the snapshot.
+The format is safetensors' (read back with the safetensors library), written by hand so that a rank never holds
+all its tensors at once nor re-reads its file: the header goes first (the plan fixes tensors, shapes and order),
+each tensor's bytes follow as it arrives and the sha256 is updated from the same buffers, never from the disk.
+Invariant of `FileWriterThread`: bytes reserved and not yet written stay at most `limit` (or one tensor, when a
+single one is larger); `limit=None` is the asynchronous snapshot. Details: docs/reliability.md, section
+"Checkpoints: atomic publish" ("Streaming and integrity").
 """
 
 from __future__ import annotations

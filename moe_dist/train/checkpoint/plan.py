@@ -1,24 +1,11 @@
 """Which rank writes which tensor of a checkpoint: pure index math, computed identically on every rank.
 
-A checkpoint stores every parameter once under its global name, with its two Adam moments, as whole fp32
-tensors (experts one by one: `blocks.0.ffn.experts.w13.5`, `exp_avg.blocks.0.ffn.experts.w13.5`, ...). Saving
-gathers each of them on every rank that holds a replica (ZeRO's all-reduce over the parameter's data-parallel
-group, then the tensor-parallel all-gather), so any of those ranks can write it:
-
-- a dense tensor: every rank of the world (its TP shards are gathered within the TP group first);
-- expert e (global index): the ranks whose EP position holds it, every expert-data-parallel replica and TP rank
-  (with whole experts, parallel.etp = 1, the EDP replicas alone: TP peers hold other experts).
-
-The assignment is the greedy longest-processing-time rule: tensors by decreasing size (ties by name), each to
-the least-loaded rank that holds it (ties to the lowest rank). It depends only on names, shapes and the layout,
-so every rank derives the same plan without communicating, and no rank writes more than the mean plus the
-largest single tensor; at mixtral_small the largest writer stays within a few percent of the mean
-(docs/benchmarks.md, tests/train/test_checkpoint_plan.py).
-
-TP shards are gathered, not stored as shards: the format stays "whole tensors under global names", so any
-(dp, ep, tp) loads it by reading its slice (safetensors get_slice), and the plan spreads the gathered tensors
-over all ranks anyway, so the TP group adds no writer imbalance; the cost is one transient full tensor per TP
-rank during the gather.
+Every rank holding a replica of a tensor after the save's gathers may write it: a dense tensor any rank; expert e
+the ranks at its EP position (every EDP replica and TP rank; with parallel.etp = 1 the EDP replicas alone).
+Invariants: the plan depends only on names, shapes and the layout, so every rank derives the same one without
+communicating; the greedy longest-processing-time rule (decreasing size, ties by name, to the least-loaded holder,
+ties to the lowest rank) keeps every writer within the mean plus the largest tensor. Details: docs/reliability.md,
+section "Checkpoints: atomic publish" ("Who writes what"); proof: tests/train/test_checkpoint_plan.py.
 """
 
 from __future__ import annotations
