@@ -33,6 +33,7 @@ IMPLS = ("auto", "torch", "triton")
 AUTO_ON_CUDA = {
     "model.attention.impl": "torch",
     "model.mamba.impl": "triton",
+    "model.mamba2.impl": "torch",  # no GPU kernel for Mamba-2's SSD yet
     "model.moe.impl": "triton",
 }
 
@@ -65,11 +66,13 @@ def _why_no_triton(device: torch.device) -> Optional[str]:
     return f"the model is built for {device}; the Triton kernels run on CUDA"
 
 
-def resolve(impl: str, key: str, device: torch.device | str, torch_fn: Callable, kernel: str, what: str) -> Kernel:
+def resolve(
+    impl: str, key: str, device: torch.device | str, torch_fn: Callable, kernel: Optional[str], what: str
+) -> Kernel:
     """The implementation of config value `impl` (of config key `key`) for a layer built for `device`.
 
-    `torch_fn` is the PyTorch path; `kernel` is "module.function" in moe_dist.kernels with the same signature;
-    `what` names it in messages ("selective scan").
+    `torch_fn` is the PyTorch path; `kernel` is "module.function" in moe_dist.kernels with the same signature, or
+    None while the operation has no GPU kernel ("triton" is then refused); `what` names it in messages.
     """
     if impl not in IMPLS:
         quoted = [repr(c) for c in IMPLS]
@@ -79,6 +82,8 @@ def resolve(impl: str, key: str, device: torch.device | str, torch_fn: Callable,
         impl = AUTO_ON_CUDA[key] if device.type == "cuda" and _why_no_triton(device) is None else "torch"
     if impl == "torch":
         return Kernel("torch", torch_fn)
+    if kernel is None:
+        raise ValueError(f"{key}='triton': there is no Triton {what} kernel yet; use 'torch' or 'auto'")
     why_not = _why_no_triton(device)
     if why_not is not None:
         raise ValueError(f"{key}='triton': the Triton {what} is not available: {why_not}")

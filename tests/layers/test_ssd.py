@@ -7,7 +7,6 @@ from moe_dist.kernels.reference import ssd_scan_ref
 from moe_dist.layers.ssd import ssd_scan
 
 BATCH, HEADS, HEAD_DIM, GROUPS, STATE = 2, 4, 3, 2, 5
-INPUT_NAMES = ("x", "dt", "A", "B", "C", "D", "initial_state")
 
 
 def make_inputs(seqlen, dtype=torch.float64, seed=0, groups=GROUPS):
