@@ -58,7 +58,9 @@ class Mamba2Config:
     dt_min: float = 0.001  # init: the step size softplus(dt_bias) is log-uniform in [dt_min, dt_max]
     dt_max: float = 0.1  # init: upper end of that range
     dt_init_floor: float = 1e-4  # init: lower bound on the sampled step size
-    dt_limit: Optional[list[float]] = None  # [low, high] clamp of softplus(dt + dt_bias); null = no clamp
+    dt_limit: Optional[list[float]] = (
+        None  # [low, high] clamp of softplus(dt + dt_bias), high may be Infinity; null = none
+    )
     conv_bias: bool = True  # bias in the depthwise conv1d
     proj_bias: bool = False  # bias in in_proj / out_proj
     impl: Literal["auto", "torch", "triton"] = "auto"  # SSD scan: auto/torch = chunked PyTorch (no GPU kernel yet)

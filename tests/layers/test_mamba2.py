@@ -1,12 +1,16 @@
-"""Mamba-2 mixer: equal to transformers' own Mamba2Mixer with the same weights, to an explicit recomputation on the
-step-by-step reference; causality, document masking, cached decoding, meta build + init, names, config errors."""
+"""Mamba-2 mixer: equal to transformers' own mixers (Mamba2, NemotronH, GraniteMoeHybrid) with the same weights and
+to an explicit recomputation on the step-by-step reference; causality, document masking, cached decoding, meta
+build + init, parameter names, config errors."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 from moe_dist.kernels.reference import ssd_scan_ref
+from transformers import GraniteMoeHybridConfig, NemotronHConfig
 from transformers import Mamba2Config as HFMamba2Config
+from transformers.models.granitemoehybrid.modeling_granitemoehybrid import GraniteMoeHybridMambaLayer
 from transformers.models.mamba2.modeling_mamba2 import Mamba2Mixer
+from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMamba2Mixer
 
 from moe_dist.config import ConfigError, Mamba2Config
 from moe_dist.layers.mamba2 import Mamba2
@@ -67,25 +71,68 @@ def test_forward_matches_explicit_recomputation(n_groups, proj_bias, conv_bias, 
     torch.testing.assert_close(out, recompute(layer, x), rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("n_groups, dt_limit", [(1, (0.0, float("inf"))), (2, (0.05, 0.5))])
-def test_equals_transformers_mamba2_mixer(n_groups, dt_limit):
-    """The strongest check that this is the real Mamba-2: transformers' own mixer (its PyTorch path on CPU) with our
-    state dict loaded strictly (same names and shapes), fp32 outputs within 1e-5."""
-    hf_cfg = HFMamba2Config(
+def _transformers_mixer(family, n_groups, dt_limit):
+    """A tiny transformers Mamba-2 mixer of `family` with our test shape (8 heads of 4, state 5, conv 4)."""
+    if family == "mamba2":
+        cfg = HFMamba2Config(
+            hidden_size=D_MODEL,
+            num_heads=8,
+            head_dim=4,
+            state_size=5,
+            n_groups=n_groups,
+            conv_kernel=4,
+            expand=2,
+            chunk_size=8,
+            num_hidden_layers=1,
+            layer_norm_epsilon=EPS,
+            time_step_limit=dt_limit,
+        )
+        return Mamba2Mixer(cfg, 0)
+    if family == "nemotron_h":  # its dt limit is (time_step_min, inf)
+        cfg = NemotronHConfig(
+            hidden_size=D_MODEL,
+            mamba_num_heads=8,
+            mamba_head_dim=4,
+            ssm_state_size=5,
+            n_groups=n_groups,
+            conv_kernel=4,
+            chunk_size=8,
+            layer_norm_epsilon=EPS,
+            time_step_min=dt_limit[0],
+            layers_block_type=["mamba"],
+            num_hidden_layers=1,
+        )
+        return NemotronHMamba2Mixer(cfg, 0)
+    cfg = GraniteMoeHybridConfig(  # no dt limit
         hidden_size=D_MODEL,
-        num_heads=8,
-        head_dim=4,
-        state_size=5,
-        n_groups=n_groups,
-        conv_kernel=4,
-        expand=2,
-        chunk_size=8,
+        mamba_n_heads=8,
+        mamba_d_head=4,
+        mamba_d_state=5,
+        mamba_n_groups=n_groups,
+        mamba_d_conv=4,
+        mamba_chunk_size=8,
+        mamba_expand=2,
+        rms_norm_eps=EPS,
+        layer_types=["mamba"],
         num_hidden_layers=1,
-        layer_norm_epsilon=EPS,
-        time_step_limit=dt_limit,
     )
-    theirs = Mamba2Mixer(hf_cfg, 0).eval()
-    limit = None if dt_limit[1] == float("inf") else list(dt_limit)
+    return GraniteMoeHybridMambaLayer(cfg, 0)
+
+
+@pytest.mark.parametrize(
+    "family, n_groups, dt_limit",
+    [
+        ("mamba2", 1, (0.0, float("inf"))),
+        ("mamba2", 2, (0.05, 0.5)),
+        ("nemotron_h", 2, (0.3, float("inf"))),  # a lower limit that clamps: without it outputs differ by ~1e-2
+        ("granitemoehybrid", 2, (0.0, float("inf"))),
+    ],
+)
+def test_equals_transformers_mixer(family, n_groups, dt_limit):
+    """The strongest check that this is the real Mamba-2: transformers' own mixers (their PyTorch path on CPU) with
+    our state dict loaded strictly (same names and shapes), fp32 outputs within 1e-5."""
+    theirs = _transformers_mixer(family, n_groups, dt_limit).eval()
+    limit = None if dt_limit == (0.0, float("inf")) else list(dt_limit)
     ours = randomize(build(n_groups=n_groups, dt_limit=limit, dtype=torch.float32, chunk_size=16))
     theirs.load_state_dict(ours.state_dict(), strict=True)
     x = torch.randn(2, 21, D_MODEL)
