@@ -152,3 +152,26 @@ def test_bf16_within_twice_torch_own_error():
     torch_err = (y_torch.double() - exact).abs().max()
     assert (y.double() - exact).abs().max() <= 2 * torch_err + 1e-3
     torch.testing.assert_close(s.double(), s_exact, rtol=1e-5, atol=1e-5)
+
+
+def test_fp32_gradients_match_fp64_reference():
+    """The training dtype: fp32 math (segment sums, chunk einsums) against exact math on the same inputs."""
+    inputs32 = {k: v.float() for k, v in make_inputs(70, seed=7).items()}
+    inputs64 = {k: v.double() for k, v in inputs32.items()}
+    reset = document_starts(70, seed=7)
+    g = torch.Generator().manual_seed(8)
+    weights = (torch.randn(BATCH, 70, HEADS, HEAD_DIM, generator=g), torch.randn(BATCH, HEADS, HEAD_DIM, STATE))
+    y, s, grads = _grads(lambda **kw: ssd_scan(**kw, chunk_size=16), inputs32, reset, weights)
+    y_ref, s_ref, g_ref = _grads(ssd_scan_ref, inputs64, reset, tuple(w.double() for w in weights))
+    torch.testing.assert_close(y.double(), y_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(s.double(), s_ref, rtol=1e-5, atol=1e-5)
+    for name in grads:
+        assert grads[name].dtype == torch.float32
+        scale = g_ref[name].abs().max()
+        torch.testing.assert_close(
+            grads[name].double(),
+            g_ref[name],
+            rtol=1e-4,
+            atol=1e-5 * scale,
+            msg=lambda m, name=name: f"grad {name}: {m}",
+        )
