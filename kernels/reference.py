@@ -124,3 +124,45 @@ def selective_scan_ref(
     if z is not None:
         y = y * F.silu(z.to(compute))
     return y.to(out_dtype)
+
+
+def ssd_scan_ref(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: Optional[torch.Tensor] = None,
+    initial_state: Optional[torch.Tensor] = None,
+    reset: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mamba-2 state-space duality (SSD) scan, one timestep at a time (layout of mamba_ssm's
+    `mamba_chunk_scan_combined`, with Δ already positive: softplus, bias and limits are the caller's).
+
+    Shapes: x (batch, seqlen, heads, head_dim); dt (batch, seqlen, heads); A, D (heads,); B, C (batch, seqlen,
+    groups, state) with groups dividing heads: head h reads group h // (heads // groups); initial_state (batch,
+    heads, head_dim, state), zeros when None. Per head h, with a scalar decay per step:
+        S_t = exp(dt_t A_h) S_{t-1} + dt_t x_t ⊗ B_t,   y_t = S_t C_t + D_h x_t.
+    `reset` (batch, seqlen) bool: where True, S_{t-1} is taken as 0 (a packed document starts at t), as in
+    `selective_scan_ref`; a reset at t = 0 drops the initial state too.
+    Returns y (batch, seqlen, heads, head_dim) in x's dtype and the final state S_L (batch, heads, head_dim,
+    state) in fp32, or fp64 when the inputs are fp64 (math runs in that dtype, so tests can compare tightly).
+    """
+    batch, seqlen, heads, head_dim = x.shape
+    groups, state = B.shape[2], B.shape[3]
+    assert heads % groups == 0 and dt.shape == (batch, seqlen, heads), (x.shape, dt.shape, B.shape)
+    compute = torch.promote_types(x.dtype, torch.float32)
+    x_c, dt, A = x.to(compute), dt.to(compute), A.to(compute)
+    B, C = (t.to(compute).repeat_interleave(heads // groups, dim=2) for t in (B, C))  # (B, L, H, N)
+    S = x_c.new_zeros(batch, heads, head_dim, state) if initial_state is None else initial_state.to(compute)
+    ys = []
+    for t in range(seqlen):
+        if reset is not None:
+            S = S * (~reset[:, t]).to(compute)[:, None, None, None]
+        dA = torch.exp(dt[:, t] * A)  # (B, H)
+        S = dA[:, :, None, None] * S + (dt[:, t, :, None] * x_c[:, t])[..., None] * B[:, t, :, None, :]
+        ys.append(torch.einsum("bhpn,bhn->bhp", S, C[:, t]))  # (B, H, P)
+    y = torch.stack(ys, dim=1) if ys else x_c.new_zeros(batch, 0, heads, head_dim)  # (B, L, H, P)
+    if D is not None:
+        y = y + D.to(compute)[:, None] * x_c
+    return y.to(x.dtype), S

@@ -72,6 +72,15 @@ def _write(tmp_path, raw):
             {"model": {"mamba": {"impl": "cpu"}}},
             "model.mamba.impl: expected one of ['auto', 'torch', 'triton'], got 'cpu'",
         ),
+        ({"model": {"mamba2": {"chunk_size": 48}}}, "model.mamba2.chunk_size: must be a power of two, got 48"),
+        (
+            {"model": {"mamba2": {"n_heads": 6, "n_groups": 4}}},
+            "model.mamba2.n_groups: must divide model.mamba2.n_heads=6, got 4",
+        ),
+        (
+            {"model": {"mamba2": {"dt_limit": [0.1, 0.01]}}},
+            "model.mamba2.dt_limit: expected [low, high] with 0 <= low < high, or null, got [0.1, 0.01]",
+        ),
     ],
 )
 def test_errors_are_one_line_and_name_the_key(tmp_path, raw, message):

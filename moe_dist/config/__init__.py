@@ -5,7 +5,7 @@ schema <- checks <- loading; doc reads the schema.
 The names below are the public interface: `from moe_dist.config import load_config, ConfigError, JobConfig`.
 """
 
-from moe_dist.config.checks import check_global_batch, check_layout, validate
+from moe_dist.config.checks import check_global_batch, check_layout, check_mamba2, validate
 from moe_dist.config.loading import config_from_dict, config_to_dict, load_config, parse_override
 from moe_dist.config.schema import (
     AttentionConfig,
@@ -13,6 +13,7 @@ from moe_dist.config.schema import (
     DataConfig,
     DeepSpeedConfig,
     JobConfig,
+    Mamba2Config,
     MambaConfig,
     MixtureComponent,
     ModelConfig,
@@ -27,6 +28,7 @@ __all__ = [
     "DataConfig",
     "DeepSpeedConfig",
     "JobConfig",
+    "Mamba2Config",
     "MambaConfig",
     "MixtureComponent",
     "ModelConfig",
@@ -35,6 +37,7 @@ __all__ = [
     "TrainConfig",
     "check_global_batch",
     "check_layout",
+    "check_mamba2",
     "config_from_dict",
     "config_to_dict",
     "load_config",

@@ -9,7 +9,7 @@ loading.py imports this module.
 
 from __future__ import annotations
 
-from moe_dist.config.schema import ConfigError, DataConfig, JobConfig, MoEConfig, TrainConfig
+from moe_dist.config.schema import ConfigError, DataConfig, JobConfig, Mamba2Config, MoEConfig, TrainConfig
 
 
 def _check(cond: bool, message: str) -> None:
@@ -50,6 +50,7 @@ def validate(cfg: JobConfig) -> None:
         mb.d_state > 0 and mb.d_conv > 0 and mb.expand > 0 and mb.chunk_size > 0,
         "model.mamba: d_state, d_conv, expand and chunk_size must be positive",
     )
+    _check_mamba2_fields(m.mamba2)
     _check(moe.num_experts > 0, f"model.moe.num_experts: must be positive, got {moe.num_experts}")
     _check(
         0 < moe.top_k <= moe.num_experts,
@@ -134,6 +135,47 @@ def _check_moe_recipes(moe: MoEConfig) -> None:
         f"model.moe.shared_d_ff: must be positive or null, got {moe.shared_d_ff}",
     )
     _check(moe.dead_expert_window >= 1, f"model.moe.dead_expert_window: must be >= 1, got {moe.dead_expert_window}")
+
+
+def _check_mamba2_fields(mb: Mamba2Config) -> None:
+    """The rules of model.mamba2 that hold whatever d_model is (the default section passes them)."""
+    for name in ("d_state", "d_conv", "expand", "head_dim", "n_groups", "chunk_size"):
+        _check(getattr(mb, name) > 0, f"model.mamba2.{name}: must be positive, got {getattr(mb, name)}")
+    _check(
+        mb.chunk_size & (mb.chunk_size - 1) == 0,
+        f"model.mamba2.chunk_size: must be a power of two, got {mb.chunk_size}",
+    )
+    _check(
+        mb.n_heads is None or (mb.n_heads > 0 and mb.n_heads % mb.n_groups == 0),
+        f"model.mamba2.n_groups: must divide model.mamba2.n_heads={mb.n_heads}, got {mb.n_groups}",
+    )
+    _check(
+        0 < mb.dt_init_floor and 0 < mb.dt_min <= mb.dt_max,
+        f"model.mamba2.dt_min: need 0 < dt_min <= dt_max and dt_init_floor > 0, got {mb.dt_min}, {mb.dt_max}, "
+        f"{mb.dt_init_floor}",
+    )
+    _check(
+        mb.dt_limit is None or (len(mb.dt_limit) == 2 and 0 <= mb.dt_limit[0] < mb.dt_limit[1]),
+        f"model.mamba2.dt_limit: expected [low, high] with 0 <= low < high, or null, got {mb.dt_limit}",
+    )
+
+
+def check_mamba2(d_model: int, mb: Mamba2Config) -> None:
+    """The shape rules of a Mamba-2 layer in a model of width `d_model`, besides `_check_mamba2_fields`: the layer
+    runs them when it is built (validate will, once the layer lists place Mamba-2 layers)."""
+    _check_mamba2_fields(mb)
+    if mb.n_heads is None:
+        d_inner = mb.expand * d_model
+        _check(
+            d_inner % mb.head_dim == 0,
+            f"model.mamba2.head_dim: must divide d_inner = expand * d_model = {d_inner} when n_heads is null, "
+            f"got {mb.head_dim}",
+        )
+    heads = mb.heads(d_model)
+    _check(
+        heads % mb.n_groups == 0,
+        f"model.mamba2.n_groups: must divide the {heads} heads (d_inner / head_dim), got {mb.n_groups}",
+    )
 
 
 def _check_tensor_parallel(cfg: JobConfig) -> None:

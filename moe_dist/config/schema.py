@@ -47,6 +47,34 @@ class MambaConfig:
 
 
 @dataclass
+class Mamba2Config:
+    d_state: int = 128  # SSM state size N per head (shared by the heads of a group)
+    d_conv: int = 4  # depthwise causal conv width (over x, B and C)
+    expand: int = 2  # d_inner = expand * d_model when n_heads is null
+    n_heads: Optional[int] = None  # SSM heads; null = expand * d_model // head_dim; set: d_inner = n_heads * head_dim
+    head_dim: int = 64  # channels per head (one scalar decay per head and step)
+    n_groups: int = 1  # B/C groups: the heads are split evenly over them (also the gated norm's groups)
+    chunk_size: int = 64  # chunk length of the chunked PyTorch SSD (a power of two)
+    dt_min: float = 0.001  # init: the step size softplus(dt_bias) is log-uniform in [dt_min, dt_max]
+    dt_max: float = 0.1  # init: upper end of that range
+    dt_init_floor: float = 1e-4  # init: lower bound on the sampled step size
+    dt_limit: Optional[list[float]] = (
+        None  # [low, high] clamp of softplus(dt + dt_bias), high may be Infinity; null = none
+    )
+    conv_bias: bool = True  # bias in the depthwise conv1d
+    proj_bias: bool = False  # bias in in_proj / out_proj
+    impl: Literal["auto", "torch", "triton"] = "auto"  # SSD scan: auto/torch = chunked PyTorch (no GPU kernel yet)
+
+    def d_inner(self, d_model: int) -> int:
+        """The SSM width, n_heads * head_dim (checks.py's `check_mamba2` makes the default n_heads exact)."""
+        return self.heads(d_model) * self.head_dim
+
+    def heads(self, d_model: int) -> int:
+        """n_heads, or expand * d_model // head_dim when null."""
+        return self.n_heads if self.n_heads is not None else self.expand * d_model // self.head_dim
+
+
+@dataclass
 class MoEConfig:
     num_experts: int = 8  # routed experts per MoE layer
     top_k: int = 2  # experts chosen per token
@@ -97,6 +125,7 @@ class ModelConfig:
     init_std: float = 0.02  # std of the normal init of projection weights
     attention: AttentionConfig = field(default_factory=AttentionConfig)  # attention mixer
     mamba: MambaConfig = field(default_factory=MambaConfig)  # Mamba mixer
+    mamba2: Mamba2Config = field(default_factory=Mamba2Config)  # Mamba-2 (SSD) mixer (not yet in the layer patterns)
     moe: MoEConfig = field(default_factory=MoEConfig)  # MoE FFN
 
 

@@ -23,6 +23,7 @@ IMPLS = ("auto", "torch", "triton")
 AUTO_ON_CUDA = {
     "model.attention.impl": "torch",
     "model.mamba.impl": "triton",
+    "model.mamba2.impl": "torch",  # no GPU kernel for Mamba-2's SSD yet
     "model.moe.impl": "triton",
 }
 
@@ -56,13 +57,18 @@ def _why_no_triton(device: torch.device) -> Optional[str]:
 
 
 def resolve(
-    impl: str, key: str, device: torch.device | str, torch_fn: Callable, kernel: Callable[[], Callable], what: str
+    impl: str,
+    key: str,
+    device: torch.device | str,
+    torch_fn: Callable,
+    kernel: Optional[Callable[[], Callable]],
+    what: str,
 ) -> Kernel:
     """The implementation of config value `impl` (of config key `key`) for a layer built for `device`.
 
     `torch_fn` is the PyTorch path; `kernel` loads the Triton function with the same signature (a zero-argument
-    function that imports it from moe_dist.kernels, called only when it is chosen); `what` names it in messages
-    ("selective scan").
+    function that imports it from moe_dist.kernels, called only when it is chosen), or is None while the operation
+    has no GPU kernel ("triton" is then refused); `what` names it in messages ("selective scan").
     """
     if impl not in IMPLS:
         quoted = [repr(c) for c in IMPLS]
@@ -72,6 +78,8 @@ def resolve(
         impl = AUTO_ON_CUDA[key] if device.type == "cuda" and _why_no_triton(device) is None else "torch"
     if impl == "torch":
         return Kernel("torch", torch_fn)
+    if kernel is None:
+        raise ValueError(f"{key}='triton': there is no Triton {what} kernel yet; use 'torch' or 'auto'")
     why_not = _why_no_triton(device)
     if why_not is not None:
         raise ValueError(f"{key}='triton': the Triton {what} is not available: {why_not}")

@@ -1,0 +1,180 @@
+"""Mamba-2 mixer (Dao & Gu, 2024): the SSD scan over heads with a scalar decay per head and step, and a gated
+RMSNorm grouped like B and C.
+
+Parameter names and the in_proj layout follow transformers' Mamba2Mixer / NemotronH's mixer (in_proj, conv1d,
+dt_bias, A_log, D, norm.weight, out_proj; in_proj's rows are z, then x, B, C, then dt), so an importer maps names
+1:1 (tests/layers/test_mamba2.py loads our state dict into transformers' mixer and compares outputs).
+Single-device; the tensor-parallel split (heads and groups over TP ranks) is the next step of this layer.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe_dist.config import Mamba2Config, check_mamba2
+from moe_dist.layers.kernel_choice import Kernel, resolve
+from moe_dist.layers.ssd import ssd_scan
+
+
+def scan_kernel(impl: str, device: torch.device | str = "cpu", chunk_size: int = 64) -> Kernel:
+    """`model.mamba2.impl` for a layer built for `device`, with `ssd_scan_ref`'s signature: the chunked PyTorch SSD
+    (`moe_dist.layers.ssd`). There is no GPU kernel yet (future work: ours in Triton, or a library's Triton SSD
+    tested under the interpreter), so "auto" takes the PyTorch path everywhere and "triton" is refused."""
+    return resolve(
+        impl, "model.mamba2.impl", device, functools.partial(ssd_scan, chunk_size=chunk_size), None, "SSD scan"
+    )
+
+
+@dataclass
+class Mamba2State:
+    """The recurrent state of one Mamba-2 layer between inference calls (zeros before the first position)."""
+
+    conv: torch.Tensor  # (B, conv_dim, d_conv - 1): the conv's last inputs (x, B, C channels), oldest first
+    ssm: torch.Tensor  # (B, H, P, N): the SSM state per head, in fp32 (at least), as the scan returns it
+
+
+class GatedRMSNorm(nn.Module):
+    """y · silu(z), RMS-normalized over each of `groups` equal slices of the last dim, times `weight` (Mamba-2's
+    norm_before_gate=False, the form transformers' Mamba2, NemotronH and GraniteMoeHybrid use). fp32 inside."""
+
+    def __init__(self, dim: int, groups: int, eps: float):
+        super().__init__()
+        self.groups, self.eps = groups, eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def init_weights(self) -> None:
+        with torch.no_grad():
+            self.weight.fill_(1.0)
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        compute = torch.promote_types(y.dtype, torch.float32)
+        h = y.to(compute) * F.silu(z.to(compute))  # (..., Di)
+        h = h.unflatten(-1, (self.groups, -1))  # (..., G, Di / G)
+        h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).flatten(-2)
+        return self.weight * h.to(y.dtype)
+
+
+def _document_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], document_ids: torch.Tensor):
+    """The causal depthwise conv of x (B, C, L) where tap j (input t - j) counts only when t - j is in t's document
+    (weight (C, 1, K), tap K - 1 the current input); K shifted products, as nn.Conv1d has no per-position mask."""
+    K, L = weight.shape[-1], x.shape[-1]
+    w = weight[:, 0]  # (C, K)
+    out = x * w[:, K - 1, None]
+    for j in range(1, min(K, L)):
+        same = (document_ids[:, j:] == document_ids[:, :-j])[:, None]  # (B, 1, L - j)
+        out[..., j:] = out[..., j:] + x[..., :-j] * w[:, K - 1 - j, None] * same
+    return out if bias is None else out + bias[:, None]
+
+
+class Mamba2(nn.Module):
+    """x → in_proj → (z, xBC, dt); xBC → causal depthwise conv → SiLU → (x, B, C); dt → softplus(dt + dt_bias),
+    clamped to dt_limit; SSD scan with A = -exp(A_log) and the D skip; gated grouped RMSNorm with z; out_proj.
+    Input and output are (batch, seq, d_model).
+
+    `__init__` only declares parameters so the layer can be built on the meta device; `init_weights` fills them.
+    """
+
+    def __init__(
+        self, d_model: int, cfg: Mamba2Config, norm_eps: float, init_std: float, device: torch.device | str = "cpu"
+    ):
+        super().__init__()
+        check_mamba2(d_model, cfg)
+        self.n_heads, self.head_dim = cfg.heads(d_model), cfg.head_dim
+        self.d_inner, self.d_state, self.n_groups = cfg.d_inner(d_model), cfg.d_state, cfg.n_groups
+        self.conv_dim = self.d_inner + 2 * self.n_groups * self.d_state  # the conv runs over x, B and C
+        self.dt_limit = None if cfg.dt_limit is None else tuple(cfg.dt_limit)
+        self.dt_init = (cfg.dt_min, cfg.dt_max, cfg.dt_init_floor)
+        self.init_std = init_std
+        self.scan = scan_kernel(cfg.impl, device, cfg.chunk_size)
+
+        self.in_proj = nn.Linear(d_model, self.d_inner + self.conv_dim + self.n_heads, bias=cfg.proj_bias)
+        self.conv1d = nn.Conv1d(
+            self.conv_dim, self.conv_dim, cfg.d_conv, groups=self.conv_dim, padding=cfg.d_conv - 1, bias=cfg.conv_bias
+        )
+        self.dt_bias = nn.Parameter(torch.empty(self.n_heads))  # inside the softplus: dt = softplus(dt + dt_bias)
+        self.A_log = nn.Parameter(torch.empty(self.n_heads))  # A = -exp(A_log) < 0 keeps the SSM stable
+        self.D = nn.Parameter(torch.empty(self.n_heads))  # skip connection x → y per head
+        self.norm = GatedRMSNorm(self.d_inner, self.n_groups, norm_eps)
+        self.out_proj = nn.Linear(self.d_inner, d_model, bias=cfg.proj_bias)
+
+    @property
+    def implementations(self) -> dict[str, str]:
+        return {"scan": self.scan.name}
+
+    def init_weights(self) -> None:
+        """mamba_ssm's Mamba2 init (A uniform in [1, 16], dt log-uniform in [dt_min, dt_max]), in place, from the
+        global RNG."""
+        dt_min, dt_max, dt_floor = self.dt_init
+        with torch.no_grad():
+            for linear in (self.in_proj, self.out_proj):
+                nn.init.normal_(linear.weight, mean=0.0, std=self.init_std)
+                if linear.bias is not None:
+                    linear.bias.zero_()
+            nn.init.kaiming_uniform_(self.conv1d.weight, a=math.sqrt(5))  # nn.Conv1d's own default
+            if self.conv1d.bias is not None:
+                self.conv1d.bias.zero_()
+            # Initial dt = softplus(dt_bias) is log-uniform in [dt_min, dt_max]: store its inverse softplus.
+            log_dt = torch.rand(self.n_heads, device=self.dt_bias.device, dtype=torch.float32)
+            dt = torch.exp(log_dt * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)).clamp(min=dt_floor)
+            self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+            a = torch.empty(self.n_heads, device=self.A_log.device, dtype=torch.float32).uniform_(1.0, 16.0)
+            self.A_log.copy_(torch.log(a))
+            self.D.fill_(1.0)
+            self.norm.init_weights()
+
+    def new_state(self, batch: int, device: torch.device, dtype: torch.dtype) -> Mamba2State:
+        d_conv = self.conv1d.kernel_size[0]
+        ssm_dtype = torch.promote_types(dtype, torch.float32)
+        return Mamba2State(
+            torch.zeros(batch, self.conv_dim, d_conv - 1, device=device, dtype=dtype),
+            torch.zeros(batch, self.n_heads, self.head_dim, self.d_state, device=device, dtype=ssm_dtype),
+        )
+
+    def forward(
+        self, x: torch.Tensor, cache: Optional[Mamba2State] = None, document_ids: Optional[torch.Tensor] = None, **_
+    ) -> torch.Tensor:
+        """x (B, L, d_model) → (B, L, d_model). With a state (inference), x continues the sequence it holds and the
+        state is updated. `document_ids` (B, L) int (packed documents, training): the conv window and the SSM
+        state restart at each document start. Other keywords (attention's prefix mask) do not apply."""
+        batch, seqlen, _ = x.shape
+        z, xBC, dt = self.in_proj(x).split([self.d_inner, self.conv_dim, self.n_heads], dim=-1)
+        xBC = xBC.transpose(1, 2)  # (B, conv_dim, L)
+        reset = None
+        if cache is not None:
+            window = torch.cat([cache.conv, xBC], dim=-1)  # (B, conv_dim, K - 1 + L)
+            cache.conv = window[..., window.shape[-1] - cache.conv.shape[-1] :]
+            xBC = F.conv1d(window, self.conv1d.weight, self.conv1d.bias, groups=self.conv_dim)
+        elif document_ids is None:
+            xBC = self.conv1d(xBC)[..., :seqlen]  # right padding dropped → causal
+        else:
+            xBC = _document_conv(xBC, self.conv1d.weight, self.conv1d.bias, document_ids)
+            reset = torch.zeros_like(document_ids, dtype=torch.bool)  # (B, L): True at a document start
+            reset[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+        xs, B, C = F.silu(xBC).transpose(1, 2).split([self.d_inner, *(2 * [self.n_groups * self.d_state])], dim=-1)
+
+        # dt and A in at least fp32: under bf16 parameters the decays exp(dt A) would lose their spacing.
+        compute = torch.promote_types(x.dtype, torch.float32)
+        dt = F.softplus(dt.to(compute) + self.dt_bias.to(compute))  # (B, L, H)
+        if self.dt_limit is not None:
+            dt = dt.clamp(*self.dt_limit)
+        A = -torch.exp(self.A_log.to(compute))  # (H,)
+        y, state = self.scan(
+            xs.unflatten(-1, (self.n_heads, self.head_dim)),
+            dt,
+            A,
+            B.unflatten(-1, (self.n_groups, self.d_state)),
+            C.unflatten(-1, (self.n_groups, self.d_state)),
+            D=self.D,
+            initial_state=None if cache is None else cache.ssm,
+            reset=reset,
+        )  # (B, L, H, P), (B, H, P, N)
+        if cache is not None:
+            cache.ssm = state
+        return self.out_proj(self.norm(y.flatten(-2), z))  # (B, L, d_model)
