@@ -34,6 +34,7 @@ AUTO_ON_CUDA = {
     "model.attention.impl": "torch",
     "model.mamba.impl": "triton",
     "model.moe.impl": "triton",
+    "model.gdn.impl": "torch",  # no GPU kernel for the gated delta rule yet: the chunked PyTorch path
 }
 
 
