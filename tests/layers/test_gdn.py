@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from moe_dist.kernels.reference import gated_delta_rule_ref
 
 from moe_dist.config import ConfigError, GDNConfig, load_config
-from moe_dist.layers.gdn import GatedDeltaNet
+from moe_dist.layers.gdn import GatedDeltaNet, delta_rule_kernel
 
 D_MODEL, EPS = 16, 1e-6
 SHAPES = {"n_k_heads": 2, "n_v_heads": 4, "head_k_dim": 4, "head_v_dim": 3, "conv_size": 3, "chunk_size": 4}
@@ -65,9 +65,9 @@ def test_forward_matches_explicit_recomputation(n_k_heads, seqlen):
     torch.testing.assert_close(layer(x), recompute(layer, x), rtol=1e-10, atol=1e-12)
 
 
-def test_matches_transformers_qwen3_next():
-    """transformers' own layer (its PyTorch paths: the fla and causal-conv1d packages are not installed) with our
-    weights copied by name: the names and the packing of the fused projections are Qwen3-Next's."""
+def qwen3_next_pair():
+    """transformers' own layer (its PyTorch paths: the fla and causal-conv1d packages are not installed) and ours,
+    in fp32, with our weights copied by name: the names and the packing of the fused projections are Qwen3-Next's."""
     qwen3_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
     from transformers import Qwen3NextConfig
 
@@ -87,11 +87,30 @@ def test_matches_transformers_qwen3_next():
     with torch.no_grad():  # outputs O(1): both sides' fp32 rounding (~1e-6 of the output's size) stays under 1e-5
         ours.out_proj.weight.mul_(0.2)
     theirs.load_state_dict(ours.state_dict(), strict=True)  # same names, same shapes
+    return ours, theirs, hf_cfg
+
+
+def test_matches_transformers_qwen3_next():
+    ours, theirs, _ = qwen3_next_pair()
     x = torch.randn(2, 70, D_MODEL)  # 70: several of transformers' chunks of 64, and several of ours
     with torch.no_grad():
         want = theirs(x)
         diff = (ours(x) - want).abs().max().item()
     assert diff <= 1e-5 and want.abs().max() > 0.5, (diff, want.abs().max())
+
+
+def test_cached_decoding_matches_transformers():
+    """A prompt then one position per call, through our cache and through transformers' DynamicCache."""
+    from transformers import DynamicCache
+
+    ours, theirs, hf_cfg = qwen3_next_pair()
+    x = torch.randn(2, 12, D_MODEL)
+    cache, state = DynamicCache(config=hf_cfg), ours.new_state(2, x.device, x.dtype)
+    with torch.no_grad():
+        want = [theirs(x[:, :5], cache=cache)] + [theirs(x[:, t : t + 1], cache=cache) for t in range(5, 12)]
+        got = [ours(x[:, :5], state)] + [ours(x[:, t : t + 1], state) for t in range(5, 12)]
+    torch.testing.assert_close(torch.cat(got, 1), torch.cat(want, 1), rtol=0, atol=1e-5)
+    torch.testing.assert_close(state.recurrent, cache.get_recurrent_state(0), rtol=0, atol=1e-5)
 
 
 def test_cached_steps_equal_the_full_forward():
@@ -186,6 +205,7 @@ def test_bf16_activations():
 
 def test_impl_choice():
     assert build(impl="auto").implementations == {"delta_rule": "torch"}
+    assert delta_rule_kernel("auto", "cuda").name == "torch"  # no GPU kernel yet: "auto" never picks one
     build(impl="torch")
     with pytest.raises(ValueError, match="model.gdn.impl='triton': there is no Triton gated delta rule yet"):
         GatedDeltaNet(D_MODEL, GDNConfig(impl="triton"), norm_eps=EPS, init_std=0.02)
