@@ -166,3 +166,43 @@ def ssd_scan_ref(
     if D is not None:
         y = y + D.to(compute)[:, None] * x_c
     return y.to(x.dtype), S
+
+
+def gated_delta_rule_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: Optional[torch.Tensor] = None,
+    reset: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gated delta rule (Gated DeltaNet, Yang et al. 2024), one timestep at a time (fla's argument layout).
+
+    Shapes: q, k: (batch, seqlen, heads, dk); v: (batch, seqlen, heads, dv); g (log decay, <= 0), beta:
+    (batch, seqlen, heads); initial_state: (batch, heads, dk, dv). Returns o (batch, seqlen, heads, dv) in v's
+    dtype and the final state (batch, heads, dk, dv) in the compute dtype.
+
+    Per head, with the state S (dk, dv) read as o = Sᵀ q: first the decay S ← exp(g_t) S, then the delta rule
+    S ← S + k_t β_t (v_t − Sᵀ k_t)ᵀ, i.e. S_t = exp(g_t)(I − β_t k_t k_tᵀ) S_{t−1} + β_t k_t v_tᵀ;
+    o_t = S_tᵀ q_t · scale, scale = dk^-0.5 by default. `reset` (batch, seqlen) bool: where True, S_{t−1} is
+    taken as 0 (a packed document starts at t; the initial state too, at t = 0), as in `selective_scan_ref`.
+    Math runs in fp32, or fp64 when the inputs are fp64; the state never drops below fp32.
+    """
+    out_dtype = v.dtype
+    compute = torch.promote_types(v.dtype, torch.float32)
+    q, k, v, g, beta = (t.to(compute) for t in (q, k, v, g, beta))
+    batch, seqlen, heads, dk = k.shape
+    q = q * (dk**-0.5 if scale is None else scale)
+    S = q.new_zeros(batch, heads, dk, v.shape[-1]) if initial_state is None else initial_state.to(compute)
+    outs = []
+    for t in range(seqlen):
+        if reset is not None:
+            S = S * (~reset[:, t]).to(compute)[:, None, None, None]
+        S = torch.exp(g[:, t])[..., None, None] * S
+        err = v[:, t] - torch.einsum("bhkv,bhk->bhv", S, k[:, t])  # (B, H, dv): what S predicts for k_t, missed
+        S = S + k[:, t, :, :, None] * (beta[:, t, :, None] * err)[:, :, None, :]
+        outs.append(torch.einsum("bhkv,bhk->bhv", S, q[:, t]))  # (B, H, dv)
+    o = torch.stack(outs, dim=1) if outs else v.new_zeros(v.shape)  # (B, L, H, dv)
+    return o.to(out_dtype), S

@@ -44,6 +44,8 @@ SETTINGS = {
     "model.moe.global_batch_load",
     "model.moe.group_by",
     "model.moe.dead_expert_window",
+    "model.gdn.chunk_size",
+    "model.gdn.impl",
 }
 APPLIED = [
     "model.moe.aux_loss_coef=0.05",

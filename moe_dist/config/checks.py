@@ -9,7 +9,7 @@ loading.py imports this module.
 
 from __future__ import annotations
 
-from moe_dist.config.schema import ConfigError, DataConfig, JobConfig, Mamba2Config, MoEConfig, TrainConfig
+from moe_dist.config.schema import ConfigError, DataConfig, GDNConfig, JobConfig, Mamba2Config, MoEConfig, TrainConfig
 
 
 def _check(cond: bool, message: str) -> None:
@@ -109,6 +109,7 @@ def validate(cfg: JobConfig) -> None:
     _check_schedule(t)
     _check_run_settings(t)
     _check_data(cfg.data)
+    _check_gdn(cfg.model.gdn)
 
 
 def _check_moe_recipes(moe: MoEConfig) -> None:
@@ -309,3 +310,17 @@ def _check_data(d: DataConfig) -> None:
         )
     for i, c in enumerate(d.mixture):
         _check(c.weight > 0, f"data.mixture[{i}].weight: must be positive, got {c.weight}")
+
+
+def _check_gdn(g: GDNConfig) -> None:
+    """The Gated DeltaNet mixer's shapes (checked whether or not a layer uses it: its defaults satisfy them)."""
+    for key in ("n_k_heads", "n_v_heads", "head_k_dim", "head_v_dim", "conv_size", "chunk_size"):
+        _check(getattr(g, key) > 0, f"model.gdn.{key}: must be positive, got {getattr(g, key)}")
+    _check(
+        g.n_v_heads % g.n_k_heads == 0,
+        f"model.gdn.n_k_heads: must divide n_v_heads={g.n_v_heads}, got {g.n_k_heads}",
+    )
+    _check(
+        g.chunk_size & (g.chunk_size - 1) == 0,
+        f"model.gdn.chunk_size: must be a power of two, got {g.chunk_size}",
+    )

@@ -77,6 +77,11 @@ ARCHITECTURE_KEYS: dict[str, dict[str, str]] = {
     "model.moe.n_shared_experts": _imported("the shared-expert weights"),
     "model.moe.shared_d_ff": _imported("the shared-expert weights"),
     "model.moe.shared_gate": _imported("the shared-expert weights"),
+    "model.gdn.n_k_heads": _both("the Gated DeltaNet weight shapes"),
+    "model.gdn.n_v_heads": _both("the Gated DeltaNet weight shapes"),
+    "model.gdn.head_k_dim": _both("the Gated DeltaNet weight shapes"),
+    "model.gdn.head_v_dim": _both("the Gated DeltaNet weight shapes"),
+    "model.gdn.conv_size": _both("the Gated DeltaNet weight shapes"),
 }
 
 

@@ -25,6 +25,7 @@ AUTO_ON_CUDA = {
     "model.mamba.impl": "triton",
     "model.mamba2.impl": "torch",  # no GPU kernel for Mamba-2's SSD yet
     "model.moe.impl": "triton",
+    "model.gdn.impl": "torch",  # no GPU kernel for the gated delta rule yet: the chunked PyTorch path
 }
 
 

@@ -1,0 +1,205 @@
+"""Gated DeltaNet mixer (Yang, Kautz & Hatamizadeh, 2024), the linear-attention layer of Qwen3-Next.
+
+Parameter names and the packing of the fused projections follow the Hugging Face Qwen3-Next checkpoints
+(in_proj_qkvz, in_proj_ba, conv1d, dt_bias, A_log, norm, out_proj), so an importer maps them 1:1.
+Single-device math; tensor parallelism over heads comes with the layer's place in the decoder.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe_dist.config import GDNConfig
+from moe_dist.layers.delta_rule import chunk_gated_delta_rule
+from moe_dist.layers.kernel_choice import Kernel, resolve
+
+# Initial step size range, sampled log-uniformly per value head (fla's GatedDeltaNet, as Mamba-2), and the
+# range of A = exp(A_log) (Qwen3-Next: U(0.01, 16), kept away from 0 so log A is finite).
+_DT_MIN, _DT_MAX, _DT_FLOOR = 1e-3, 1e-1, 1e-4
+_A_MIN, _A_MAX = 0.01, 16.0
+_L2_EPS = 1e-6  # q, k ← x / sqrt(Σx² + eps), as Qwen3-Next and fla normalise them
+
+
+def delta_rule_kernel(impl: str, device: torch.device | str = "cpu", chunk_size: int = 64) -> Kernel:
+    """`model.gdn.impl` for a layer built for `device`, with `gated_delta_rule_ref`'s signature. Only the
+    chunked PyTorch path (`moe_dist.layers.delta_rule`) exists so far, which "auto" takes everywhere. The GPU
+    kernel comes next: ours in Triton, or fla-core's chunked gated-delta-rule kernels as an optional extra."""
+    fn = functools.partial(chunk_gated_delta_rule, chunk_size=chunk_size)
+    return resolve(impl, "model.gdn.impl", device, fn, None, "gated delta rule")
+
+
+@dataclass
+class GDNState:
+    """The recurrent state of one Gated DeltaNet layer between inference calls (zeros before the first position)."""
+
+    conv: torch.Tensor  # (B, conv_dim, conv_size - 1): the conv's last inputs (q, k, v channels), oldest first
+    recurrent: torch.Tensor  # (B, n_v_heads, head_k_dim, head_v_dim): the delta-rule state S, in fp32 (at least)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm of x over its last dim, then times silu(gate) (norm before gate; Qwen3-Next's RMSNormGated).
+    Computed in fp32 (at least) and cast back to x's dtype."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def init_weights(self) -> None:
+        with torch.no_grad():
+            self.weight.fill_(1.0)
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        compute = torch.promote_types(x.dtype, torch.float32)
+        y = F.rms_norm(x.to(compute), self.weight.shape, self.weight.to(compute), self.eps)
+        return (y * F.silu(gate.to(compute))).to(x.dtype)
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    compute = torch.promote_types(x.dtype, torch.float32)
+    x = x.to(compute)
+    return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + _L2_EPS)
+
+
+class GatedDeltaNet(nn.Module):
+    """x → in_proj_qkvz → (q, k, v, z), in_proj_ba → (b, a); q, k, v → causal depthwise conv → SiLU; q, k
+    L2-normalised; β = sigmoid(b), g = −exp(A_log) · softplus(a + dt_bias); o = gated delta rule(q, k, v, g, β);
+    out_proj(gated RMSNorm(o, z)). Input and output are (batch, seq, d_model).
+
+    Each key head serves n_v_heads / n_k_heads consecutive value heads. `__init__` only declares parameters so
+    the layer can be built on the meta device; `init_weights` fills them.
+    """
+
+    def __init__(
+        self, d_model: int, cfg: GDNConfig, norm_eps: float, init_std: float, device: torch.device | str = "cpu"
+    ):
+        super().__init__()
+        if cfg.n_v_heads % cfg.n_k_heads:
+            raise ValueError(f"model.gdn.n_k_heads: must divide n_v_heads={cfg.n_v_heads}, got {cfg.n_k_heads}")
+        self.n_k_heads, self.n_v_heads = cfg.n_k_heads, cfg.n_v_heads
+        self.head_k_dim, self.head_v_dim = cfg.head_k_dim, cfg.head_v_dim
+        self.key_dim, self.value_dim = cfg.n_k_heads * cfg.head_k_dim, cfg.n_v_heads * cfg.head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.init_std = init_std
+        self.rule = delta_rule_kernel(cfg.impl, device, cfg.chunk_size)
+
+        # Packed per key head (Qwen3-Next's layout): [q (dk), k (dk), v (r·dv), z (r·dv)] and [b (r), a (r)],
+        # r = n_v_heads / n_k_heads.
+        self.in_proj_qkvz = nn.Linear(d_model, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+        self.in_proj_ba = nn.Linear(d_model, 2 * self.n_v_heads, bias=False)
+        # Channels [q, k, v], each head-major.
+        self.conv1d = nn.Conv1d(
+            self.conv_dim, self.conv_dim, cfg.conv_size, groups=self.conv_dim, padding=cfg.conv_size - 1, bias=False
+        )
+        self.dt_bias = nn.Parameter(torch.empty(self.n_v_heads))  # inside the softplus of the decay
+        self.A_log = nn.Parameter(torch.empty(self.n_v_heads))  # g = −exp(A_log)·Δ < 0: the state only decays
+        self.norm = GatedRMSNorm(self.head_v_dim, norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, d_model, bias=False)
+
+    @property
+    def implementations(self) -> dict[str, str]:
+        return {"delta_rule": self.rule.name}
+
+    def init_weights(self) -> None:
+        """In place, from the global RNG: projections N(0, init_std), the conv as nn.Conv1d's own default, A as
+        Qwen3-Next, Δ = softplus(dt_bias) log-uniform in [dt_min, dt_max] as fla's GatedDeltaNet."""
+        with torch.no_grad():
+            for linear in (self.in_proj_qkvz, self.in_proj_ba, self.out_proj):
+                nn.init.normal_(linear.weight, mean=0.0, std=self.init_std)
+            nn.init.kaiming_uniform_(self.conv1d.weight, a=math.sqrt(5))
+            a = torch.empty_like(self.A_log, dtype=torch.float32).uniform_(_A_MIN, _A_MAX)
+            self.A_log.copy_(torch.log(a))
+            log_dt = torch.rand(self.n_v_heads, device=self.dt_bias.device, dtype=torch.float32)
+            log_dt = log_dt * (math.log(_DT_MAX) - math.log(_DT_MIN)) + math.log(_DT_MIN)
+            dt = torch.exp(log_dt).clamp(min=_DT_FLOOR)
+            self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+            self.norm.init_weights()
+
+    def new_state(self, batch: int, device: torch.device, dtype: torch.dtype) -> GDNState:
+        return GDNState(
+            torch.zeros(batch, self.conv_dim, self.conv1d.kernel_size[0] - 1, device=device, dtype=dtype),
+            torch.zeros(
+                batch,
+                self.n_v_heads,
+                self.head_k_dim,
+                self.head_v_dim,
+                device=device,
+                dtype=torch.promote_types(dtype, torch.float32),
+            ),
+        )
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (B, L, d_model) → conv input (B, conv_dim, L), z (B, L, Hv, dv), b and a (B, L, Hv)."""
+        batch, seqlen, _ = x.shape
+        hk, dk, dv, r = self.n_k_heads, self.head_k_dim, self.head_v_dim, self.n_v_heads // self.n_k_heads
+        qkvz = self.in_proj_qkvz(x).view(batch, seqlen, hk, 2 * dk + 2 * r * dv)
+        q, k, v, z = qkvz.split([dk, dk, r * dv, r * dv], dim=-1)  # per key head
+        b, a = self.in_proj_ba(x).view(batch, seqlen, hk, 2 * r).split([r, r], dim=-1)
+        qkv = torch.cat([t.reshape(batch, seqlen, -1) for t in (q, k, v)], dim=-1)  # (B, L, conv_dim)
+        z = z.reshape(batch, seqlen, self.n_v_heads, dv)
+        return qkv.transpose(1, 2), z, b.reshape(batch, seqlen, -1), a.reshape(batch, seqlen, -1)
+
+    def _mix(self, qkv, z, b, a, initial_state=None, reset=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Conv output qkv (B, conv_dim, L) after SiLU → (out (B, L, d_model), final state)."""
+        batch, seqlen = z.shape[:2]
+        q, k, v = qkv.transpose(1, 2).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        r = self.n_v_heads // self.n_k_heads
+        q, k = (_l2norm(t.reshape(batch, seqlen, self.n_k_heads, self.head_k_dim)) for t in (q, k))
+        if r > 1:  # key head h serves value heads h·r … h·r + r − 1
+            q, k = q.repeat_interleave(r, dim=2), k.repeat_interleave(r, dim=2)  # (B, L, Hv, dk)
+        v = v.reshape(batch, seqlen, self.n_v_heads, self.head_v_dim)  # (B, L, Hv, dv)
+        # In fp32 at least: under bf16, −exp(A_log) would lose its spread and the decay its precision.
+        compute = torch.promote_types(a.dtype, torch.float32)
+        beta = torch.sigmoid(b.to(compute))  # (B, L, Hv)
+        g = -torch.exp(self.A_log.to(compute)) * F.softplus(a.to(compute) + self.dt_bias.to(compute))
+        o, state = self.rule(q, k, v, g, beta, initial_state=initial_state, reset=reset)  # (B, L, Hv, dv)
+        o = self.norm(o, z).reshape(batch, seqlen, self.value_dim)
+        return self.out_proj(o), state
+
+    def forward(
+        self, x: torch.Tensor, cache: Optional[GDNState] = None, document_ids: Optional[torch.Tensor] = None, **_
+    ) -> torch.Tensor:
+        """x (B, L, d_model) → (B, L, d_model). With a state (inference), x continues the sequence it holds.
+        `document_ids` (B, L) int (packed documents): the conv window and the delta-rule state restart at each
+        document start. Other keywords (attention's prefix mask) do not apply: the layer stays causal."""
+        if cache is not None:
+            return self._forward_cached(x, cache)
+        seqlen = x.shape[1]
+        qkv, z, b, a = self._project(x)
+        reset = None
+        if document_ids is None:
+            qkv = self.conv1d(qkv)[..., :seqlen]  # (B, conv_dim, L): right padding dropped → causal
+        else:
+            qkv = _document_conv(qkv, self.conv1d.weight[:, 0], document_ids)
+            reset = torch.zeros_like(document_ids, dtype=torch.bool)  # (B, L): True at a document start
+            reset[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+        out, _ = self._mix(F.silu(qkv), z, b, a, reset=reset)
+        return out
+
+    def _forward_cached(self, x: torch.Tensor, state: GDNState) -> torch.Tensor:
+        """The inference path: the conv continues from `state.conv`, the rule from `state.recurrent` (any number
+        of new positions: the prompt, then one per step); updates `state`."""
+        qkv, z, b, a = self._project(x)
+        xc = torch.cat([state.conv, qkv], dim=-1)  # (B, conv_dim, K − 1 + L)
+        state.conv = xc[..., xc.shape[-1] - state.conv.shape[-1] :]
+        qkv = F.silu(F.conv1d(xc, self.conv1d.weight, groups=self.conv_dim))  # (B, conv_dim, L)
+        out, state.recurrent = self._mix(qkv, z, b, a, initial_state=state.recurrent)
+        return out
+
+
+def _document_conv(x: torch.Tensor, w: torch.Tensor, document_ids: torch.Tensor) -> torch.Tensor:
+    """The causal depthwise conv of x (B, C, L) with taps w (C, K) where tap j (input t − j) counts only when
+    t − j is in t's document. Written as K shifted products: nn.Conv1d has no per-position masking."""
+    K, L = w.shape[1], x.shape[-1]
+    out = x * w[:, K - 1, None]  # tap K − 1 is the current input
+    for j in range(1, min(K, L)):
+        same = (document_ids[:, j:] == document_ids[:, :-j])[:, None]  # (B, 1, L − j)
+        out[..., j:] = out[..., j:] + x[..., :-j] * w[:, K - 1 - j, None] * same
+    return out
