@@ -75,6 +75,17 @@ class Mamba2Config:
 
 
 @dataclass
+class GDNConfig:
+    n_k_heads: int = 2  # query/key heads (Qwen3-Next: linear_num_key_heads)
+    n_v_heads: int = 4  # value heads, a multiple of n_k_heads; each key head serves n_v_heads / n_k_heads of them
+    head_k_dim: int = 64  # per-head query/key size (the state is head_k_dim × head_v_dim per value head)
+    head_v_dim: int = 64  # per-head value size
+    conv_size: int = 4  # width of the causal depthwise conv over q, k and v
+    chunk_size: int = 64  # chunk length of the chunked PyTorch delta rule (a power of two); the result is the same
+    impl: Literal["auto", "torch", "triton"] = "auto"  # delta rule: the chunked PyTorch path (no GPU kernel yet)
+
+
+@dataclass
 class MoEConfig:
     num_experts: int = 8  # routed experts per MoE layer
     top_k: int = 2  # experts chosen per token
@@ -126,8 +137,8 @@ class ModelConfig:
     attention: AttentionConfig = field(default_factory=AttentionConfig)  # attention mixer
     mamba: MambaConfig = field(default_factory=MambaConfig)  # Mamba mixer
     mamba2: Mamba2Config = field(default_factory=Mamba2Config)  # Mamba-2 (SSD) mixer (not yet in the layer patterns)
+    gdn: GDNConfig = field(default_factory=GDNConfig)  # Gated DeltaNet mixer (not yet in the layer patterns)
     moe: MoEConfig = field(default_factory=MoEConfig)  # MoE FFN
-    gdn: GDNConfig = field(default_factory=lambda: GDNConfig())  # Gated DeltaNet mixer (Qwen3-Next's linear attention)
 
 
 @dataclass
@@ -231,14 +242,3 @@ class JobConfig:
     data: DataConfig = field(default_factory=DataConfig)  # training data
     train: TrainConfig = field(default_factory=TrainConfig)  # optimization loop
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)  # DeepSpeed engine settings
-
-
-@dataclass
-class GDNConfig:
-    n_k_heads: int = 2  # query/key heads (Qwen3-Next: linear_num_key_heads)
-    n_v_heads: int = 4  # value heads, a multiple of n_k_heads; each key head serves n_v_heads / n_k_heads of them
-    head_k_dim: int = 64  # per-head query/key size (the state is head_k_dim × head_v_dim per value head)
-    head_v_dim: int = 64  # per-head value size
-    conv_size: int = 4  # width of the causal depthwise conv over q, k and v
-    chunk_size: int = 64  # chunk length of the chunked PyTorch delta rule (a power of two); the result is the same
-    impl: Literal["auto", "torch", "triton"] = "auto"  # delta rule: the chunked PyTorch path (no GPU kernel yet)
