@@ -9,7 +9,18 @@ loading.py imports this module.
 
 from __future__ import annotations
 
-from moe_dist.config.schema import ConfigError, DataConfig, GDNConfig, JobConfig, Mamba2Config, MoEConfig, TrainConfig
+from moe_dist.config.schema import (
+    FFN_KINDS,
+    MIXER_KINDS,
+    ConfigError,
+    DataConfig,
+    GDNConfig,
+    JobConfig,
+    Mamba2Config,
+    ModelConfig,
+    MoEConfig,
+    TrainConfig,
+)
 
 
 def _check(cond: bool, message: str) -> None:
@@ -37,6 +48,7 @@ def validate(cfg: JobConfig) -> None:
     for name in ("mixer_pattern", "ffn_pattern"):
         n = len(getattr(m, name))
         _check(m.n_layers % n == 0, f"model.{name}: length {n} must divide model.n_layers={m.n_layers}")
+    _check_layers(m)
     _check(
         a.n_heads > 0 and a.n_kv_heads > 0 and a.n_heads % a.n_kv_heads == 0,
         f"model.attention.n_kv_heads: must divide n_heads={a.n_heads}, got {a.n_kv_heads}",
@@ -51,6 +63,8 @@ def validate(cfg: JobConfig) -> None:
         "model.mamba: d_state, d_conv, expand and chunk_size must be positive",
     )
     _check_mamba2_fields(m.mamba2)
+    if m.has_kind("mamba2"):
+        check_mamba2(m.d_model, m.mamba2)
     _check(moe.num_experts > 0, f"model.moe.num_experts: must be positive, got {moe.num_experts}")
     _check(
         0 < moe.top_k <= moe.num_experts,
@@ -163,7 +177,7 @@ def _check_mamba2_fields(mb: Mamba2Config) -> None:
 
 def check_mamba2(d_model: int, mb: Mamba2Config) -> None:
     """The shape rules of a Mamba-2 layer in a model of width `d_model`, besides `_check_mamba2_fields`: the layer
-    runs them when it is built (validate will, once the layer lists place Mamba-2 layers)."""
+    runs them when it is built, and validate for a config that places Mamba-2 layers)."""
     _check_mamba2_fields(mb)
     if mb.n_heads is None:
         d_inner = mb.expand * d_model
@@ -179,6 +193,33 @@ def check_mamba2(d_model: int, mb: Mamba2Config) -> None:
     )
 
 
+def _check_layers(m: ModelConfig) -> None:
+    """model.layers: per entry at most one mixer kind then at most one FFN kind, "+"-joined, not empty; one entry
+    per layer; the patterns stay at their defaults (one way to say what each layer holds)."""
+    if m.layers is None:
+        return
+    _check(
+        m.mixer_pattern == "A" and m.ffn_pattern == "E",
+        "model.layers: set either model.layers or model.mixer_pattern/ffn_pattern, not both",
+    )
+    _check(
+        len(m.layers) == m.n_layers,
+        f"model.layers: {len(m.layers)} entries, but model.n_layers={m.n_layers}",
+    )
+    for i, entry in enumerate(m.layers):
+        parts = entry.split("+") if isinstance(entry, str) else []
+        ok = 1 <= len(parts) <= 2 and all(parts)
+        if ok and len(parts) == 2:
+            ok = parts[0] in MIXER_KINDS and parts[1] in FFN_KINDS
+        elif ok:
+            ok = parts[0] in MIXER_KINDS or parts[0] in FFN_KINDS
+        _check(
+            ok,
+            f"model.layers[{i}]: expected a mixer ({'|'.join(MIXER_KINDS)}), an FFN ({'|'.join(FFN_KINDS)}) "
+            f"or mixer+FFN, got {entry!r}",
+        )
+
+
 def _check_tensor_parallel(cfg: JobConfig) -> None:
     """Every dimension tensor parallelism splits must divide evenly by parallel.tp (see parallel/tensor_parallel.py)."""
     m, tp = cfg.model, cfg.parallel.tp
@@ -188,22 +229,27 @@ def _check_tensor_parallel(cfg: JobConfig) -> None:
         _check(value % tp == 0, f"{key}: {what} {value} is not divisible by parallel.tp={tp}")
 
     divides(m.vocab_size, "model.vocab_size", "the vocabulary (split across tensor-parallel ranks)")
-    if "A" in m.mixer_pattern:
+    for i, (mixer, _) in enumerate(m.layer_kinds()):
+        _check(
+            mixer not in ("mamba2", "gdn"),
+            f"model.layers[{i}]: '{mixer}' layers do not support tensor parallelism yet (parallel.tp > 1)",
+        )
+    if m.has_kind("attention"):
         _check(
             a.qk_norm != "full",
             "model.attention.qk_norm: 'full' (one norm over all heads) is not supported with parallel.tp > 1",
         )
         divides(a.n_heads, "model.attention.n_heads", "query heads")
         divides(a.n_kv_heads, "model.attention.n_kv_heads", "key/value heads")
-    if "M" in m.mixer_pattern:
+    if m.has_kind("mamba1"):
         divides(mb.expand * m.d_model, "model.mamba.expand", "d_inner = expand * d_model =")
         _check(
             not mb.proj_bias,
             "model.mamba.proj_bias: biases of Mamba's in/out projections are not supported with parallel.tp > 1",
         )
-    if "D" in m.ffn_pattern:
+    if m.has_kind("mlp"):
         divides(m.d_ff, "model.d_ff", "the dense FFN hidden size")
-    if "E" in m.ffn_pattern:
+    if m.has_kind("moe"):
         if cfg.parallel.expert_tp > 1:  # parallel.etp=1 keeps the experts whole
             divides(moe.d_ff or m.d_ff, "model.moe.d_ff", "the expert hidden size")
         if moe.shared_hidden(m.d_ff):

@@ -131,14 +131,45 @@ class ModelConfig:
     d_ff: int = 512  # dense SwiGLU hidden size (and expert size unless moe.d_ff is set)
     mixer_pattern: str = "A"  # per-layer mixer, tiled over n_layers: A = attention, M = Mamba
     ffn_pattern: str = "E"  # per-layer FFN, tiled over n_layers: D = dense SwiGLU, E = MoE
+    layers: Optional[list[str]] = None  # one entry per layer, e.g. "attention+moe", "mamba2"; null = the patterns
     norm_eps: float = 1e-5  # RMSNorm epsilon
     tie_embeddings: bool = False  # share the embedding matrix with the LM head
     init_std: float = 0.02  # std of the normal init of projection weights
     attention: AttentionConfig = field(default_factory=AttentionConfig)  # attention mixer
     mamba: MambaConfig = field(default_factory=MambaConfig)  # Mamba mixer
-    mamba2: Mamba2Config = field(default_factory=Mamba2Config)  # Mamba-2 (SSD) mixer (not yet in the layer patterns)
-    gdn: GDNConfig = field(default_factory=GDNConfig)  # Gated DeltaNet mixer (not yet in the layer patterns)
+    mamba2: Mamba2Config = field(default_factory=Mamba2Config)  # Mamba-2 (SSD) mixer ("mamba2" layers)
+    gdn: GDNConfig = field(default_factory=GDNConfig)  # Gated DeltaNet mixer ("gdn" layers)
     moe: MoEConfig = field(default_factory=MoEConfig)  # MoE FFN
+
+    def layer_list(self) -> list[str]:
+        """Every layer's kinds, e.g. "attention+moe": `layers` as given, or mixer_pattern/ffn_pattern tiled over
+        n_layers (A → attention, M → mamba1, D → mlp, E → moe). The one source of what each layer holds."""
+        if self.layers is not None:
+            return list(self.layers)
+        mp, fp = self.mixer_pattern, self.ffn_pattern
+        return [f"{_PATTERN_KINDS[mp[i % len(mp)]]}+{_PATTERN_KINDS[fp[i % len(fp)]]}" for i in range(self.n_layers)]
+
+    def layer_kinds(self) -> list[tuple[Optional[str], Optional[str]]]:
+        """(mixer, ffn) per layer from `layer_list`, None where a layer has no such sublayer."""
+        return [split_layer(entry) for entry in self.layer_list()]
+
+    def has_kind(self, kind: str) -> bool:
+        """Whether any layer holds `kind` (a mixer or FFN kind)."""
+        return any(kind in pair for pair in self.layer_kinds())
+
+
+MIXER_KINDS = ("attention", "mamba1", "mamba2", "gdn")
+FFN_KINDS = ("mlp", "moe")
+_PATTERN_KINDS = {"A": "attention", "M": "mamba1", "D": "mlp", "E": "moe"}
+
+
+def split_layer(entry: str) -> tuple[Optional[str], Optional[str]]:
+    """ "mamba2+moe" → ("mamba2", "moe"), "moe" → (None, "moe"); unknown parts are left to checks.py to refuse
+    (this returns the best split it can: a part that is not an FFN kind is taken as the mixer)."""
+    parts = entry.split("+")
+    mixer = parts[0] if parts and parts[0] not in FFN_KINDS else None
+    ffn = parts[-1] if parts and parts[-1] in FFN_KINDS else None
+    return mixer or None, ffn
 
 
 @dataclass

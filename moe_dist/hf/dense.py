@@ -43,8 +43,8 @@ def _unfit(cfg: ModelConfig, qwen3: bool) -> list[str]:
     kinds = layer_kinds(cfg)
     return reasons(
         [
-            (any(m != "A" for m, _ in kinds), "every mixer must be attention"),
-            (any(f != "D" for _, f in kinds), "every FFN must be dense"),
+            (any(m != "attention" for m, _ in kinds), "every mixer must be attention"),
+            (any(f != "mlp" for _, f in kinds), "every FFN must be dense"),
             (not a.rope or a.sliding_window is not None, "attention.rope must be true, sliding_window null"),
             (a.qk_norm != ("head" if qwen3 else "none"), f"attention.qk_norm must be {'head' if qwen3 else 'none'!r}"),
             (a.qkv_bias, "attention.qkv_bias must be false"),

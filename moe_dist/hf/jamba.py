@@ -85,27 +85,31 @@ def unfit(cfg: ModelConfig) -> list[str]:
     kinds = layer_kinds(cfg)
     mixers, ffns = [m for m, _ in kinds], [f for _, f in kinds]
     a, moe = cfg.attention, cfg.moe
-    return (router_unfit(cfg) if "E" in ffns else []) + reasons(
+    return (router_unfit(cfg) if "moe" in ffns else []) + reasons(
         [
             (a.rope, "attention.rope must be false"),
             (a.sliding_window is not None, "attention.sliding_window must be null"),
             (a.qk_norm != "none" or a.qkv_bias, "attention.qk_norm must be 'none' and qkv_bias false"),
-            ("E" in ffns and moe.renormalize, "moe.renormalize must be false"),
-            ("E" in ffns and moe.n_shared_experts > 0, "moe.n_shared_experts must be 0"),
+            ("moe" in ffns and moe.renormalize, "moe.renormalize must be false"),
+            ("moe" in ffns and moe.n_shared_experts > 0, "moe.n_shared_experts must be 0"),
             (a.head_dim not in (None, cfg.d_model // a.n_heads), "attention.head_dim must be d_model // n_heads"),
-            ("M" in mixers and not cfg.mamba.inner_norms, "mamba.inner_norms must be true"),
-            ("E" in ffns and "D" in ffns and (moe.d_ff or cfg.d_ff) != cfg.d_ff, "moe.d_ff must equal d_ff"),
-            (period_offset(mixers, "A") is None, "attention layers must sit at one period/offset"),
-            (period_offset(ffns, "E") is None, "MoE layers must sit at one period/offset"),
+            ("mamba1" in mixers and not cfg.mamba.inner_norms, "mamba.inner_norms must be true"),
+            ("moe" in ffns and "mlp" in ffns and (moe.d_ff or cfg.d_ff) != cfg.d_ff, "moe.d_ff must equal d_ff"),
+            (
+                any(k not in ("attention", "mamba1") for k in mixers) or None in ffns,
+                "every layer must be attention or mamba1 with an FFN (Jamba has no mamba2/gdn layers)",
+            ),
+            (period_offset(mixers, "attention") is None, "attention layers must sit at one period/offset"),
+            (period_offset(ffns, "moe") is None, "MoE layers must sit at one period/offset"),
         ]
     )
 
 
 def to_hf(cfg: ModelConfig, out: dict) -> None:
     kinds = layer_kinds(cfg)
-    m, moe, has_moe = cfg.mamba, cfg.moe, any(f == "E" for _, f in kinds)
-    attn_period, attn_offset = period_offset([k for k, _ in kinds], "A")
-    exp_period, exp_offset = period_offset([f for _, f in kinds], "E")
+    m, moe, has_moe = cfg.mamba, cfg.moe, any(f == "moe" for _, f in kinds)
+    attn_period, attn_offset = period_offset([k for k, _ in kinds], "attention")
+    exp_period, exp_offset = period_offset([f for _, f in kinds], "moe")
     out.update(
         intermediate_size=(moe.d_ff or cfg.d_ff) if has_moe else cfg.d_ff,
         num_experts=moe.num_experts if has_moe else 1,

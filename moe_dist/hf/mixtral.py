@@ -50,8 +50,8 @@ def unfit(cfg: ModelConfig) -> list[str]:
     a, moe = cfg.attention, cfg.moe
     return router_unfit(cfg) + reasons(
         [
-            (any(m != "A" for m, _ in kinds), "every mixer must be attention"),
-            (any(f != "E" for _, f in kinds), "every FFN must be MoE"),
+            (any(m != "attention" for m, _ in kinds), "every mixer must be attention"),
+            (any(f != "moe" for _, f in kinds), "every FFN must be MoE"),
             (not a.rope, "attention.rope must be true"),
             (a.qk_norm != "none", "attention.qk_norm must be 'none'"),
             (a.qkv_bias, "attention.qkv_bias must be false"),

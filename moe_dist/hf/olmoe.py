@@ -54,8 +54,8 @@ def unfit(cfg: ModelConfig) -> list[str]:
     a, moe = cfg.attention, cfg.moe
     return router_unfit(cfg) + reasons(
         [
-            (any(m != "A" for m, _ in kinds), "every mixer must be attention"),
-            (any(f != "E" for _, f in kinds), "every FFN must be MoE"),
+            (any(m != "attention" for m, _ in kinds), "every mixer must be attention"),
+            (any(f != "moe" for _, f in kinds), "every FFN must be MoE"),
             (not a.rope, "attention.rope must be true"),
             (a.sliding_window is not None, "attention.sliding_window must be null"),
             (a.qk_norm != "full", "attention.qk_norm must be 'full'"),

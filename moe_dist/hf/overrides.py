@@ -40,6 +40,7 @@ ARCHITECTURE_KEYS: dict[str, dict[str, str]] = {
     "model.d_ff": _both("the dense FFN width"),
     "model.mixer_pattern": _both("which layers are attention or Mamba"),
     "model.ffn_pattern": _both("which layers are dense or MoE"),
+    "model.layers": _both("which sublayers each layer holds"),
     "model.norm_eps": _both("what the RMSNorms compute"),
     "model.tie_embeddings": _both("whether the head has weights of its own"),
     "model.attention.n_heads": _both("the attention projection shapes"),

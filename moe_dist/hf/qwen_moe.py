@@ -65,7 +65,7 @@ def _unfit(cfg: ModelConfig, qwen2: bool) -> list[str]:
     a, moe = cfg.attention, cfg.moe
     return router_unfit(cfg) + reasons(
         [
-            (any(m != "A" for m, _ in layer_kinds(cfg)), "every mixer must be attention"),
+            (any(m != "attention" for m, _ in layer_kinds(cfg)), "every mixer must be attention"),
             (not a.rope, "attention.rope must be true"),
             (a.sliding_window is not None, "attention.sliding_window must be null"),
             (qwen2 and a.qk_norm != "none", "attention.qk_norm must be 'none'"),
@@ -86,7 +86,7 @@ def _to_hf(cfg: ModelConfig, out: dict, qwen2: bool) -> None:
         num_experts=moe.num_experts,
         norm_topk_prob=moe.renormalize,
         decoder_sparse_step=1,
-        mlp_only_layers=[i for i, (_, f) in enumerate(layer_kinds(cfg)) if f == "D"],
+        mlp_only_layers=[i for i, (_, f) in enumerate(layer_kinds(cfg)) if f == "mlp"],
         head_dim=a.head_dim or cfg.d_model // a.n_heads,
         rope_theta=a.rope_theta,
         use_sliding_window=False,

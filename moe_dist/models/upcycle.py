@@ -22,11 +22,14 @@ from moe_dist.models.decoder import Decoder, build_model, materialize_whole
 
 def upcycled_config(dense: ModelConfig, moe: MoEConfig) -> ModelConfig:
     """`dense` with every dense FFN ("D") turned into an MoE layer ("E") described by `moe` (experts of d_ff)."""
-    if "D" not in dense.ffn_pattern:
-        raise ConfigError("model.ffn_pattern: the source model has no dense FFN layer to upcycle")
-    return dataclasses.replace(
-        dense, ffn_pattern=dense.ffn_pattern.replace("D", "E"), moe=dataclasses.replace(moe, d_ff=None)
-    )
+    if not dense.has_kind("mlp"):
+        key = "model.ffn_pattern" if dense.layers is None else "model.layers"
+        raise ConfigError(f"{key}: the source model has no dense FFN layer to upcycle")
+    moe = dataclasses.replace(moe, d_ff=None)
+    if dense.layers is not None:
+        layers = [e[: -len("mlp")] + "moe" if e.split("+")[-1] == "mlp" else e for e in dense.layers]
+        return dataclasses.replace(dense, layers=layers, moe=moe)
+    return dataclasses.replace(dense, ffn_pattern=dense.ffn_pattern.replace("D", "E"), moe=moe)
 
 
 @torch.no_grad()

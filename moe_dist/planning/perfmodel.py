@@ -160,13 +160,24 @@ def model_cost(cfg: JobConfig) -> ModelCost:
             continue  # vectors, the SSM's A and the embedding lookup cost no matmul FLOPs
         matmul += p.numel() * (m.moe.top_k / m.moe.num_experts if is_expert else 1.0)
     S = cfg.train.seq_len
-    n_attn = sum(1 for i in range(m.n_layers) if m.mixer_pattern[i % len(m.mixer_pattern)] == "A")
-    n_mamba = m.n_layers - n_attn
+    kinds = m.layer_kinds()
+    n_attn = sum(mixer == "attention" for mixer, _ in kinds)
+    n_mamba = sum(mixer == "mamba1" for mixer, _ in kinds)
+    n_mamba2 = sum(mixer == "mamba2" for mixer, _ in kinds)
+    n_gdn = sum(mixer == "gdn" for mixer, _ in kinds)
     head_dim = m.attention.head_dim or m.d_model // m.attention.n_heads
     attn = 2.0 * S * m.attention.n_heads * head_dim  # QKᵀ and AV, causal: half of 4·S·H·Dh per token
     scan = 9.0 * m.mamba.expand * m.d_model * m.mamba.d_state  # discretize + recurrence + readout (Mamba §3)
-    fwd = 2.0 * matmul + n_attn * attn + n_mamba * scan
-    n_moe = sum(1 for i in range(m.n_layers) if m.ffn_pattern[i % len(m.ffn_pattern)] == "E")
+    # Chunked SSD per token: intra-chunk C·Bᵀ and its use (2·chunk·(N + P) per head, half for causality) plus the
+    # state update and readout (4·P·N per head): the quadratic-in-chunk plus linear-in-state terms of Mamba-2.
+    m2, g = m.mamba2, m.gdn
+    ssd = m2.heads(m.d_model) * (2.0 * m2.chunk_size * (m2.d_state + m2.head_dim) + 4.0 * m2.head_dim * m2.d_state)
+    # Chunked gated delta rule per token and value head: the same shape with dk for N and dv for P, plus the WY
+    # correction (the chunk's triangular solve and k·S products, about 2·chunk·dk + 4·dk·dv).
+    dk, dv = g.head_k_dim, g.head_v_dim
+    delta = g.n_v_heads * (2.0 * g.chunk_size * (2 * dk + dv) + 8.0 * dk * dv)
+    fwd = 2.0 * matmul + n_attn * attn + n_mamba * scan + n_mamba2 * ssd + n_gdn * delta
+    n_moe = sum(ffn == "moe" for _, ffn in kinds)
     dt_rank = m.mamba.dt_rank or math.ceil(m.d_model / 16)
     return ModelCost(fwd, int(dense), int(expert), n_moe, m.n_layers, m.d_model, n_mamba, dt_rank + 2 * m.mamba.d_state)
 

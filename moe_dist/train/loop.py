@@ -304,7 +304,7 @@ def train(cfg: JobConfig, run_dir: Path, resume: bool = False) -> list[dict]:
     if mesh.rank == 0:
         _start_run_dir(run_dir, cfg, start)
 
-    n_moe = cfg.model.ffn_pattern.count("E") * (cfg.model.n_layers // len(cfg.model.ffn_pattern))
+    n_moe = sum(ffn == "moe" for _, ffn in cfg.model.layer_kinds())
     logger = MetricsLogger(run_dir, mesh.rank == 0, t.histogram_every, resume_step=start)
     if start == 0:
         logger.text("config", "```\n" + json.dumps(config_to_dict(cfg), indent=2) + "\n```")
