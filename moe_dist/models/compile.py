@@ -14,8 +14,9 @@ def maybe_compile(model, cfg: JobConfig):
     chunks) stay eager. Compiling in place keeps parameter names, so checkpoints are unchanged. Returns `model`."""
     if cfg.train.compile:
         for block in model.blocks:
-            block.mixer_norm.compile()
-            block.ffn_norm.compile()
+            for norm in (block.mixer_norm, block.ffn_norm):
+                if norm is not None:
+                    norm.compile()
             if isinstance(block.mixer, Attention):
                 block.mixer.compile()
             if isinstance(block.ffn, SwiGLU):

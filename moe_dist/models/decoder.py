@@ -1,11 +1,13 @@
 """The hybrid decoder: embedding → blocks[mixer ; FFN] → RMSNorm → LM head.
 
-Each block's mixer (attention or Mamba) and FFN (dense SwiGLU or MoE) come from the config's layer patterns,
-so Mixtral (attention + MoE everywhere) and Jamba (1 attention : 7 Mamba, MoE every other layer) are both
-expressible. Build under `torch.device("meta")`, then `materialize_whole` allocates and initializes.
+Each block's optional mixer (attention, Mamba, Mamba-2 or Gated DeltaNet) and optional FFN (dense SwiGLU or MoE)
+come from the config's layer list (`ModelConfig.layer_list`: `model.layers`, or the patterns tiled), so Mixtral
+(attention + MoE everywhere), Jamba (1 attention : 7 Mamba, MoE every other layer) and Nemotron-H's
+single-sublayer layers are all expressible. Build under `torch.device("meta")`, then `materialize_whole`
+allocates and initializes.
 
 Inference: `generate` decodes with an `InferenceCache` (a KV cache per attention layer, the conv and SSM state
-per Mamba layer), so each new token costs one position's work; without the cache it recomputes the sequence.
+per recurrent layer), so each new token costs one position's work; without the cache it recomputes the sequence.
 """
 
 from __future__ import annotations
@@ -20,43 +22,75 @@ from torch import nn
 from moe_dist.config import ModelConfig
 from moe_dist.data.batches import IGNORE
 from moe_dist.layers.attention import Attention, KVCache
+from moe_dist.layers.gdn import GatedDeltaNet, GDNState
 from moe_dist.layers.mamba import Mamba, MambaState
+from moe_dist.layers.mamba2 import Mamba2, Mamba2State
 from moe_dist.layers.mlp import SwiGLU
 from moe_dist.layers.moe import MoE
 from moe_dist.layers.norm import RMSNorm
 from moe_dist.layers.router import RoutingStats
 
 
-def layer_kinds(cfg: ModelConfig) -> list[tuple[str, str]]:
-    """(mixer, ffn) letters per layer, each pattern tiled over n_layers."""
-    mp, fp = cfg.mixer_pattern, cfg.ffn_pattern
-    return [(mp[i % len(mp)], fp[i % len(fp)]) for i in range(cfg.n_layers)]
+def layer_kinds(cfg: ModelConfig) -> list[tuple[Optional[str], Optional[str]]]:
+    """(mixer, ffn) kinds per layer ("attention", "moe", ... or None where the layer has no such sublayer)."""
+    return cfg.layer_kinds()
+
+
+MixerState = Union[KVCache, MambaState, Mamba2State, GDNState]
+
+
+def _mixer(cfg: ModelConfig, kind: str, device: torch.device | str) -> nn.Module:
+    if kind == "attention":
+        return Attention(cfg.d_model, cfg.attention, cfg.init_std, cfg.n_layers, device, cfg.norm_eps)
+    if kind == "mamba1":
+        return Mamba(cfg.d_model, cfg.mamba, cfg.norm_eps, cfg.init_std, device)
+    if kind == "mamba2":
+        return Mamba2(cfg.d_model, cfg.mamba2, cfg.norm_eps, cfg.init_std, device)
+    if kind == "gdn":
+        return GatedDeltaNet(cfg.d_model, cfg.gdn, cfg.norm_eps, cfg.init_std, device)
+    raise ValueError(f"unknown mixer kind {kind!r}")
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, mixer: str, ffn: str, device: torch.device | str):
+    """Up to two pre-norm residual sublayers: a mixer, then an FFN. An absent one is None together with its norm,
+    so the names of those present (`mixer`, `mixer_norm`, `ffn`, `ffn_norm`) do not depend on the other."""
+
+    def __init__(self, cfg: ModelConfig, mixer: Optional[str], ffn: Optional[str], device: torch.device | str):
         super().__init__()
-        self.mixer_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mixer = (
-            Attention(cfg.d_model, cfg.attention, cfg.init_std, cfg.n_layers, device, cfg.norm_eps)
-            if mixer == "A"
-            else Mamba(cfg.d_model, cfg.mamba, cfg.norm_eps, cfg.init_std, device)
-        )
-        self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mixer_norm = None if mixer is None else RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mixer = None if mixer is None else _mixer(cfg, mixer, device)
+        self.ffn_norm = None if ffn is None else RMSNorm(cfg.d_model, cfg.norm_eps)
         self.ffn = (
-            MoE(cfg.d_model, cfg.d_ff, cfg.moe, cfg.init_std, cfg.n_layers, device)
-            if ffn == "E"
+            None
+            if ffn is None
+            else MoE(cfg.d_model, cfg.d_ff, cfg.moe, cfg.init_std, cfg.n_layers, device)
+            if ffn == "moe"
             else SwiGLU(cfg.d_model, cfg.d_ff, cfg.init_std, cfg.n_layers)
         )
 
+    def parts(self) -> list[str]:
+        """The names of the submodules present, in init order."""
+        return [p for p in ("mixer_norm", "mixer", "ffn_norm", "ffn") if getattr(self, p) is not None]
+
     def init_weights(self) -> None:
-        for module in (self.mixer_norm, self.mixer, self.ffn_norm, self.ffn):
-            module.init_weights()
+        for part in self.parts():
+            getattr(self, part).init_weights()
+
+    def new_state(self, batch: int, max_len: int, device: torch.device, dtype: torch.dtype) -> Optional[MixerState]:
+        """The mixer's inference state (None without a mixer)."""
+        if self.mixer is None:
+            return None
+        if isinstance(self.mixer, Attention):
+            return self.mixer.new_cache(batch, max_len, device, dtype)
+        return self.mixer.new_state(batch, device, dtype)
 
     def forward(
-        self, x: torch.Tensor, cache: Union[KVCache, MambaState, None] = None, **documents
+        self, x: torch.Tensor, cache: Optional[MixerState] = None, **documents
     ) -> tuple[torch.Tensor, RoutingStats | None]:
-        x = x + self.mixer(self.mixer_norm(x), cache, **documents)
+        if self.mixer is not None:
+            x = x + self.mixer(self.mixer_norm(x), cache, **documents)
+        if self.ffn is None:
+            return x, None
         h = self.ffn(self.ffn_norm(x))
         if isinstance(h, tuple):
             h, stats = h
@@ -76,7 +110,7 @@ class DecoderOutput:
 class InferenceCache:
     """Mixer state of every block for incremental decoding (see `Decoder.new_cache`)."""
 
-    layers: list[Union[KVCache, MambaState]]  # one per block: KVCache for attention, MambaState for Mamba
+    layers: list[Optional[MixerState]]  # one per block: KVCache for attention, the recurrent state otherwise
     length: int = 0  # positions processed so far
 
 
@@ -111,8 +145,8 @@ class Decoder(nn.Module):
         units: list[tuple[str, Callable[[nn.Module], None]]] = [("embed", normal)]
         if self.head is not None:
             units.append(("head", normal))
-        for i in range(len(self.blocks)):
-            for part in ("mixer_norm", "mixer", "ffn_norm", "ffn"):
+        for i, block in enumerate(self.blocks):
+            for part in block.parts():
                 units.append((f"blocks.{i}.{part}", lambda module: module.init_weights()))
         units.append(("norm", lambda module: module.init_weights()))
         return units
@@ -125,14 +159,7 @@ class Decoder(nn.Module):
     def new_cache(self, batch: int, max_len: int) -> InferenceCache:
         """An empty cache for `batch` sequences of up to `max_len` positions, on the model's device and dtype."""
         w = self.embed.weight
-        return InferenceCache(
-            [
-                b.mixer.new_cache(batch, max_len, w.device, w.dtype)
-                if isinstance(b.mixer, Attention)
-                else b.mixer.new_state(batch, w.device, w.dtype)
-                for b in self.blocks
-            ]
-        )
+        return InferenceCache([b.new_state(batch, max_len, w.device, w.dtype) for b in self.blocks])
 
     def forward(
         self,
@@ -143,8 +170,8 @@ class Decoder(nn.Module):
     ) -> DecoderOutput:
         """tokens (B, S) → logits (B, S, V). With a cache, tokens continue the sequences it holds (inference).
         Packed documents (training): `document_ids` (B, S) int, equal within a document, keep documents apart
-        in attention (mask, RoPE positions) and Mamba (conv, state); `prefix` (B, S) bool marks prompt tokens that
-        attention layers let see each other (prefix-LM)."""
+        in attention (mask, RoPE positions) and the recurrent mixers (conv, state); `prefix` (B, S) bool marks
+        prompt tokens that attention layers let see each other (prefix-LM)."""
         documents = {} if document_ids is None else {"document_ids": document_ids, "prefix": prefix}
         x = self.embed(tokens)  # (B, S, D)
         stats: list[RoutingStats] = []
@@ -250,7 +277,7 @@ def generate(
     The model must be dropless (`moe.capacity_factor` null): with capacity drops a token's output depends on
     how many other tokens share its forward, so cached and recomputed decoding could not agree.
     """
-    if model.cfg.moe.capacity_factor is not None and "E" in model.cfg.ffn_pattern:
+    if model.cfg.moe.capacity_factor is not None and model.cfg.has_kind("moe"):
         raise ValueError("generate: build the model with model.moe.capacity_factor=null (dropless) for inference")
     if prompt.ndim != 2 or prompt.shape[1] == 0:
         raise ValueError(f"generate: prompt must be (batch, seq) with seq >= 1, got shape {tuple(prompt.shape)}")

@@ -234,7 +234,7 @@ def apply_tp(model: nn.Module, mesh: Mesh, sequence_parallel: bool = False) -> n
 def sum_norm_grads_over_tp(model: nn.Module, mesh: Mesh) -> None:
     """Sequence parallelism's gradient sums for the norms outside the regions, on allocated parameters (a tensor
     hook belongs to the Parameter object, which allocating a meta parameter replaces)."""
-    for norm in [model.norm, *(n for blk in model.blocks for n in (blk.mixer_norm, blk.ffn_norm))]:
+    for norm in [model.norm, *(n for blk in model.blocks for n in (blk.mixer_norm, blk.ffn_norm) if n is not None)]:
         for p in norm.parameters():
             _sum_grad_over_tp(p, mesh.tp_group)
 

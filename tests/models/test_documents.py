@@ -1,5 +1,6 @@
 """Packed documents: with `document_ids`, no document sees another, through attention (mask, RoPE positions),
-Mamba (conv, SSM state) and dropless MoE; prefix-LM masks against an explicit masked softmax."""
+Mamba, Mamba-2 and Gated DeltaNet (conv, recurrent state) and dropless MoE; prefix-LM masks against an explicit
+masked softmax."""
 
 import math
 
@@ -28,9 +29,21 @@ def _model(**over) -> torch.nn.Module:
     return materialize_whole(build_model(cfg), "cpu", seed=0)
 
 
-@pytest.fixture(scope="module")
-def model():
-    return _model()
+# The pattern model (attention, Mamba, dense and MoE), and one of every kind of the layer list, the new mixers with
+# small heads so that several heads and chunks are exercised.
+RECURRENT = ["mamba2+mlp", "gdn+moe", "attention", "gdn", "mamba2+moe"]
+
+
+@pytest.fixture(scope="module", params=["patterns", "mamba2+gdn"])
+def model(request):
+    if request.param == "patterns":
+        return _model()
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=len(RECURRENT), d_ff=48, layers=RECURRENT)
+    cfg.attention.n_heads, cfg.attention.n_kv_heads = 4, 2
+    cfg.moe.num_experts, cfg.moe.capacity_factor = 4, None
+    cfg.mamba2.head_dim, cfg.mamba2.d_state, cfg.mamba2.n_groups, cfg.mamba2.chunk_size = 16, 8, 2, 8
+    cfg.gdn.n_k_heads, cfg.gdn.n_v_heads, cfg.gdn.head_k_dim, cfg.gdn.head_v_dim, cfg.gdn.chunk_size = 2, 4, 8, 8, 8
+    return materialize_whole(build_model(cfg), "cpu", seed=0)
 
 
 def test_changing_one_document_leaves_the_others_unchanged(model):
