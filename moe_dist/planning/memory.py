@@ -87,23 +87,52 @@ def activation_bytes(cfg: JobConfig, tp: int = 1) -> dict[str, float]:
     cf = m.moe.capacity_factor or 1.0
     norm_full = 3 * D * a / sp + 4  # norm input, norm output, the first linear's copy of it, rstd
     norm_kept = 2 * D * a / sp + 4  # the recomputed sublayer's input and the norm's input stay
-    out = {"attention": 0.0, "mamba": 0.0, "mlp": 0.0, "moe": 0.0}
+    m2, g = m.mamba2, m.gdn
+    # Mamba-2 per token (layers/mamba2.py with the chunked SSD of layers/ssd.py; derived by listing the tensors
+    # autograd keeps, tests/planning/test_memory.py measures it): the in_proj output (z, xBC, dt), the conv and SiLU
+    # outputs (2·conv_dim), B and C broadcast to every head (2·H·N), the chunk's decay and score rows (2·H·chunk),
+    # x, y, the D skip, the gated norm's input/output and out_proj's input (6·d_inner), and the fp32 states at
+    # chunk boundaries (2·H·P·N per chunk). Not split by TP: refused for mamba2 layers.
+    m2_di, m2_h, m2_L = m2.d_inner(D), m2.heads(D), m2.chunk_size
+    m2_conv = m2_di + 2 * m2.n_groups * m2.d_state
+    m2_inner = (
+        (m2_di + m2_conv + m2_h + 2 * m2_conv + 2 * m2_h * m2.d_state + 6 * m2_di) * a
+        + 2 * m2_h * m2_L * 4
+        + 2 * 4 * m2_di * m2.d_state / m2_L
+    )
+    # Gated DeltaNet per token (layers/gdn.py with the chunked WY/UT rule of layers/delta_rule.py; derived the same
+    # way): the qkvz and ba projections, the conv and SiLU outputs (2·conv_dim), q and k L2-normalised and repeated
+    # over the value heads with their chunk-decayed copies (6·Hv·dk), the chunk's attention, decay and WY rows
+    # (5·Hv·chunk), v, the rule's output, the gated norm's input/output and out_proj's input (6·Hv·dv), and the fp32
+    # states at chunk boundaries with their decayed copies (12·Hv·dk·dv per chunk).
+    g_kd, g_vd, g_L = g.n_k_heads * g.head_k_dim, g.n_v_heads * g.head_v_dim, g.chunk_size
+    g_conv = 2 * g_kd + g_vd
+    g_inner = (
+        (2 * g_kd + 2 * g_vd + 2 * g.n_v_heads + 2 * g_conv + 6 * g.n_v_heads * g.head_k_dim + 6 * g_vd) * a
+        + 5 * g.n_v_heads * g_L * 4
+        + 12 * 4 * g.n_v_heads * g.head_k_dim * g.head_v_dim / g_L
+    )
+    out = {"attention": 0.0, "mamba": 0.0, "mamba2": 0.0, "gdn": 0.0, "mlp": 0.0, "moe": 0.0}
     largest = 0.0  # the largest one sublayer's interior: its backward's working set (and its recompute)
     for mixer, ffn in layer_kinds(m):
-        if mixer == "A":
+        if mixer == "attention":
             inner = (2 * hq + 2 * hkv) * hd * a + 4 * hq
             out["attention"] += norm_kept if "attention" in parts else norm_full + inner
             largest = max(largest, inner)
-        else:
+        elif mixer in ("mamba2", "gdn"):  # not covered by train.checkpoint_parts: always kept
+            inner = m2_inner if mixer == "mamba2" else g_inner
+            out[mixer] += norm_full + inner
+            largest = max(largest, inner)
+        elif mixer == "mamba1":
             inner = (11 * di + r + 4 * n + di * n / m.mamba.chunk_size) * a
             if m.mamba.inner_norms:
                 inner += 2 * (r + 2 * n) * a + 12
             out["mamba"] += norm_kept if "mamba" in parts else norm_full + inner
             largest = max(largest, inner)
-        if ffn == "D":
+        if ffn == "mlp":
             out["mlp"] += norm_kept if "mlp" in parts else norm_full + 4 * f_dense * a
             largest = max(largest, 4 * f_dense * a)
-        else:
+        elif ffn == "moe":
             router = 8 * E + 12 + (D * 4 if a == 2 else 0)  # the router's fp32 copy of its input under bf16
             rows = K * cf * (2 * D * a if "moe_experts" in parts else (2 * D + 4 * f_moe) * a)
             out["moe"] += norm_full + router + rows
@@ -115,7 +144,7 @@ def activation_bytes(cfg: JobConfig, tp: int = 1) -> dict[str, float]:
         "logits": 3 * 4 * v * T,  # fp32 logits, log-softmax and its gradient at the start of the backward
         # One sublayer's backward: its interior (recomputed first, under recompute) and the gradients of it.
         "layer_backward": (2 if parts else 1) * largest * T,
-        "all_to_all": (2 * K * cf * T * D * a) if cfg.parallel.ep > 1 and "E" in m.ffn_pattern else 0.0,
+        "all_to_all": (2 * K * cf * T * D * a) if cfg.parallel.ep > 1 and m.has_kind("moe") else 0.0,
     }
     return {**per_token, "total": sum(per_token.values()), "transient": transient}
 

@@ -61,6 +61,38 @@ def test_activation_terms_match_what_autograd_keeps(one_thread, layers):
     assert planned == pytest.approx(kept, rel=0.05), (planned, kept)
 
 
+@pytest.mark.parametrize("kind", ["mamba2", "gdn"])
+def test_activation_terms_of_the_new_mixers_match_what_autograd_keeps(one_thread, kind):
+    """The per-token estimates of Mamba-2 and Gated DeltaNet layers (counted term by term, not exact: within 10%
+    in fp32 at this shape, several heads and chunks)."""
+    small = [*SMALL, "model.mamba2.head_dim=16", "model.mamba2.chunk_size=32"]
+    small += ["model.gdn.head_k_dim=16", "model.gdn.head_v_dim=16", "model.gdn.chunk_size=32"]
+    layers = "[" + ",".join([f'"{kind}+mlp"', '"attention+moe"'] * 2) + "]"
+    cfg = load_config(
+        "configs/debug.json", [*small, "model.mixer_pattern=A", "model.ffn_pattern=E", f"model.layers={layers}"]
+    )
+    planned = activation_bytes(cfg)
+    assert planned[kind] > 0
+    assert planned["total"] == pytest.approx(_kept_bytes(cfg), rel=0.10)
+
+
+def test_dry_run_plans_a_model_with_every_layer_kind(capsys):
+    """launch/train.py --dry-run, in this process: parameters from the meta model, the plan for the new kinds."""
+    sys.path.insert(0, str(REPO / "launch"))
+    import train as launcher
+
+    layers = '["attention+moe","mamba2","gdn+mlp","mamba1+moe"]'
+    argv = ["--config", str(REPO / "configs/debug.json"), "--dry-run", "--world-size", "2"]
+    argv += ["--set", "model.mixer_pattern=A", "--set", "model.ffn_pattern=E", "--set", f"model.layers={layers}"]
+    assert launcher.main(argv) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    cfg = load_config(
+        REPO / "configs/debug.json", ["model.mixer_pattern=A", "model.ffn_pattern=E", f"model.layers={layers}"]
+    )
+    assert out["params_total"] == sum(p.numel() for p in build_model(cfg.model, "meta").parameters())
+    assert out["memory_per_rank_gb"]["activations"] > 0
+
+
 def test_plan_of_the_shipped_big_configs_fits_an_h200_node():
     for name in ("mixtral_8x7b", "jamba_v0.1"):
         cfg = load_config(REPO / f"configs/{name}.json")
