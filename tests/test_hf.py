@@ -405,3 +405,18 @@ def test_generate_cli_uses_the_checkpoints_tokenizer(tmp_path, capsys):
         )
         text = capsys.readouterr().out.split()
         assert text[:5] == ["def", "main", "(", "x", ")"] and len(text) == 9 and set(text) <= set(words)
+
+
+@pytest.mark.parametrize("kind", ["mamba2", "gdn", "moe"])
+def test_export_refuses_layers_no_family_has(kind):
+    """Mamba-2, Gated DeltaNet and single-sublayer layers are in no exported family: refused, never dropped."""
+    from moe_dist.hf.format import family_of
+
+    layers = ["attention+moe", "mamba1+mlp", kind, "mamba1+mlp"]
+    cfg = load_config(None, [f"model.layers={json.dumps(layers)}", "model.attention.rope=false"]).model
+    cfg.mamba.inner_norms, cfg.moe.renormalize = True, False
+    with pytest.raises(HFConfigError, match=r"jamba: .*every layer must be attention or mamba1 with an FFN"):
+        family_of(cfg)
+    fits = load_config(None, [f"model.layers={json.dumps(['attention+moe', 'mamba1+mlp'] * 2)}"]).model
+    fits.attention.rope, fits.mamba.inner_norms, fits.moe.renormalize = False, True, False
+    assert family_of(fits).model_type == "jamba"  # the same model with Jamba's kinds only is exported
