@@ -16,8 +16,8 @@ def _cfg(*overrides):
 
 def test_jamba_pattern_places_attention_every_eighth_layer_and_moe_every_other():
     kinds = layer_kinds(load_config("configs/jamba_v0.1.json").model)
-    assert [i for i, (m, _) in enumerate(kinds) if m == "A"] == [4, 12, 20, 28]
-    assert [i for i, (_, f) in enumerate(kinds) if f == "E"] == list(range(1, 32, 2))
+    assert [i for i, (m, _) in enumerate(kinds) if m == "attention"] == [4, 12, 20, 28]
+    assert [i for i, (_, f) in enumerate(kinds) if f == "moe"] == list(range(1, 32, 2))
 
 
 def test_blocks_follow_the_patterns():
@@ -59,7 +59,7 @@ def test_param_counts_active_counts_top_k_experts_per_moe_layer():
     model = build_model(cfg)
     assert counts["params_total"] == sum(p.numel() for p in model.parameters())
     expert = 3 * cfg.d_model * cfg.d_ff  # one SwiGLU expert
-    n_moe = sum(f == "E" for _, f in layer_kinds(cfg))
+    n_moe = sum(f == "moe" for _, f in layer_kinds(cfg))
     assert counts["params_total"] - counts["params_active"] == n_moe * expert * (cfg.moe.num_experts - cfg.moe.top_k)
 
 
