@@ -110,7 +110,7 @@ def validate(cfg: JobConfig) -> None:
     _check(t.seq_len > 0, f"train.seq_len: must be positive, got {t.seq_len}")
     _check(t.micro_batch_size > 0, f"train.micro_batch_size: must be positive, got {t.micro_batch_size}")
     check_global_batch(t.global_batch_size, t.micro_batch_size, 1)  # the data-parallel part: check_layout
-    parts = {"attention", "mamba", "moe_experts", "mlp"}
+    parts = {"attention", "mamba", "mamba2", "gdn", "moe_experts", "mlp"}
     _check(
         set(t.checkpoint_parts) <= parts,
         f"train.checkpoint_parts: expected a subset of {sorted(parts)}, got {t.checkpoint_parts}",

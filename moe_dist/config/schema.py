@@ -242,7 +242,9 @@ class TrainConfig:
     activation_checkpointing: Literal["none", "full", "selective"] = (
         "none"  # recompute activations in the backward: full = every part below, selective = train.checkpoint_parts
     )
-    checkpoint_parts: list[str] = field(default_factory=list)  # for selective: attention, mamba, moe_experts, mlp
+    checkpoint_parts: list[str] = field(
+        default_factory=list
+    )  # for selective: attention, mamba, mamba2, gdn, moe_experts, mlp
     grad_accum_dtype: Literal["fp32", "bf16"] = (
         "fp32"  # with dtype bf16: gradients accumulate over micro-batches and are reduced in this dtype
     )

@@ -1,9 +1,9 @@
 """Activation checkpointing (`train.activation_checkpointing`, `train.checkpoint_parts`): chosen sublayers keep only
 their input in the forward and recompute their interior in the backward (torch.utils.checkpoint, non-reentrant).
 
-Parts: "attention", "mamba", "mlp", "moe_experts"; "full" recomputes all four in every block. Invariants: in MoE
-layers only the experts are recomputed, from their saved dispatched rows, never the router, the dispatch
-all-to-all or the combine, so a recompute issues no collective and routing statistics are counted once; each
+Parts: "attention", "mamba", "mamba2", "gdn", "mlp", "moe_experts"; "full" recomputes all of them in every block.
+Invariants: in MoE layers only the experts are recomputed, from their saved dispatched rows, never the router, the
+dispatch all-to-all or the combine, so a recompute issues no collective and routing statistics are counted once; each
 recomputed region is its module's own `forward`, inside the TP region hooks, so region collectives are not repeated
 (Mamba's x_proj all-reduce is, in the same order on every TP rank); parameter names do not change (the `forward`
 is wrapped on the instance). The parts table and the reasons: docs/memory.md, section "Activation checkpointing";
@@ -18,11 +18,15 @@ from torch.utils.checkpoint import checkpoint
 
 from moe_dist.config import TrainConfig
 from moe_dist.layers.attention import Attention
+from moe_dist.layers.gdn import GatedDeltaNet
 from moe_dist.layers.mamba import Mamba
+from moe_dist.layers.mamba2 import Mamba2
 from moe_dist.layers.mlp import SwiGLU
 from moe_dist.layers.moe import MoE
 
-PARTS = ("attention", "mamba", "moe_experts", "mlp")
+PARTS = ("attention", "mamba", "mamba2", "gdn", "moe_experts", "mlp")
+# The mixer part each mixer class answers to.
+_MIXER_PART = {Attention: "attention", Mamba: "mamba", Mamba2: "mamba2", GatedDeltaNet: "gdn"}
 
 
 def checkpointed_parts(t: TrainConfig) -> set[str]:
@@ -53,7 +57,7 @@ def apply_activation_checkpointing(model: nn.Module, t: TrainConfig) -> nn.Modul
     parts = checkpointed_parts(t)
     for block in getattr(model, "blocks", []):
         mixer, ffn = block.mixer, block.ffn
-        if (isinstance(mixer, Attention) and "attention" in parts) or (isinstance(mixer, Mamba) and "mamba" in parts):
+        if mixer is not None and _MIXER_PART[type(mixer)] in parts:
             _recompute(mixer, takes_cache=True)
         if isinstance(ffn, SwiGLU) and "mlp" in parts:
             _recompute(ffn)

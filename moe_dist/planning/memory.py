@@ -119,9 +119,9 @@ def activation_bytes(cfg: JobConfig, tp: int = 1) -> dict[str, float]:
             inner = (2 * hq + 2 * hkv) * hd * a + 4 * hq
             out["attention"] += norm_kept if "attention" in parts else norm_full + inner
             largest = max(largest, inner)
-        elif mixer in ("mamba2", "gdn"):  # not covered by train.checkpoint_parts: always kept
+        elif mixer in ("mamba2", "gdn"):
             inner = m2_inner if mixer == "mamba2" else g_inner
-            out[mixer] += norm_full + inner
+            out[mixer] += norm_kept if mixer in parts else norm_full + inner
             largest = max(largest, inner)
         elif mixer == "mamba1":
             inner = (11 * di + r + 4 * n + di * n / m.mamba.chunk_size) * a

@@ -16,7 +16,17 @@ SETTINGS = {
     "moe_experts": ["train.activation_checkpointing=selective", 'train.checkpoint_parts=["moe_experts"]'],
     "mixers": ["train.activation_checkpointing=selective", 'train.checkpoint_parts=["attention","mamba"]'],
     "mlp": ["train.activation_checkpointing=selective", 'train.checkpoint_parts=["mlp"]'],
+    "new_mixers": ["train.activation_checkpointing=selective", 'train.checkpoint_parts=["mamba2","gdn"]'],
 }
+# A layer list with every mixer kind (the debug model's widths), for the recompute of Mamba-2 and Gated DeltaNet.
+EVERY_MIXER = [
+    "model.mixer_pattern=A",
+    "model.ffn_pattern=E",
+    'model.layers=["attention+moe","mamba2+mlp","gdn+moe","mamba1+mlp"]',
+    "model.mamba2.head_dim=16",
+    "model.gdn.head_k_dim=16",
+    "model.gdn.head_v_dim=16",
+]
 
 
 def _model(setting: str, *extra: str):
@@ -105,3 +115,19 @@ def test_checkpoint_parts_are_checked():
         load_config(None, ["train.activation_checkpointing=selective", 'train.checkpoint_parts=["router"]'])
     with pytest.raises(ConfigError, match=r"^train.checkpoint_parts: only used with"):
         load_config(None, ['train.checkpoint_parts=["mlp"]'])
+
+
+@pytest.mark.parametrize("setting", ["full", "new_mixers"])
+def test_recompute_of_mamba2_and_gdn_layers_equals_no_recompute(one_thread, setting):
+    """Mamba-2 and Gated DeltaNet layers recompute under "full" and under their own parts, bitwise as without."""
+    ref = _train("none", 2, 2, *EVERY_MIXER)
+    got = _train(setting, 2, 2, *EVERY_MIXER)
+    for r, g in zip(ref, got):
+        assert g["loss"] == r["loss"] and g["grad_norm"] == r["grad_norm"] and g["tokens"] == r["tokens"]
+    for name, p in ref[-1]["params"].items():
+        assert torch.equal(got[-1]["params"][name], p), name
+    model, _ = _model(setting, *EVERY_MIXER)
+    wrapped = [type(b.mixer).__name__ for b in model.blocks if "forward" in vars(b.mixer)]
+    assert sorted(wrapped) == (
+        ["Attention", "GatedDeltaNet", "Mamba", "Mamba2"] if setting == "full" else ["GatedDeltaNet", "Mamba2"]
+    )
