@@ -1,23 +1,11 @@
 """Gated delta rule for training in pure PyTorch: chunked, in the WY/UT form (the CPU path; impl "torch").
 
-The sequential recurrence (`moe_dist.kernels.reference.gated_delta_rule_ref`) is one rank-one update per
-timestep. Here the sequence is cut into chunks of C positions. Inside a chunk, with S₀ the state entering it,
-γ_t = Σ_{s≤t} g_s the cumulative log decay from the chunk start and u_t = β_t (v_t − (e^{γ_t − γ_{t−1}}
-S_{t−1})ᵀ k_t) the delta-rule correction written at t, unrolling S_t = e^{γ_t} S₀ + Σ_{s≤t} e^{γ_t − γ_s} k_s u_sᵀ
-turns the corrections into one unit-lower-triangular system (the UT transform):
-
-    (I + A) U = diag(β) V − diag(β e^γ) K S₀,   A_ts = β_t e^{γ_t − γ_s} k_t·k_s  (s < t),
-
-so U = Ũ − W S₀ with Ũ = (I + A)⁻¹ diag(β) V and W = (I + A)⁻¹ diag(β e^γ) K, both independent of S₀: they are
-solved for every chunk at once. Only the state passes chunk to chunk, each chunk a few matmuls:
-
-    O = diag(e^γ) Q S₀ + (M ⊙ Q Kᵀ) U,   M_ts = e^{γ_t − γ_s} (s ≤ t),
-    S_C = e^{γ_C} S₀ + (diag(e^{γ_C − γ}) K)ᵀ U.
-
-Decays enter only as e^{γ_t − γ_s} with s ≤ t (never a division by a cumulative decay that underflows), and the
-masked entries are −∞ before the exp, so no inf reaches a product. A document start r inside a chunk cuts the
-chunk into segments: terms that cross r (e^{γ_t − γ_s} with s < r ≤ t, and S₀'s terms after r) are masked out,
-which is S_{r−1} = 0. Gradients are autograd's through these ops (the reference's are the oracle).
+The oracle is `moe_dist.kernels.reference.gated_delta_rule_ref` (one rank-one update per timestep). Invariants:
+only the state passes from chunk to chunk (the UT systems of every chunk are solved at once); decays enter only
+as e^{γ_t − γ_s} with s ≤ t, masked to −∞ before the exp, so no inf reaches a product; a document start zeroes the
+state before its step, inside and across chunks; gradients are autograd's. The derivation: docs/kernels.md,
+section "The chunked gated delta rule"; proof: tests/layers/test_delta_rule.py (equal to the reference, outputs,
+final state and every gradient).
 """
 
 from __future__ import annotations
