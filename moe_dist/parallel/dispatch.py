@@ -11,7 +11,8 @@ device-to-host transfer, the split lists and the segment permutations that regro
 that one chunk's all-to-all overlaps another's expert GEMMs (`run`). Every rank issues the same collectives in the
 same order, with zero splits where it has no rows. The TP token split, whole experts (`parallel.etp` = 1) and the
 chunked schedule with its collective order: docs/parallelism.md. Proofs: the outputs equal one process's
-(tests/parallel/test_ep_dispatch.py, chunked and folded too), one transfer per layer (tests/train/test_host_syncs.py).
+(tests/parallel/test_ep_dispatch.py, chunked and folded too), one device-to-host transfer per layer and no
+host-to-device copy (tests/train/test_host_syncs.py).
 """
 
 from __future__ import annotations
@@ -33,17 +34,19 @@ from moe_dist.parallel.comm import (
 )
 
 
-def segment_permutation(counts_XY: torch.Tensor) -> torch.Tensor:
+def segment_permutation(counts_XY: torch.Tensor, total: int | None = None) -> torch.Tensor:
     """Indices that read a buffer laid out as segments in (x, y) order back in (y, x) order.
 
-    counts_XY[x, y] is the length of segment (x, y). Pure index math, linear in the buffer length.
+    counts_XY[x, y] is the length of segment (x, y); `total` their sum, known on the host (None: read from
+    `counts_XY`, a sync when it is on a GPU). Pure index math on counts_XY's device, linear in the buffer length.
     """
     X, Y = counts_XY.shape
+    total = int(counts_XY.sum()) if total is None else total
     src_start_XY = (torch.cumsum(counts_XY.flatten(), 0) - counts_XY.flatten()).view(X, Y)
     counts_YX = counts_XY.t().flatten()
     dst_start_YX = torch.cumsum(counts_YX, 0) - counts_YX
-    shift = torch.repeat_interleave(src_start_XY.t().flatten() - dst_start_YX, counts_YX)
-    return torch.arange(int(counts_YX.sum()), device=counts_XY.device) + shift
+    shift = torch.repeat_interleave(src_start_XY.t().flatten() - dst_start_YX, counts_YX, output_size=total)
+    return torch.arange(total, device=counts_XY.device) + shift
 
 
 def token_parts(index_N: torch.Tensor, num_tokens: int, parts: int) -> torch.Tensor:
@@ -149,7 +152,7 @@ class AllToAllDispatcher(Dispatcher):
 
     def _plan(self, routing: Routing, x_TD: torch.Tensor, chunks: int) -> _Plan:
         """The count exchange and everything derived from it, for `chunks` chunks of this rank's token slice."""
-        P, L, C, dev = self.ep, self.num_local, chunks, x_TD.device
+        P, L, C = self.ep, self.num_local, chunks
         S, s = (self.split.size, self.split.rank) if self.split else (1, 0)
         counts_XE, by_part = self._part_counts(routing, S * C)
         mine = slice(s * C, (s + 1) * C)  # this rank's parts: chunks 0..C-1 of its slice
@@ -158,19 +161,22 @@ class AllToAllDispatcher(Dispatcher):
         sent_XE = counts_XE if self._gathers else counts_XE[mine]
         recv_PXL = all_to_all_equal(sent_XE.view(G * C, P, L).transpose(0, 1), self.group)  # [source, part, l]
         # The uneven all-to-alls need the split lists on the host: one device-to-host transfer for all of them.
+        # The index tensors are built from the device's own copy of the counts, their sizes from the host's copy:
+        # nothing is copied back to the device (a copy from pageable host memory would wait for the stream).
         host = torch.cat([counts_XE.flatten(), recv_PXL.flatten()]).cpu()
         counts_XPL = host[: counts_XE.numel()].view(S * C, P, L)
-        recv_PXL = host[counts_XE.numel() :].view(P, G * C, L)
+        recv_dev_PXL, recv_PXL = recv_PXL, host[counts_XE.numel() :].view(P, G * C, L)
         rows_R = self._rows_of_parts(routing, by_part, counts_XPL.view(S * C, P * L), mine)  # by chunk, then expert
         send_CP = counts_XPL[mine].sum(2).tolist()  # rows to each EP rank, per chunk
         recv_CP = recv_PXL[:, own].sum(2).t().tolist()  # rows from each EP rank, per chunk
         received = []
         for c in range(C):
             counts_GPL = recv_PXL[:, c::C].transpose(0, 1)  # chunk c of each slice met here [peer, source, l]
-            counts_YL = counts_GPL.reshape(G * P, L)
-            to_expert = segment_permutation(counts_YL).to(dev)
-            to_source = segment_permutation(counts_YL.t()).to(dev)
-            received.append(_Received(counts_GPL.sum((1, 2)).tolist(), to_expert, to_source, counts_YL.sum(0).to(dev)))
+            rows = int(counts_GPL.sum())
+            counts_YL = recv_dev_PXL[:, c::C].transpose(0, 1).reshape(G * P, L)  # the same counts, on the device
+            to_expert = segment_permutation(counts_YL, rows)
+            to_source = segment_permutation(counts_YL.t(), rows)
+            received.append(_Received(counts_GPL.sum((1, 2)).tolist(), to_expert, to_source, counts_YL.sum(0)))
         sent_rows = sum(sum(n) - n[self.ep_rank] for n in send_CP)
         return _Plan(rows_R, send_CP, recv_CP, received, sent_rows * x_TD.shape[1] * x_TD.element_size())
 

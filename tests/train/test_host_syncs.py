@@ -1,18 +1,23 @@
 """Host syncs a CPU run can see, counted where a GPU step would wait. The budget these tests hold: at most one
 device-to-host transfer per MoE layer per micro-batch, the counts the uneven all-to-all needs, and the metrics once
-per step.
+per step; no host-to-device copy at all (a copy from pageable host memory waits for the stream).
 
 `HostSyncs` treats the CPU as the device and follows which tensors are host copies:
   - a TorchFunctionMode sees our Python calls: `.cpu()`, `.tolist()` and `.numpy()` of a device tensor are
     device-to-host transfers; their results, tensors built without a `device=` argument and whatever is computed
-    from host tensors alone are host tensors (on a GPU they would live in host memory);
+    from host tensors alone are host tensors (on a GPU they would live in host memory); a host tensor moved
+    with `.to(device)` or `.cuda()`, copied into a device tensor by `copy_`, or used (not 0-dim) as an operand of
+    an op beside device tensors, and `torch.tensor`/`torch.as_tensor` of host data with `device=`, are
+    host-to-device copies;
   - a TorchDispatchMode sees every aten op, in backward too: `_local_scalar_dense` (what `.item()`, `int()`,
     `float()` and `bool()` of a tensor run), `nonzero`, `masked_select`, indexing with a boolean mask, `bincount`
     (CUDA's reads the input's max on the host), `unique` and `repeat_interleave` without `output_size` (sizes
     read from the device) on a device tensor.
 What it cannot see: syncs inside kernels that run none of these ops; a `.cpu()` or `.tolist()` called from an
 autograd backward (the function mode is not active there; our backwards call neither: the dispatch mode, which is,
-would see the ops behind an `.item()`); and a `.to("cpu")` (our code moves to the host with `.cpu()` only).
+would see the ops behind an `.item()`); a `.to("cpu")` (our code moves to the host with `.cpu()` only); and a
+tensor built with `device=` a host tensor's device, which it takes for a device tensor (so a copy of it to the
+device is seen where it first meets a host tensor, as "host operand").
 """
 
 from __future__ import annotations
@@ -68,10 +73,19 @@ class _Host(TorchFunctionMode):
         host_inputs = all(self.syncs.on_host(t) for t in tensors)
         if name in D2H_METHODS and not host_inputs:
             self.syncs.record(f"{name}()")
+        moved = name == "to" and any(isinstance(a, (torch.device, str)) for a in (*args[1:], kwargs.get("device")))
+        host = [t for t in tensors if self.syncs.on_host(t)]
+        if (moved or name == "cuda") and host:
+            self.syncs.record("to(device)")  # host to device: a copy the host waits for (pageable memory)
+        elif name == "copy_" and len(tensors) == 2 and self.syncs.on_host(args[1]) and not self.syncs.on_host(args[0]):
+            self.syncs.record("copy_()")
+        elif name in ("tensor", "as_tensor") and kwargs.get("device") is not None and len(host) == len(tensors):
+            self.syncs.record(f"{name}(device=)")  # host data (Python values or a host tensor) copied to the device
+        elif host and len(host) < len(tensors) and any(t.dim() > 0 for t in host) and name not in D2H_METHODS:
+            self.syncs.record("host operand")  # a host tensor in a device op: copied to the device first
         out = func(*args, **kwargs)
         if name == "cpu" and out is args[0]:
             out = out.clone()  # a CPU tensor's .cpu() is itself; on a GPU it is a new host tensor
-        moved = name == "to" and any(isinstance(a, (torch.device, str)) for a in (*args[1:], kwargs.get("device")))
         if moved and out is args[0]:
             out = out.clone()  # likewise a move to the device: a new tensor there
         if name in D2H_METHODS or (host_inputs and not moved and (tensors or "device" not in kwargs)):
@@ -163,8 +177,26 @@ def test_the_counter_sees_what_it_claims(one_thread):
         "repeat_interleave without output_size",
         "cpu()",
         "cpu()",
+        "to(device)",
         "tolist()",
     ]
+
+
+def test_the_counter_sees_host_to_device_copies(one_thread):
+    # It can fail: each way a host tensor reaches the device is seen, none of the device's own constructions.
+    x = torch.arange(6)
+    with HostSyncs() as s:
+        host = torch.tensor([3, 1, 2])  # built on the host
+        host.to(x.device)
+        torch.empty(3, dtype=torch.long, device=x.device).copy_(host)
+        torch.tensor([1, 2], device=x.device)
+        torch.as_tensor(x[0], device=x.device)  # already there: no copy
+        x[:3] + host  # a host operand of a device op
+        x[:3] + torch.tensor(2)  # a 0-dim host tensor is passed as a scalar: no copy
+        torch.arange(3, device=x.device) + x[:3]  # built on the device
+        torch.zeros(2, device=x.device).copy_(x[:2])
+        host.to(torch.float32)  # a dtype change stays on the host
+    assert [what for what, _ in s.events] == ["to(device)", "copy_()", "tensor(device=)", "host operand"]
 
 
 @pytest.mark.parametrize(
@@ -227,7 +259,9 @@ def test_all_to_all_dispatcher_makes_one_transfer_per_layer(solo_group, kind, ca
     x = torch.randn(2, 40, 16, generator=torch.Generator().manual_seed(2))
     with HostSyncs() as s:
         fwd_bwd(moe, x)
-    assert [what for what, _ in s.events] == ["cpu()"], s.events  # the counts for the uneven all-to-all, one copy
+    # the counts for the uneven all-to-all, one copy; no host-to-device copy (there were three per chunk: the two
+    # segment permutations and the group sizes, built on the host and moved to the device)
+    assert [what for what, _ in s.events] == ["cpu()"], s.events
     assert s.events[0][1].startswith("parallel/dispatch.py")
     local = moe_layer(capacity_factor=capacity_factor)  # the same weights: the same output as the local dispatcher
     exact = kind != "ep-chunks3"  # chunks run the expert GEMMs on fewer rows at a time: fp32 rounding may differ
