@@ -340,6 +340,9 @@ def _check_run_settings(t: TrainConfig) -> None:
     for key in ("keep_last", "max_nonfinite_steps", "save_buffer_mb"):
         _check(getattr(t, key) >= 0, f"train.{key}: must be >= 0, got {getattr(t, key)}")
     _check(t.save_timeout_s > 0, f"train.save_timeout_s: must be > 0, got {t.save_timeout_s}")
+    _check(
+        t.save_staging_mb * 2**20 >= 1024, f"train.save_staging_mb: must be >= 1/1024 (1 KiB), got {t.save_staging_mb}"
+    )
 
 
 def _check_data(d: DataConfig) -> None:

@@ -250,6 +250,7 @@ class TrainConfig:
     )
     async_save: bool = False  # checkpoint: snapshot to host memory, write in the background while training goes on
     save_buffer_mb: int = 256  # checkpoint: host memory for tensors gathered and not yet written (synchronous save)
+    save_staging_mb: float = 512.0  # checkpoint, async_save: pinned host buffer the snapshot is copied through (MiB)
     save_timeout_s: float = 1800.0  # checkpoint save and load: limit of every wait (writers, their collectives)
 
     def decay_steps(self) -> int:

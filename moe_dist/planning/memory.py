@@ -195,6 +195,9 @@ def memory_plan(cfg: JobConfig, world_size: int, device: str = "cuda") -> dict:
     backward += transient["reduce_bucket"] if stage == 2 else 0.0
     boundary = grads + (transient["reduce_bucket"] if stage < 2 else 0.0)
     total = params + optimizer + runtime + max(backward, boundary)
+    # Host memory, beside the device plan: the asynchronous save's staging buffer (pinned on CUDA); the snapshot it
+    # fills is pageable host memory of the rank's checkpoint share (train/checkpoint/snapshot.py).
+    save_staging = cfg.train.save_staging_mb * 2**20 if cfg.train.async_save else 0.0
     return {
         "layout": {
             "world_size": world_size,
@@ -208,6 +211,7 @@ def memory_plan(cfg: JobConfig, world_size: int, device: str = "cuda") -> dict:
         "params_local": {"dense": dense, "expert": expert},
         "activations_by_part_gb": {k: act[k] / GB for k in ("attention", "mamba", "mlp", "moe", "head")},
         "transient_gb": {k: val / GB for k, val in transient.items()},
+        "host_gb": {"save_staging": save_staging / GB},
         "memory_per_rank_gb": {
             "params": params / GB,
             "grads": grads / GB,

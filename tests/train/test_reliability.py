@@ -436,10 +436,13 @@ def test_sigstopped_rank_makes_the_others_fail_with_a_named_timeout_then_restart
 def test_async_save_killed_while_writing_falls_back_and_equals_synchronous_saves(tmp_path, jobs, reference):
     """train.async_save: rank 1 dies (SIGKILL) in its background writer halfway through its file of step 5, while
     the training thread goes on. The unpublished step 5 is never picked: the restart resumes from step 4. Every
-    checkpoint, and every loss, equals the synchronous reference run's bit for bit: the snapshot is the state."""
+    checkpoint, and every loss, equals the synchronous reference run's bit for bit: the snapshot is the state. The
+    snapshot goes through a 64 KiB staging buffer (32 KiB halves), smaller than the larger tensors and than the share
+    of each rank: tensors are cut across its halves."""
     run = tmp_path / "run"
     fault = {"kill_in_save": [{"rank": 1, "step": 5, "where": "write", "attempt": 0}]}
-    job = jobs(2, [*BASE, "train.async_save=true", "--run-dir", str(run)], max_restarts=1, fault=fault)
+    args = [*BASE, "train.async_save=true", "train.save_staging_mb=0.0625", "--run-dir", str(run)]
+    job = jobs(2, args, max_restarts=1, fault=fault)
     assert job.wait() == 0, job.output()[-5000:]
     starts = [line for _, line in job.lines if re.match(r"(resuming from |no checkpoint in )", line)]
     assert len(starts) == 2 and "(step 4)" in starts[1], job.output()[-5000:]

@@ -83,7 +83,7 @@ class FileWriterThread:
 
     def __init__(self, writer: TensorFileWriter | None, limit: int | None):
         self.writer, self.limit = writer, limit
-        self._queue: deque = deque()  # (bytes accounted, [(name, tensor)], CUDA event or None); None ends it
+        self._queue: deque = deque()  # (bytes accounted, [(name, tensor)]); None ends it
         self._pending = 0  # bytes reserved and not yet written
         self._cond = threading.Condition()
         self._error: BaseException | None = None
@@ -104,13 +104,13 @@ class FileWriterThread:
             self._pending -= nbytes
             self._cond.notify_all()
 
-    def put(self, nbytes: int, pieces: list[tuple[str, torch.Tensor]], ready=None) -> None:
-        """Write `pieces` (this reservation of `nbytes`), after CUDA event `ready` when given."""
+    def put(self, nbytes: int, pieces: list[tuple[str, torch.Tensor]]) -> None:
+        """Write `pieces` (this reservation of `nbytes`): host tensors, or device tensors the writer copies."""
         with self._cond:
             if self._error is not None:  # the writer stopped: drop it (finish() raises the writer's error)
                 self._pending -= nbytes
                 return
-            self._queue.append((nbytes, pieces, ready))
+            self._queue.append((nbytes, pieces))
             self._cond.notify_all()
 
     def _run(self) -> None:
@@ -122,9 +122,7 @@ class FileWriterThread:
                     item = self._queue.popleft()
                 if item is None:
                     break
-                nbytes, pieces, ready = item
-                if ready is not None:
-                    ready.synchronize()  # the device-to-host snapshot copies have landed
+                nbytes, pieces = item
                 for name, tensor in pieces:
                     self.writer.write(name, tensor)
                 del pieces, item

@@ -23,6 +23,7 @@ from moe_dist.parallel.mesh import Mesh, new_gloo_group
 from moe_dist.train.checkpoint.format import FORMAT_VERSION
 from moe_dist.train.checkpoint.io import FileWriterThread, TensorFileWriter, fsync
 from moe_dist.train.checkpoint.plan import STATE_KEYS, plan_writers, stored_name, tensors_in_order
+from moe_dist.train.checkpoint.snapshot import HostSnapshot
 from moe_dist.train.checkpoint.state import (
     Stored,
     adam_step,
@@ -78,7 +79,8 @@ class Checkpointer:
         self.on_published = on_published  # rank 0, called with (path, step) after each publish (pruning)
         self.group = new_gloo_group(t.save_timeout_s)
         self._plan: dict[str, int] | None = None
-        self._snapshot: dict[str, torch.Tensor] = {}  # asynchronous saves reuse their host buffers
+        # asynchronous saves: pageable host copies reused from save to save, through a bounded staging buffer
+        self.snapshot = HostSnapshot(int(t.save_staging_mb * 2**20)) if t.async_save else None
         self._background: threading.Thread | None = None
         self._error: BaseException | None = None
         self.bytes_written = 0  # by this rank in its latest save (tensor file size)
@@ -157,7 +159,7 @@ class Checkpointer:
                 if rank == 0:  # copies: the routers update their buffers in place every step
                     for name, b in buffers.items():
                         thread.reserve(b.numel() * 4)
-                        thread.put(b.numel() * 4, [(name, b.detach().to("cpu", torch.float32, copy=True))], None)
+                        thread.put(b.numel() * 4, [(name, b.detach().to("cpu", torch.float32, copy=True))])
         except BaseException:
             thread.finish_quietly()
             raise
@@ -189,20 +191,10 @@ class Checkpointer:
                     del value, parts
                     thread.release(numel * 4)
                     continue
-                ready = None
-                if self.asynchronous:  # the snapshot: copies in (pinned) host memory, reused by later saves
-                    pieces = [(n, self._snapshot_copy(n, v)) for n, v in pieces]
-                    if value.is_cuda:
-                        ready = torch.cuda.Event()
-                        ready.record()
-                thread.put(numel * 4, pieces, ready)
+                if self.asynchronous:  # the snapshot, complete on return: training may change the source after
+                    pieces = [(n, self.snapshot.copy(n, v)) for n, v in pieces]
+                thread.put(numel * 4, pieces)
                 del value, parts, pieces  # the writer's references are the only ones: the buffer accounts them
-
-    def _snapshot_copy(self, name: str, v: torch.Tensor) -> torch.Tensor:
-        buf = self._snapshot.get(name)
-        if buf is None:
-            buf = self._snapshot[name] = torch.empty(v.shape, dtype=v.dtype, pin_memory=v.is_cuda)
-        return buf.copy_(v, non_blocking=v.is_cuda)
 
     def _finish(self, thread: FileWriterThread, path: Path, tmp: Path, final: Path, meta: dict) -> None:
         """Collective on the checkpoint group: wait for every writer, gather the digests, publish on rank 0."""
