@@ -192,6 +192,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# What an NCCL group's watchdog does when a collective fails or outlives its timeout (TORCH_NCCL_ASYNC_ERROR_HANDLING,
+# read by each NCCL group when it is made). torch's default, 3, and torchrun's, 1, rethrow in the watchdog thread:
+# the process ends with SIGABRT and a C++ log, never our one-line error. 2 aborts that group's communicators only:
+# the hung kernels return, and the next collective on the group raises DistBackendError ("NCCL communicator was
+# aborted ...") in the training thread, which guard.operation reports in one line (exit 1). Waits stay asynchronous
+# (TORCH_NCCL_BLOCKING_WAIT would make every wait a host sync). docs/reliability.md, "Hangs and timeouts".
+NCCL_ASYNC_ERROR_HANDLING = "2"
+
+
+def set_nccl_error_handling() -> None:
+    """Set at start-up, before the first group: ours replaces the launcher's (torchrun sets 1 for its workers)."""
+    os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = NCCL_ASYNC_ERROR_HANDLING
+
+
 def set_group_timeouts(timeout_s: float, keep: tuple = ()) -> None:
     """Give every process group this rank belongs to the collective timeout `timeout_s`.
 
@@ -300,6 +314,7 @@ def init_distributed(cfg: JobConfig, timeout_s: float | None = None) -> Mesh:
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(_free_port()),
         )
+    set_nccl_error_handling()  # on CPU runs too: harmless for gloo, and the start-up is the same everywhere
     cuda = torch.cuda.is_available()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")

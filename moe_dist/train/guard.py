@@ -5,8 +5,9 @@ rank skips the same steps; a skipped step leaves parameters and optimizer state 
 exactly as they were, while data and the LR schedule, functions of the step, move on. Skipping is not zeroing the
 gradients (Adam would still decay its moments): it goes through private_api.step_without_update, per optimizer.
 Collectives: `operation` re-raises torch's RuntimeError as a one-line CollectiveError naming the step and the
-operation; with `restore_s` it is the only place the group timeouts change (mesh.group_timeouts). The mechanism per
-ZeRO stage and the timeouts: docs/reliability.md, sections "Non-finite steps" and "Hangs and timeouts".
+operation (on NCCL: the DistBackendError of a communicator the watchdog aborted, mesh.NCCL_ASYNC_ERROR_HANDLING);
+with `restore_s` it is the only place the group timeouts change (mesh.group_timeouts). The mechanism per ZeRO
+stage and the timeouts: docs/reliability.md, sections "Non-finite steps" and "Hangs and timeouts".
 """
 
 from __future__ import annotations
@@ -54,7 +55,13 @@ def operation(
     except RuntimeError as e:
         text = " ".join(str(e).split())
         if not (isinstance(e, dist.DistError) or any(s in text.lower() for s in _COMM_FAILURE)):
-            raise
+            # After the NCCL watchdog aborted a group (mesh.NCCL_ASYNC_ERROR_HANDLING) its collectives' outputs are
+            # garbage, and an op that reads them (a split by received counts) may fail before the next collective
+            # raises: the abort is the cause.
+            aborted = private_api.aborted_nccl_groups()
+            if not aborted:
+                raise
+            text = f"NCCL communicator of group {', '.join(aborted)} aborted by the watchdog, then: {text}"
         kind = "timed out" if "time" in text.lower() else "failed"
         raise CollectiveError(
             f"{what}: collective {kind} ({setting}={timeout_s:g}; a rank died or stopped responding): {text}"

@@ -124,6 +124,11 @@ def test_group_timeouts_reach_every_group(world):
     assert all(timeout(g) == timedelta(seconds=7) for g in c10d._world.pg_map)  # the world and every other group
 
 
+def test_aborted_nccl_groups_walks_every_group(world):
+    dist.new_group([0])
+    assert private_api.aborted_nccl_groups() == []  # gloo groups keep no error state: none is reported
+
+
 def test_shm_buffer_name_is_the_one_deepspeeds_kernel_creates(world):
     shm = world  # deepspeed.init_distributed (the fixture) ran DeepSpeed's shm_initialize
     assert shm.is_file() and shm.stat().st_size > 1 << 20, f"no DeepSpeed shm buffer named {shm.name}"

@@ -13,6 +13,10 @@ FAULT, a JSON object with any of
   "nonfinite": [{"rank": R, "step": S, "what": "grad" | "loss"}, ...]
       On rank R, in the first micro-batch of optimizer step S (1-based): "grad" puts a NaN into one element
       of the embedding gradient (the loss stays finite); "loss" makes the loss NaN (the gradients stay finite).
+  "nccl_abort": [{"rank": R, "step": S}, ...]
+      On rank R, in the first micro-batch of step S, the forward raises what a collective raises on NCCL once
+      the watchdog has aborted the group's communicator after a timeout (TORCH_NCCL_ASYNC_ERROR_HANDLING=2): a
+      DistBackendError with torch's message; first it prints the variable's value as the worker sees it.
 SAMPLES_DIR: every rank appends {"step", "micro", "starts", "attempt"} for each training micro-batch it consumes
   (the token-stream offsets of its sequences) to SAMPLES_DIR/rank<R>.jsonl.
 """
@@ -28,6 +32,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 import moe_dist.train.checkpoint.io as checkpoint_io
 import moe_dist.train.checkpoint.save as checkpoint_save
@@ -88,6 +93,15 @@ def forward_loss(ctx, batch):
     if not torch.is_grad_enabled():  # evaluation
         return loss, lm, out
     state["micro"] += 1
+    for f in FAULT.get("nccl_abort", []):
+        if f["rank"] == RANK and f["step"] == state["step"] and state["micro"] == 1:
+            print(f"TORCH_NCCL_ASYNC_ERROR_HANDLING={os.environ.get('TORCH_NCCL_ASYNC_ERROR_HANDLING')}", flush=True)
+            raise dist.DistBackendError(  # torch 2.13's text (NCCLComm::getNcclComm, WorkNCCL::checkTimeout)
+                f"NCCL communicator was aborted on rank {RANK}. Original reason for failure was: [PG ID 0 PG GUID "
+                f"0(default_pg) Rank {RANK}] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=41, "
+                "OpType=ALLTOALL_BASE, NumelIn=64, NumelOut=64, Timeout(ms)=8000) ran for 8012 milliseconds before "
+                "timing out."
+            )
     for f in FAULT.get("nonfinite", []):
         if f["rank"] != RANK or f["step"] != state["step"] or state["micro"] != 1:
             continue

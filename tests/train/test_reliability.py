@@ -139,6 +139,7 @@ def jobs():
         fault: dict | None = None,
         samples: Path | None = None,
         launcher: str = "torchrun",
+        env: dict[str, str] | None = None,
     ) -> Job:
         port = free_port()
         if launcher == "torchrun":
@@ -158,7 +159,7 @@ def jobs():
         else:
             assert nproc == 1
             cmd = [sys.executable, WORKER, *args]
-        env = {"FAULT": json.dumps(fault or {})}
+        env = {**(env or {}), "FAULT": json.dumps(fault or {})}
         if samples is not None:
             samples.mkdir(parents=True, exist_ok=True)
             env["SAMPLES_DIR"] = str(samples)
@@ -431,6 +432,27 @@ def test_sigstopped_rank_makes_the_others_fail_with_a_named_timeout_then_restart
         f"(timeout {timeout_s} s): {error[1][:160]}; resumed from step {resume_step} after "
         f"{resumed[0] - t_stop:.1f} s; steps recomputed: {logged - resume_step}"
     )
+
+
+def test_an_aborted_nccl_communicator_ends_the_job_with_one_line_and_exit_1(tmp_path, jobs):
+    """On NCCL a timed-out collective is the watchdog's: with TORCH_NCCL_ASYNC_ERROR_HANDLING=2, which start-up
+    sets over the launcher's 1 (torchrun's; it, and torch's default 3, end the process with SIGABRT), it aborts the
+    group's communicators and the training thread's next collective raises DistBackendError. There is no NCCL on
+    the CPU: the forward of step 2 raises that exception, with torch's text, and the job ends as the README says."""
+    fault = {"nccl_abort": [{"rank": 0, "step": 2}]}
+    args = [*BASE, "parallel.timeout_s=8", "--run-dir", str(tmp_path / "run")]
+    job = jobs(1, args, fault=fault, launcher="python", env={"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"})
+    assert job.wait() == 1, job.output()[-5000:]
+    seen = job.first(r"TORCH_NCCL_ASYNC_ERROR_HANDLING=\S*$")  # after the progress bar's text on its line
+    assert seen is not None and seen[1].endswith("=2"), job.output()[-5000:]
+    errors = [line for _, line in job.lines if re.match(r"error|Traceback|.*Error:", line)]
+    assert len(errors) == 1, job.output()[-5000:]
+    assert re.fullmatch(
+        r"error: step 2: forward of micro-batch 0 \(MoE all-to-all\): collective timed out \(parallel\.timeout_s=8; "
+        r"a rank died or stopped responding\): NCCL communicator was aborted on rank 0\. .* ran for 8012 "
+        r"milliseconds before timing out\.",
+        errors[0],
+    ), errors[0]
 
 
 def test_async_save_killed_while_writing_falls_back_and_equals_synchronous_saves(tmp_path, jobs, reference):
