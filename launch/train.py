@@ -84,6 +84,8 @@ def main(argv=None) -> int:
             "activations by part (GB): " + ", ".join(f"{k} {v:.2f}" for k, v in plan["activations_by_part_gb"].items())
         )
         print("largest transients (GB): " + ", ".join(f"{k} {v:.2f}" for k, v in plan["transient_gb"].items()))
+        if plan["host_gb"]["save_staging"]:  # host memory, not in the total above
+            print(f"host memory (GB): async-save staging buffer {plan['host_gb']['save_staging']:.2f}")
         print(json.dumps({**param_counts(cfg.model), "memory_per_rank_gb": mem}))
         return 0
     from moe_dist.train.checkpoint import CheckpointError
