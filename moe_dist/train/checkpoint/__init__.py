@@ -5,7 +5,7 @@ with its AdamW moments, so a checkpoint written at one (dp, ep, tp) loads at any
 (safetensors and JSON only); rank 0 writes meta.json, with every file's sha256, last and publishes `step_N/` by
 renaming `.step_N.tmp/` once every rank has finished, so a killed save never leaves a `step_N/` that resume would
 pick; on load every file is verified before a tensor is read, and resume falls back to the previous checkpoint.
-Contents, writers, streaming, async saves and the modules (format, plan, state, io, save, read, resume):
+Contents, writers, streaming, async saves and the modules (format, plan, state, io, snapshot, save, read, resume):
 docs/reliability.md, sections "Checkpoints: atomic publish" and "Resume: verification and fallback".
 """
 
