@@ -25,7 +25,7 @@ def _version(package: str) -> str:
 
 
 def versions_line(device: torch.device) -> str:
-    """`versions: python 3.11.7, torch 2.13.0, triton 3.5.0, deepspeed 0.19.0, CUDA 12.8 (NVIDIA H200)` (or `cpu`)."""
+    """`versions: python 3.12.3, torch 2.11.0, triton 3.6.0, deepspeed 0.19.8, CUDA 13.0 (NVIDIA H200)` (or `cpu`)."""
     if device.type == "cuda":
         where = f"CUDA {torch.version.cuda} ({torch.cuda.get_device_name(device)})"
     else:
