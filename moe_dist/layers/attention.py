@@ -133,7 +133,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim * (self.n_kv_heads if full else 1), norm_eps)
         self.wo = nn.Linear(self.n_heads * self.head_dim, d_model, bias=False)
         self.kernels = attention_kernels(cfg.impl, device, self.head_dim)  # mask kind → Kernel
-        self.masks = cfg.mask
+        self.mask = cfg.mask  # "causal" | "prefix": whether prefix-LM calls can come
         self.init_std = init_std
         self.out_std = init_std / math.sqrt(2 * n_layers)
 
@@ -141,7 +141,7 @@ class Attention(nn.Module):
     def implementations(self) -> dict[str, str]:
         """The causal kernel as "attention"; each masked kind this layer can meet that takes another kernel as
         "attention_<kind>" (e.g. "attention_documents": "triton" on CUDA)."""
-        kinds = ["documents"] + ["prefix"] * (self.masks == "prefix") + ["window"] * (self.sliding_window is not None)
+        kinds = ["documents"] + ["prefix"] * (self.mask == "prefix") + ["window"] * (self.sliding_window is not None)
         names = {kind: "sdpa" if self.kernels[kind].name == "torch" else "triton" for kind in ["causal", *kinds]}
         return {"attention": names["causal"]} | {
             f"attention_{kind}": name for kind, name in names.items() if name != names["causal"]
