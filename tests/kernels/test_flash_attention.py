@@ -212,7 +212,7 @@ def test_what_auto_takes_on_cuda_equals_sdpa_for_each_mask_kind(kind, device):
     }[kind]
     got = run(kernel, q, k, v, grad, causal=True, **{n: t.to(device) if n != "window" else t for n, t in masks.items()})
     if kind == "causal":
-        allowed = torch.ones(48, 48, dtype=torch.bool).tril()
+        allowed = torch.ones(48, 48, dtype=torch.bool).tril().to(device)
     else:
         allowed = _allowed(docs, prefix if kind == "prefix" else torch.zeros_like(prefix), window).to(device)
     want = run(
