@@ -289,6 +289,7 @@ def flash_attention(
     softmax_scale: Optional[float] = None,
     document_ids: Optional[torch.Tensor] = None,
     prefix: Optional[torch.Tensor] = None,
+    window: Optional[int] = None,
 ) -> torch.Tensor:
     """Softmax attention, tiled with an online softmax; differentiable in q, k and v.
 
@@ -298,11 +299,14 @@ def flash_attention(
     the same; accumulation in fp32. `softmax_scale` defaults to 1/sqrt(head_dim); `causal` lets query i see keys
     j <= i. Packed documents: `document_ids` (batch, seq) int, contiguous runs per document, restrict each query to
     its own document (key tiles outside the query tile's documents are skipped); `prefix` (batch, seq) bool with
-    them lets a document's prompt tokens see each other (prefix-LM). Returns (batch, q_heads, seq, head_dim) in q's
+    them lets a document's prompt tokens see each other (prefix-LM). No sliding `window` (a ValueError: the kernel
+    choice never sends one here, moe_dist/layers/kernel_choice.py). Returns (batch, q_heads, seq, head_dim) in q's
     dtype (memory laid out as (batch, seq, heads, dim)). Tensors must be CUDA tensors, or CPU tensors under
     TRITON_INTERPRET=1.
     """
     _check_inputs(q, k, v)
+    if window is not None:
+        raise ValueError(f"flash_attention: no sliding window (got window={window}); SDPA takes one")
     if document_ids is not None and document_ids.shape != (q.shape[0], q.shape[2]):
         raise ValueError(
             f"flash_attention: document_ids must be (batch, seq) {tuple(q.shape[::2])}, got {tuple(document_ids.shape)}"

@@ -73,12 +73,14 @@ class DebugRuns:
     3; one thread per process) under "python" (1 process), "deepspeed" or "torchrun" (2 processes), trained on
     first use and shared by every test that compares against it (train/test_train_e2e.py, test_launchers.py,
     train/test_bad_input.py). Tests copy a run directory before they change anything in it. `shm[launcher]`: the
-    DeepSpeed shm buffers the run left behind, looked for right after it ended."""
+    DeepSpeed shm buffers the run left behind, looked for right after it ended; `stderr[launcher]`: what it
+    printed there (start-up lines, train/test_startup_report.py)."""
 
     def __init__(self, root: Path, run: Runner):
         self.root, self.run = root, run
         self.dirs: dict[str, Path] = {}
         self.shm: dict[str, list[str]] = {}
+        self.stderr: dict[str, str] = {}
 
     def __call__(self, launcher: str) -> Path:
         if launcher not in self.dirs:
@@ -90,6 +92,7 @@ class DebugRuns:
             )
             if proc.master_port is not None:
                 self.shm[launcher] = shm_buffers(proc.master_port)
+            self.stderr[launcher] = proc.stderr
             self.dirs[launcher] = run_dir
         return self.dirs[launcher]
 

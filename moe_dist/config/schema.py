@@ -26,7 +26,7 @@ class AttentionConfig:
     rope_theta: float = 10000.0  # RoPE base frequency
     sliding_window: Optional[int] = None  # attend only to the last N positions (Mistral/Mixtral); null = all
     impl: Literal["auto", "torch", "triton"] = (
-        "auto"  # attention: auto/torch = SDPA (flash/cuDNN on CUDA), triton = ours
+        "auto"  # attention: torch = SDPA, triton = ours, auto = SDPA but ours for documents/prefix-LM on CUDA
     )
     mask: Literal["causal", "prefix"] = "causal"  # prefix = prefix-LM: a document's prompt tokens see each other
     qk_norm: Literal["none", "head", "full"] = "none"  # RMSNorm of q and k: per head (Qwen3), over all heads (OLMoE)

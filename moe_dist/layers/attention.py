@@ -1,10 +1,9 @@
 """Causal multi-head attention with grouped-query heads, RoPE and an optional sliding window.
 
-The attention kernel is chosen once, when the layer is built for its device (`attention_kernel`, resolved by
-`moe_dist.layers.kernel_choice`): PyTorch SDPA (which never materializes repeated k/v for grouped-query heads; "auto"
-everywhere) or the Triton flash-attention kernel (`moe_dist.kernels.flash_attention`, impl "triton").
-Sliding-window attention (imported Mistral-style checkpoints) and the inference path with a `KVCache` take SDPA
-with an explicit mask.
+The attention kernels are chosen once, when the layer is built for its device, one per mask kind (causal,
+documents, prefix-LM, sliding window: `attention_kernels`, as `moe_dist.layers.kernel_choice.attention_choice` rules):
+PyTorch SDPA (which never materializes repeated k/v for grouped-query heads) or the Triton flash-attention kernel
+(`moe_dist.kernels.flash_attention`). The inference path with a `KVCache` takes SDPA with an explicit mask.
 """
 
 import math
@@ -16,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_dist.config import AttentionConfig
-from moe_dist.layers.kernel_choice import Kernel, resolve
+from moe_dist.layers.kernel_choice import Kernel, attention_choice, attention_mask_kind, resolve, why_no_triton
 from moe_dist.layers.norm import RMSNorm
 from moe_dist.layers.rope import apply_rope, document_positions, rope_cos_sin
 
@@ -43,13 +42,18 @@ def _sdpa(
     softmax_scale: Optional[float] = None,
     document_ids: Optional[torch.Tensor] = None,
     prefix: Optional[torch.Tensor] = None,
+    window: Optional[int] = None,
 ) -> torch.Tensor:
     """q (B, Hq, S, Dh), k/v (B, Hkv, S, Dh) -> (B, Hq, S, Dh); `document_ids` (B, S) (and `prefix` (B, S) bool)
-    restrict each query to its own document (`document_mask`), with an explicit mask."""
+    restrict each query to its own document (`document_mask`), a sliding `window` to its last keys, with an
+    explicit mask (causal then)."""
     gqa = q.shape[1] != k.shape[1]
-    if document_ids is None:
+    if document_ids is None and window is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=softmax_scale, enable_gqa=gqa)
-    mask = document_mask(document_ids, prefix)
+    if document_ids is None:
+        mask = _window_mask(q.shape[2], k.shape[2], 0, window, q.device)
+    else:
+        mask = document_mask(document_ids, prefix, window)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=softmax_scale, enable_gqa=gqa)
 
 
@@ -66,6 +70,14 @@ def attention_kernel(impl: str, device: torch.device | str = "cpu") -> Kernel:
     """`model.attention.impl` for a layer built for `device`, with `flash_attention`'s signature: SDPA ("torch",
     which "auto" takes everywhere: its flash / cuDNN backends on CUDA) or our Triton kernel ("triton")."""
     return resolve(impl, "model.attention.impl", device, _sdpa, _triton_attention, "flash-attention kernel")
+
+
+def attention_kernels(impl: str, device: torch.device | str, head_dim: int) -> dict[str, Kernel]:
+    """Mask kind → the kernel `model.attention.impl` takes for it on `device` (`attention_choice`), each with
+    `_sdpa`'s signature."""
+    choice = attention_choice(impl, device, head_dim, why_no_triton(device))
+    ours = attention_kernel("triton", device) if any(p.name == "triton" for p in choice.values()) else None
+    return {kind: ours if path.name == "triton" else Kernel("torch", _sdpa) for kind, path in choice.items()}
 
 
 def _triton_attention():
@@ -120,13 +132,28 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim * (self.n_heads if full else 1), norm_eps)
             self.k_norm = RMSNorm(self.head_dim * (self.n_kv_heads if full else 1), norm_eps)
         self.wo = nn.Linear(self.n_heads * self.head_dim, d_model, bias=False)
-        self.kernel = attention_kernel(cfg.impl, device)
+        self.kernels = attention_kernels(cfg.impl, device, self.head_dim)  # mask kind → Kernel
+        self.mask = cfg.mask  # "causal" | "prefix": whether prefix-LM calls can come
         self.init_std = init_std
         self.out_std = init_std / math.sqrt(2 * n_layers)
 
     @property
     def implementations(self) -> dict[str, str]:
-        return {"attention": "sdpa" if self.kernel.name == "torch" else self.kernel.name}
+        """The causal kernel as "attention"; each masked kind this layer can meet that takes another kernel as
+        "attention_<kind>" (e.g. "attention_documents": "triton" on CUDA)."""
+        kinds = ["documents"] + ["prefix"] * (self.mask == "prefix") + ["window"] * (self.sliding_window is not None)
+        names = {kind: "sdpa" if self.kernels[kind].name == "torch" else "triton" for kind in ["causal", *kinds]}
+        return {"attention": names["causal"]} | {
+            f"attention_{kind}": name for kind, name in names.items() if name != names["causal"]
+        }
+
+    def _attend(self, q, k, v, document_ids=None, prefix=None) -> torch.Tensor:
+        """Training attention without a cache, by the kernel of the call's mask kind. (B, Hq, S, Dh)."""
+        S = q.shape[2]
+        window = self.sliding_window if self.sliding_window is not None and S > self.sliding_window else None
+        kind = attention_mask_kind(document_ids is not None, prefix is not None, window is not None)
+        masks = {} if kind == "causal" else {"document_ids": document_ids, "prefix": prefix, "window": window}
+        return self.kernels[kind](q, k, v, causal=True, **masks)
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -171,19 +198,15 @@ class Attention(nn.Module):
                 p = document_positions(document_ids)  # (B, S)
                 cos, sin = cos[p][:, None], sin[p][:, None]  # (B, 1, S, Dh)
                 q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            if self.sliding_window is None or S <= self.sliding_window:
-                out = self.kernel(q, k, v, causal=True, document_ids=document_ids, prefix=prefix)  # (B, Hq, S, Dh)
-            else:  # a sliding window (imported Mistral-style models) takes SDPA with the explicit mask
-                mask = document_mask(document_ids, prefix, self.sliding_window)
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+            out = self._attend(q, k, v, document_ids, prefix)  # (B, Hq, S, Dh)
             return self.wo(out.transpose(1, 2).reshape(B, S, -1))
         if self.rope:
             cos, sin = rope_cos_sin(pos + S, self.head_dim, self.rope_theta, x.device)
             q, k = apply_rope(q, cos[pos:], sin[pos:]), apply_rope(k, cos[pos:], sin[pos:])
         if cache is not None:
             k, v = cache.append(k, v)  # (B, Hkv, pos + S, Dh)
-        if cache is None and (self.sliding_window is None or S <= self.sliding_window):
-            out = self.kernel(q, k, v, causal=True)  # (B, Hq, S, Dh)
+        if cache is None:
+            out = self._attend(q, k, v)  # (B, Hq, S, Dh)
         else:
             mask = _window_mask(S, pos + S, pos, self.sliding_window, x.device)  # (S, pos + S)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])

@@ -8,7 +8,8 @@ once ("native": torch's grouped GEMM; "megablocks": megablocks_backend.py).
 from __future__ import annotations
 
 import math
-from typing import Callable
+import warnings
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -18,20 +19,30 @@ from moe_dist.config import ConfigError
 from moe_dist.layers.mlp import gated_silu
 
 
+def grouped_mm_unfit(
+    device_type: str, has_grouped_mm: bool, dtype: torch.dtype, widths: tuple[int, ...]
+) -> Optional[str]:
+    """Why torch's grouped GEMM cannot take expert GEMMs in `dtype` whose input and output widths are `widths` on
+    a device of `device_type` (None: it can); `has_grouped_mm` is whether this torch has F.grouped_mm. It needs
+    16-byte aligned rows and a supported dtype (bf16 on CUDA; fp32/bf16/fp16 on CPU)."""
+    if not has_grouped_mm:
+        return f"torch {torch.__version__} has no torch.nn.functional.grouped_mm"
+    dtypes = (torch.bfloat16,) if device_type == "cuda" else (torch.float32, torch.bfloat16, torch.float16)
+    if dtype not in dtypes:
+        name = str(dtype).removeprefix("torch.")
+        return f"its {device_type} kernel takes {', '.join(str(d).removeprefix('torch.') for d in dtypes)}, not {name}"
+    odd = sorted({n for n in widths if (n * dtype.itemsize) % 16})
+    return f"widths {odd} are not multiples of 16 bytes" if odd else None
+
+
+def _why_not_grouped_mm(x: torch.Tensor, w: torch.Tensor) -> Optional[str]:
+    if x.dtype != w.dtype or not (x.is_contiguous() and w.is_contiguous()):
+        return "its inputs are not contiguous tensors of one dtype"
+    return grouped_mm_unfit(x.device.type, hasattr(F, "grouped_mm"), x.dtype, (x.shape[1], w.shape[2]))
+
+
 def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
-    # torch's grouped GEMM needs 16-byte aligned strides and a supported dtype (bf16 on CUDA; fp32/bf16/fp16 on
-    # CPU); other cases (odd test sizes, fp64) take the loop below.
-    dtypes = (torch.bfloat16,) if x.is_cuda else (torch.float32, torch.bfloat16, torch.float16)
-    es = x.element_size()
-    return (
-        hasattr(F, "grouped_mm")
-        and x.dtype in dtypes
-        and x.dtype == w.dtype
-        and x.is_contiguous()
-        and w.is_contiguous()
-        and (x.shape[1] * es) % 16 == 0
-        and (w.shape[2] * es) % 16 == 0
-    )
+    return _why_not_grouped_mm(x, w) is None
 
 
 def grouped_mm(x_RI: torch.Tensor, w_EIO: torch.Tensor, rows_per_expert_E: torch.Tensor) -> torch.Tensor:
@@ -44,6 +55,11 @@ def grouped_mm(x_RI: torch.Tensor, w_EIO: torch.Tensor, rows_per_expert_E: torch
             y.register_hook(lambda g: g.contiguous())  # its CPU backward rejects broadcast (stride-0) grads
         return y
     # Unaligned sizes and other dtypes: one matmul per expert over contiguous slices (no masks, no per-token work).
+    # On CUDA that is a slow path (a host sync for the slices, E small GEMMs): said once per reason (Python's
+    # default warning filter shows a message once per place), and at start-up where the config predicts it.
+    if x_RI.is_cuda:
+        why_not = _why_not_grouped_mm(x_RI, w_EIO)
+        warnings.warn(f"grouped GEMM: {why_not}; the experts run one matmul per expert (slow)", stacklevel=2)
     chunks = torch.split(x_RI, rows_per_expert_E.tolist())
     return torch.cat([c @ w_EIO[e] for e, c in enumerate(chunks)]) if len(chunks) else x_RI.new_zeros(0, w_EIO.shape[2])
 
@@ -86,6 +102,15 @@ class Experts(nn.Module):
         self.init_std = init_std
         self.out_std = init_std / math.sqrt(2 * n_layers)
         self.expert_offset = 0  # global index of the first expert held here (apply_ep holds a slice)
+
+    def slow_path(self, device_type: str, dtype: torch.dtype) -> Optional[str]:
+        """Why these experts would run one matmul per expert on `device_type` in `dtype` (`grouped_mm_unfit` for
+        the widths held here, a tensor-parallel shard's included); None where torch's grouped GEMM takes them or
+        another backend runs them."""
+        if self.backend != "native":
+            return None
+        widths = (self.w13.shape[1], self.w13.shape[2], self.w2.shape[1])  # D, 2F, F
+        return grouped_mm_unfit(device_type, hasattr(F, "grouped_mm"), dtype, widths)
 
     def gate_up(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of w1 (gate) and w3 (up) in w13, each (E, D, F)."""

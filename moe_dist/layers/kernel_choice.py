@@ -1,10 +1,11 @@
 """The one place that turns a kernel choice, "auto" | "torch" | "triton", into a function.
 
 Invariants: the choice is made once, when a layer is built for its device, never per call; "auto" is the PyTorch
-path on every device but CUDA (`AUTO_ON_CUDA` there) and never falls back behind the user's back: a kernel that
-cannot take its inputs raises a one-line ValueError; a Triton kernel module is imported only when "triton" is
-chosen and can run (Triton reads TRITON_INTERPRET at import), so CPU runs never import triton. Rules in full:
-docs/kernels.md, section "Choosing an implementation"; tested in tests/kernels/test_kernel_choice.py.
+path on every device but CUDA (`AUTO_ON_CUDA` there; attention per mask kind, `attention_choice`) and never falls
+back behind the user's back: a kernel that cannot take its inputs raises a one-line ValueError, and a CUDA choice
+that is a slow path carries its reason for start-up to print; a Triton kernel module is imported only when
+"triton" is chosen and can run (Triton reads TRITON_INTERPRET at import), so CPU runs never import triton. Rules in
+full: docs/kernels.md, section "Choosing an implementation"; tested in tests/kernels/test_kernel_choice.py.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ import torch
 
 IMPLS = ("auto", "torch", "triton")
 
-# What "auto" takes on CUDA, per config key. Attention: torch's SDPA (its flash / cuDNN backends); our Triton
-# flash attention measured 0.52-0.65x SDPA's speed on an H200 and stays available as "triton".
+# What "auto" takes on CUDA, per config key. Attention: this is its causal kind; every mask kind is
+# `attention_choice`'s.
 AUTO_ON_CUDA = {
     "model.attention.impl": "torch",
     "model.mamba.impl": "triton",
@@ -45,7 +46,16 @@ def triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "on", "yes", "y")
 
 
-def _why_no_triton(device: torch.device) -> Optional[str]:
+def _check_impl(impl: str, key: str) -> None:
+    if impl not in IMPLS:
+        quoted = [repr(c) for c in IMPLS]
+        raise ValueError(f"{key}: expected {', '.join(quoted[:-1])} or {quoted[-1]}, got {impl!r}")
+
+
+def why_no_triton(device: torch.device | str) -> Optional[str]:
+    """Why the Triton kernels cannot run for a layer built for `device` (None: they can). The probe behind every
+    choice here: whether the triton package is installed, and the device."""
+    device = torch.device(device)
     if importlib.util.find_spec("triton") is None:
         return "the triton package is not installed"
     if device.type == "cuda" or (device.type == "cpu" and triton_interpreting()):
@@ -71,17 +81,93 @@ def resolve(
     function that imports it from moe_dist.kernels, called only when it is chosen), or is None while the operation
     has no GPU kernel ("triton" is then refused); `what` names it in messages ("selective scan").
     """
-    if impl not in IMPLS:
-        quoted = [repr(c) for c in IMPLS]
-        raise ValueError(f"{key}: expected {', '.join(quoted[:-1])} or {quoted[-1]}, got {impl!r}")
+    _check_impl(impl, key)
     device = torch.device(device)
     if impl == "auto":  # a CUDA machine without the triton package gets the PyTorch paths
-        impl = AUTO_ON_CUDA[key] if device.type == "cuda" and _why_no_triton(device) is None else "torch"
+        impl = AUTO_ON_CUDA[key] if device.type == "cuda" and why_no_triton(device) is None else "torch"
     if impl == "torch":
         return Kernel("torch", torch_fn)
     if kernel is None:
         raise ValueError(f"{key}='triton': there is no Triton {what} kernel yet; use 'torch' or 'auto'")
-    why_not = _why_no_triton(device)
+    why_not = why_no_triton(device)
     if why_not is not None:
         raise ValueError(f"{key}='triton': the Triton {what} is not available: {why_not}")
     return Kernel("triton", kernel())
+
+
+# ------------------------------------------------------------------------------------------------ attention masks
+
+ATTENTION_KEY = "model.attention.impl"
+ATTENTION_MASKS = ("causal", "documents", "prefix", "window")
+FLASH_HEAD_DIMS = (16, 128)  # the head sizes our Triton kernel takes (kernels/flash_attention.py)
+
+# Attention is chosen per mask kind, since no one kernel is fast for all of them. What each candidate takes, for
+# training (forward and backward, any number of grouped-query heads):
+#
+#   candidate                     causal  documents  prefix-LM  sliding window
+#   SDPA, flash / cuDNN kernels   yes     -          -          -
+#   SDPA with an explicit mask    yes     yes        yes        yes   (on CUDA its memory-efficient kernel with an
+#                                                                      S x S mask, or, with grouped-query heads, its
+#                                                                      math path: (B, H, S, S) scores in memory)
+#   ours (Triton)                 yes     yes        yes        -     (head_dim 16..128; skips masked key tiles)
+#   torch.nn.attention.varlen     yes     yes        -          yes   (CUDA only; its per-document offsets have a
+#                                                                      data-dependent length: a host sync per layer)
+#   FlexAttention                 yes     yes        yes        yes   (fast only compiled; nothing here compiles
+#                                                                      at run time, and a block mask per batch)
+#
+# So on CUDA "auto" takes SDPA's own kernels for causal attention (ours runs at 0.52-0.65x their speed on an H200),
+# ours for documents and prefix-LM, and SDPA with the explicit mask for a sliding window shorter than the sequence,
+# the one kind that neither fast implementation here takes; where ours cannot run (no triton package, head_dim
+# outside 16..128) documents and prefix-LM take the explicit mask too. Every CUDA choice that takes the explicit
+# mask carries the reason, which start-up prints as a warning. varlen and FlexAttention stay out: neither is
+# testable on CPU against SDPA, and a third implementation has to earn its place on hardware we can measure.
+# Off CUDA, "auto" is SDPA for every kind; "triton" is ours wherever it can run, and SDPA for windows.
+
+
+@dataclass(frozen=True)
+class AttentionPath:
+    """The implementation one mask kind takes: "sdpa" or "triton"; `slow` says why it is a slow path on CUDA
+    (SDPA with an explicit mask), None where it is a fast kernel or the device is not CUDA."""
+
+    name: str
+    slow: Optional[str] = None
+
+
+def attention_mask_kind(documents: bool, prefix: bool, window: bool) -> str:
+    """The mask kind of one call: `window` when a sliding window is shorter than the sequence (with or without
+    documents), else prefix-LM over documents, else documents, else plain causal."""
+    return "window" if window else "prefix" if prefix else "documents" if documents else "causal"
+
+
+def attention_choice(
+    impl: str, device: torch.device | str, head_dim: int, why_no_triton: Optional[str]
+) -> dict[str, AttentionPath]:
+    """Mask kind → the path `model.attention.impl` = `impl` takes for a layer built for `device` with heads of
+    `head_dim`; a pure function of its arguments, `why_no_triton` being the probe's answer for that device
+    (`why_no_triton(device)`). "triton" where ours cannot run is a one-line ValueError naming the key."""
+    _check_impl(impl, ATTENTION_KEY)
+    device = torch.device(device)
+    lo, hi = FLASH_HEAD_DIMS
+    why_not_ours = why_no_triton or (None if lo <= head_dim <= hi else f"head_dim {head_dim} is outside {lo}..{hi}")
+    if impl == "triton" and why_not_ours is not None:
+        raise ValueError(
+            f"{ATTENTION_KEY}='triton': the Triton flash-attention kernel is not available: {why_not_ours}"
+        )
+    cuda = device.type == "cuda"
+
+    def sdpa(kind: str, why: str) -> AttentionPath:  # a masked kind on SDPA: slow on CUDA
+        slow = f"attention with {kind} takes SDPA with an explicit mask ({why})"
+        return AttentionPath("sdpa", slow if cuda else None)
+
+    window = sdpa("a sliding window shorter than the sequence", "no fast kernel here takes a sliding window")
+    if impl == "triton" or (impl == "auto" and cuda and why_not_ours is None):
+        ours = AttentionPath("triton")
+        causal = ours if impl == "triton" else AttentionPath("sdpa")
+        return {"causal": causal, "documents": ours, "prefix": ours, "window": window}
+    why = f"{ATTENTION_KEY}='torch'" if impl == "torch" else f"the Triton kernel cannot run: {why_not_ours}"
+    return {
+        "causal": AttentionPath("sdpa"),
+        "documents": sdpa("documents", why),
+        "prefix": sdpa("prefix-LM", why),
+        "window": window,
+    }

@@ -45,6 +45,7 @@ from moe_dist.train.guard import NonFiniteGuard, operation
 from moe_dist.train.metrics import DeadExperts, MetricsLogger, StepAccumulator
 from moe_dist.train.optim import build_optimizer, deepspeed_config
 from moe_dist.train.shared_storage import check_shared_run_dir
+from moe_dist.train.startup import startup_report
 
 
 class RunDirError(RuntimeError):
@@ -273,6 +274,8 @@ def train(cfg: JobConfig, run_dir: Path, resume: bool = False) -> list[dict]:
     check_shared_run_dir(run_dir, mesh)  # multi-node: every node sees the run directory, before anything is written
 
     model = parallelize(build_model(cfg.model, mesh.device), mesh, cfg)
+    for line in startup_report(cfg, model, mesh.device):  # versions, kernels, slow paths (README "Kernels")
+        say(line)
     model = maybe_compile(apply_activation_checkpointing(model, t), cfg)
     ckpt_root = run_dir / "checkpoints"
     found = _checkpoint_to_resume(ckpt_root, model, mesh, data_identity, cfg, say) if resume else None

@@ -14,7 +14,8 @@ from moe_dist.kernels.flash_attention import flash_attention
 from moe_dist.kernels.reference import flash_attention_ref
 
 from moe_dist.config import AttentionConfig
-from moe_dist.layers.attention import Attention, _sdpa
+from moe_dist.layers.attention import Attention, _sdpa, attention_kernels
+from moe_dist.layers.kernel_choice import ATTENTION_MASKS, attention_choice
 
 ON_CUDA = os.environ.get("MOE_DIST_KERNEL_DEVICE") == "cuda"
 F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
@@ -180,3 +181,42 @@ def test_document_and_prefix_masks_match_reference(shape, use_prefix, device, wi
     for name, a, b, r in zip(("out", "dq", "dk", "dv"), got, base, ref):
         assert torch.isfinite(a).all(), name
         within_torch_error(f"{name} {shape} documents prefix={use_prefix}", a, b, r)
+
+
+def _allowed(docs: torch.Tensor, prefix: torch.Tensor, window) -> torch.Tensor:
+    """(B, 1, S, S) bool, written out here: same document, and j <= i (within the window) or both in the prompt."""
+    i, j = torch.arange(docs.shape[1])[:, None], torch.arange(docs.shape[1])[None, :]
+    seen = (j <= i) & ((j > i - window) if window else True)
+    return ((docs[:, :, None] == docs[:, None, :]) & (seen | (prefix[:, :, None] & prefix[:, None, :])))[:, None]
+
+
+@pytest.mark.parametrize("kind", ATTENTION_MASKS)
+def test_what_auto_takes_on_cuda_equals_sdpa_for_each_mask_kind(kind, device):
+    """The path "auto" takes on CUDA for each mask kind (`attention_choice` with our kernel available), run here as
+    the layer builds it (our kernel under the interpreter on CPU, or SDPA): output and gradients equal SDPA's with
+    the mask written out, fp32, grouped heads, several documents per row."""
+    choice = attention_choice("auto", "cuda", 16, None)[kind]
+    kernel = attention_kernels("triton" if choice.name == "triton" else "torch", device, 16)[kind]
+    assert kernel.name == ("triton" if choice.name == "triton" else "torch")
+    q, k, v, grad = inputs((2, 4, 2, 48, 16), F32, device)
+    lengths = [[5, 17, 1, 25], [30, 18]]
+    docs = torch.tensor([sum(([d] * n for d, n in enumerate(row)), []) for row in lengths])
+    prefix = torch.zeros_like(docs, dtype=torch.bool)
+    prefix[0, :3], prefix[0, 5:12], prefix[1, :10], prefix[1, 30:31] = True, True, True, True
+    window = 6 if kind == "window" else None
+    masks = {
+        "causal": {},
+        "documents": dict(document_ids=docs),
+        "prefix": dict(document_ids=docs, prefix=prefix),
+        "window": dict(document_ids=docs, window=window),
+    }[kind]
+    got = run(kernel, q, k, v, grad, causal=True, **{n: t.to(device) if n != "window" else t for n, t in masks.items()})
+    if kind == "causal":
+        allowed = torch.ones(48, 48, dtype=torch.bool).tril().to(device)
+    else:
+        allowed = _allowed(docs, prefix if kind == "prefix" else torch.zeros_like(prefix), window).to(device)
+    want = run(
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True), q, k, v, grad
+    )
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-5, msg=f"{kind} {name}")

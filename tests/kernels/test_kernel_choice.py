@@ -12,8 +12,9 @@ import torch.nn.functional as F
 from moe_dist.kernels.reference import flash_attention_ref, permute_tokens_ref, unpermute_tokens_ref
 
 import moe_dist.layers.kernel_choice as impl
-from moe_dist.config import load_config
-from moe_dist.layers.attention import attention_kernel
+from moe_dist.config import AttentionConfig, load_config
+from moe_dist.layers.attention import Attention, _sdpa, attention_kernel
+from moe_dist.layers.experts import grouped_mm_unfit
 from moe_dist.layers.mamba import scan_kernel
 from moe_dist.layers.permutation import Permutation, permute_rows, unpermute_rows
 from moe_dist.layers.scan import selective_scan
@@ -44,6 +45,7 @@ def test_what_auto_resolves_to_on_each_device(no_interpreter):
     }
     assert build_model(cfg, "cuda").implementations() == {
         "attention": "sdpa",
+        "attention_documents": "triton",
         "scan": "triton",
         "permutation": "triton",
         "experts": "grouped_mm",
@@ -120,6 +122,134 @@ def test_unknown_choice_names_the_key():
         scan_kernel("cpu", "cpu")
     with pytest.raises(ValueError, match=r"^model\.attention\.impl: expected 'auto', 'torch' or 'triton', got 'cuda'$"):
         attention_kernel("cuda")
+
+
+# ------------------------------------------------------------------------------------------------ attention masks
+
+SDPA, OURS = impl.AttentionPath("sdpa"), impl.AttentionPath("triton")
+NO_TRITON = "the triton package is not installed"
+
+
+def slow_kinds(choice: dict) -> dict:
+    return {kind: path.slow for kind, path in choice.items() if path.slow is not None}
+
+
+def test_mask_kind_of_a_call():
+    kind = impl.attention_mask_kind
+    assert kind(False, False, False) == "causal"
+    assert kind(True, False, False) == "documents"
+    assert kind(True, True, False) == "prefix"
+    assert kind(False, False, True) == kind(True, False, True) == kind(True, True, True) == "window"
+
+
+def test_what_auto_takes_on_cuda_for_each_mask_kind():
+    """With the Triton kernel available: SDPA's own kernels for causal attention, ours for documents and prefix-LM,
+    SDPA's explicit mask for a sliding window (the one slow path, with its reason)."""
+    choice = impl.attention_choice("auto", torch.device("cuda"), 64, None)
+    assert {k: p.name for k, p in choice.items()} == {
+        "causal": "sdpa",
+        "documents": "triton",
+        "prefix": "triton",
+        "window": "sdpa",
+    }
+    assert choice["causal"] == SDPA and choice["documents"] == choice["prefix"] == OURS
+    assert slow_kinds(choice) == {
+        "window": "attention with a sliding window shorter than the sequence takes SDPA with an explicit mask "
+        "(no fast kernel here takes a sliding window)"
+    }
+
+
+@pytest.mark.parametrize(
+    "why_no_triton, head_dim, reason",
+    [
+        (NO_TRITON, 64, f"the Triton kernel cannot run: {NO_TRITON}"),
+        (None, 256, "the Triton kernel cannot run: head_dim 256 is outside 16..128"),
+        (None, 8, "the Triton kernel cannot run: head_dim 8 is outside 16..128"),
+    ],
+)
+def test_auto_on_cuda_where_ours_cannot_run_takes_sdpa_and_says_why(why_no_triton, head_dim, reason):
+    choice = impl.attention_choice("auto", "cuda", head_dim, why_no_triton)
+    assert {p.name for p in choice.values()} == {"sdpa"}
+    slow = slow_kinds(choice)
+    assert set(slow) == {"documents", "prefix", "window"}
+    assert slow["documents"] == f"attention with documents takes SDPA with an explicit mask ({reason})"
+    assert slow["prefix"] == f"attention with prefix-LM takes SDPA with an explicit mask ({reason})"
+
+
+def test_torch_and_triton_on_cuda():
+    torch_choice = impl.attention_choice("torch", "cuda", 64, None)
+    assert {p.name for p in torch_choice.values()} == {"sdpa"}
+    assert "(model.attention.impl='torch')" in torch_choice["documents"].slow
+    assert set(slow_kinds(torch_choice)) == {"documents", "prefix", "window"}
+    triton_choice = impl.attention_choice("triton", "cuda", 64, None)
+    assert triton_choice == {"causal": OURS, "documents": OURS, "prefix": OURS, "window": triton_choice["window"]}
+    assert triton_choice["window"].name == "sdpa" and triton_choice["window"].slow
+
+
+def test_off_cuda_every_kind_takes_sdpa_and_nothing_is_called_slow():
+    for device in ("cpu", "meta"):
+        for why in (None, NO_TRITON, "the model is built for the CPU"):
+            for impl_name in ("auto", "torch"):
+                assert impl.attention_choice(impl_name, device, 64, why) == dict.fromkeys(impl.ATTENTION_MASKS, SDPA)
+    # "triton" under the interpreter: ours where it takes the mask
+    assert impl.attention_choice("triton", "cpu", 64, None) == {
+        "causal": OURS,
+        "documents": OURS,
+        "prefix": OURS,
+        "window": SDPA,
+    }
+
+
+@pytest.mark.parametrize("impl_name", ["auto", "torch", "triton"])
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+@pytest.mark.parametrize("why_no_triton", [None, NO_TRITON])
+@pytest.mark.parametrize("head_dim", [8, 16, 64, 128, 256])
+def test_ours_is_never_chosen_where_it_cannot_take_the_mask(impl_name, device, why_no_triton, head_dim):
+    """No choice sends a sliding window, a head size outside 16..128 or a missing triton to our kernel: each
+    choice is one ours takes, or "triton" is a one-line error naming the key."""
+    try:
+        choice = impl.attention_choice(impl_name, device, head_dim, why_no_triton)
+    except ValueError as e:
+        assert impl_name == "triton" and (why_no_triton is not None or not 16 <= head_dim <= 128)
+        assert str(e).startswith("model.attention.impl='triton': the Triton flash-attention kernel is not available")
+        assert "\n" not in str(e)
+        return
+    assert choice["window"].name == "sdpa"
+    if any(p.name == "triton" for p in choice.values()):
+        assert why_no_triton is None and 16 <= head_dim <= 128
+
+
+def test_the_layer_takes_the_kernel_of_each_mask_kind(no_interpreter):
+    """The Attention layer built for CUDA: ours for documents and prefix-LM, SDPA for causal and windows."""
+    from moe_dist.kernels.flash_attention import flash_attention
+
+    cfg = AttentionConfig(n_heads=4, n_kv_heads=2, mask="prefix", sliding_window=16)
+    layer = Attention(64, cfg, init_std=0.02, n_layers=2, device="cuda")
+    fns = {kind: k.fn for kind, k in layer.kernels.items()}
+    assert fns == {"causal": _sdpa, "documents": flash_attention, "prefix": flash_attention, "window": _sdpa}
+    assert layer.implementations == {
+        "attention": "sdpa",
+        "attention_documents": "triton",
+        "attention_prefix": "triton",
+    }
+    cpu = Attention(64, cfg, init_std=0.02, n_layers=2, device="cpu")
+    assert {k.fn for k in cpu.kernels.values()} == {_sdpa} and cpu.implementations == {"attention": "sdpa"}
+
+
+def test_grouped_gemm_fallbacks_on_cuda():
+    """Why the experts would leave torch's grouped GEMM, from the probe (F.grouped_mm present) and the config."""
+    bf16, f32 = torch.bfloat16, torch.float32
+    assert grouped_mm_unfit("cuda", True, bf16, (64, 256, 128)) is None
+    assert (
+        grouped_mm_unfit("cuda", False, bf16, (64,))
+        == f"torch {torch.__version__} has no torch.nn.functional.grouped_mm"
+    )
+    assert grouped_mm_unfit("cuda", True, f32, (64,)) == "its cuda kernel takes bfloat16, not float32"
+    assert grouped_mm_unfit("cuda", True, bf16, (64, 12, 6)) == "widths [6, 12] are not multiples of 16 bytes"
+    assert grouped_mm_unfit("cpu", True, f32, (64, 12)) is None  # 48-byte fp32 rows
+    assert grouped_mm_unfit("cpu", True, torch.float64, (64,)) == (
+        "its cpu kernel takes float32, bfloat16, float16, not float64"
+    )
 
 
 # ------------------------------------------------------------------------------------------------ references

@@ -1,0 +1,66 @@
+"""What start-up prints (rank 0, once, before the first step): one line of versions, one line of the kernels the
+model chose for its device (`Decoder.implementations`), and a warning line for each slow path this run will take
+on CUDA: attention with a mask no fast kernel takes (`attention_choice`), experts whose GEMMs torch's grouped GEMM
+cannot take (`grouped_mm_unfit`). Tested in tests/train/test_startup_report.py."""
+
+from __future__ import annotations
+
+import platform
+from importlib import metadata
+
+import torch
+from torch import nn
+
+from moe_dist.config import JobConfig
+from moe_dist.layers.attention import Attention
+from moe_dist.layers.experts import Experts
+from moe_dist.layers.kernel_choice import attention_choice, attention_mask_kind, why_no_triton
+
+
+def _version(package: str) -> str:
+    try:  # the installed distribution's version, without importing it (CPU runs never import triton)
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def versions_line(device: torch.device) -> str:
+    """`versions: python 3.12.3, torch 2.11.0, triton 3.6.0, deepspeed 0.19.8, CUDA 13.0 (NVIDIA H200)` (or `cpu`)."""
+    if device.type == "cuda":
+        where = f"CUDA {torch.version.cuda} ({torch.cuda.get_device_name(device)})"
+    else:
+        where = device.type
+    parts = [f"python {platform.python_version()}", f"torch {torch.__version__}"]
+    parts += [f"{name} {_version(name)}" for name in ("triton", "deepspeed")]
+    return "versions: " + ", ".join([*parts, where])
+
+
+def kernels_line(implementations: dict[str, str]) -> str:
+    """`kernels: attention sdpa, attention_documents triton, permutation triton, experts grouped_mm, scan triton`
+    (in the order the layers first name them)."""
+    return "kernels: " + ", ".join(f"{op} {name}" for op, name in implementations.items())
+
+
+def slow_paths(cfg: JobConfig, model: nn.Module, device: torch.device) -> list[str]:
+    """One warning line per slow path the run `cfg` takes with `model` (built for `device`); none off CUDA."""
+    if device.type != "cuda":
+        return []
+    lines = []
+    a, t = cfg.model.attention, cfg.train
+    documents = cfg.data.document_masking
+    window = a.sliding_window is not None and t.seq_len > a.sliding_window
+    kind = attention_mask_kind(documents, documents and a.mask == "prefix", window)
+    heads = {m.head_dim for m in model.modules() if isinstance(m, Attention)}
+    for head_dim in sorted(heads):
+        path = attention_choice(a.impl, device, head_dim, why_no_triton(device))[kind]
+        if path.slow:
+            lines.append(f"warning: slow path: {path.slow}")
+    dtype = torch.bfloat16 if t.dtype == "bf16" else torch.float32
+    why = dict.fromkeys(m.slow_path(device.type, dtype) for m in model.modules() if isinstance(m, Experts))
+    lines += [f"warning: slow path: grouped GEMM: {w}; the experts run one matmul per expert" for w in why if w]
+    return lines
+
+
+def startup_report(cfg: JobConfig, model: nn.Module, device: torch.device) -> list[str]:
+    """The lines start-up prints: versions, kernels, then the slow-path warnings."""
+    return [versions_line(device), kernels_line(model.implementations()), *slow_paths(cfg, model, device)]
