@@ -265,3 +265,29 @@ def test_other_families_refuse_the_hybrid_options():
     cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, d_ff=16, residual_multiplier=0.5)
     with pytest.raises(HFConfigError, match="residual_multiplier"):
         config_to_hf(cfg)
+
+
+@pytest.mark.parametrize(
+    "name, cls",
+    [
+        ("nemotron3_nano_30b_a3b", transformers.NemotronHForCausalLM),
+        ("granite4_h_small", transformers.GraniteMoeHybridForCausalLM),
+    ],
+)
+def test_reference_configs_count_as_transformers(name, cls):
+    """The full-size reference config, exported to config.json and built by transformers on the meta device, has
+    the parameter count ours has (what `--dry-run` reports) to 0.2%; it is the same architecture, so it is exact."""
+    from pathlib import Path
+
+    from moe_dist.config import load_config
+    from moe_dist.models.decoder import param_counts
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / f"configs/{name}.json").model
+    hf = json.loads(json.dumps(config_to_hf(cfg)))  # through JSON, as a config.json file is read
+    hf_cfg = transformers.AutoConfig.for_model(**hf)
+    with torch.device("meta"):
+        theirs = sum(p.numel() for p in cls(hf_cfg).parameters())
+    ours = param_counts(cfg)["params_total"]
+    print(f"{name}: ours {ours:,} transformers {theirs:,}")
+    assert abs(ours - theirs) <= 0.002 * theirs
+    assert ours == theirs
