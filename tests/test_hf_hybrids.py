@@ -291,3 +291,14 @@ def test_reference_configs_count_as_transformers(name, cls):
     print(f"{name}: ours {ours:,} transformers {theirs:,}")
     assert abs(ours - theirs) <= 0.002 * theirs
     assert ours == theirs
+
+
+def test_import_keeps_the_correction_bias(tmp_path):
+    """convert.py import: the balancing rate may change, but 0 would drop the correction bias: refused by name."""
+    from moe_dist.config import ConfigError
+    from moe_dist.hf import import_hf_to_run
+
+    family_dir("nemotron_h", tmp_path / "hf")
+    with pytest.raises(ConfigError, match="model.moe.bias_update_rate"):
+        import_hf_to_run(tmp_path / "hf", tmp_path / "run0", model_overrides=["model.moe.bias_update_rate=0"])
+    assert not (tmp_path / "run0").exists()
