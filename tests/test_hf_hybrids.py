@@ -64,6 +64,7 @@ GRANITE = dict(
     attention_multiplier=0.3,
     logits_scaling=2.0,
     position_embedding_type="nope",
+    tie_word_embeddings=True,  # as Granite 4.0-H's published configs
     initializer_range=0.1,
 )
 FAMILIES = {
@@ -153,10 +154,12 @@ def test_our_hybrid_models_export_to_transformers(tmp_path):
     for kind, layers, extra in (
         ("nemotron_h", ["mamba2", "attention", "moe", "mlp"], dict(ffn_activation="relu2")),
         ("granitemoehybrid", ["attention+moe", "mamba2+moe"], dict(embedding_multiplier=2.0, logits_scaling=3.0)),
+        ("granitemoehybrid", ["attention+mlp", "mamba2+mlp"], dict(rope=True)),  # RoPE; no experts: shared MLP alone
     ):
         cfg = config_from_hf(json.loads(json.dumps(config_to_hf(_ours(kind, layers, extra)))))
+        assert cfg.layers == layers and cfg.attention.rope == extra.get("rope", False)
         model = materialize_whole(build_model(cfg), "cpu", seed=3)
-        out = save_hf_model(model, tmp_path / kind)
+        out = save_hf_model(model, tmp_path / f"{kind}{len(extra)}")
         theirs = FAMILIES[kind][0].from_pretrained(out).eval()
         tokens = _tokens(3)
         with torch.no_grad():
@@ -167,6 +170,8 @@ def test_our_hybrid_models_export_to_transformers(tmp_path):
 def _ours(kind: str, layers: list[str], extra: dict) -> ModelConfig:
     from moe_dist.config import AttentionConfig, Mamba2Config, MoEConfig
 
+    extra = dict(extra)
+    rope = extra.pop("rope", False)
     nemotron = kind == "nemotron_h"
     moe = MoEConfig(
         num_experts=4,
@@ -184,7 +189,7 @@ def _ours(kind: str, layers: list[str], extra: dict) -> ModelConfig:
         n_layers=len(layers),
         d_ff=24,
         layers=layers,
-        attention=AttentionConfig(n_heads=4, n_kv_heads=2, rope=False),
+        attention=AttentionConfig(n_heads=4, n_kv_heads=2, rope=rope),
         mamba2=Mamba2Config(
             d_state=8,
             n_heads=4,
