@@ -99,12 +99,12 @@ class Experts(nn.Module):
         self.backend = backend
         self.gated = activation == "swiglu"
         if self.gated:
-            self.swiglu = expert_swiglu(backend)
+            self.compute = expert_swiglu(backend)
             self.w13 = nn.Parameter(torch.empty(num_experts, d_model, 2 * d_ff))  # [gate | up] (E, D, 2F)
         else:
             if backend != "native":
                 raise ConfigError(f"model.moe.backend: {backend!r} runs SwiGLU experts only, not {activation!r}")
-            self.swiglu = native_relu2
+            self.compute = native_relu2
             self.w1 = nn.Parameter(torch.empty(num_experts, d_model, d_ff))  # up (E, D, F)
         self.w2 = nn.Parameter(torch.empty(num_experts, d_ff, d_model))  # down (E, F, D)
         self.init_std = init_std
@@ -133,4 +133,4 @@ class Experts(nn.Module):
 
     def forward(self, x_RD: torch.Tensor, rows_per_expert_E: torch.Tensor) -> torch.Tensor:
         w_in = self.w13 if self.gated else self.w1
-        return self.swiglu(x_RD, w_in, self.w2, rows_per_expert_E)
+        return self.compute(x_RD, w_in, self.w2, rows_per_expert_E)
