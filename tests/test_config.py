@@ -258,6 +258,8 @@ def test_cli_reports_bad_config_in_one_line_with_exit_2(tmp_path):
     [
         ("mixtral_8x7b", 46.7e9, 12.9e9),  # published Mixtral-8x7B figures
         ("jamba_v0.1", 52e9, 12e9),  # published Jamba-v0.1 figures (rounded to 1B)
+        ("nemotron3_nano_30b_a3b", 31.6e9, 3.6e9),  # NVIDIA's: 31.6B total, 3.6B active with embeddings
+        ("granite4_h_small", 32e9, 9e9),  # IBM's: 32B total, 9B active
     ],
 )
 def test_dry_run_reports_published_parameter_counts(name, total, active):
@@ -277,7 +279,13 @@ def test_dry_run_reports_published_parameter_counts(name, total, active):
 # (1, 2 and 4 are launched in test_launchers.py); the full-size configs for one and many 8-GPU nodes.
 @pytest.mark.parametrize(
     "name, worlds",
-    [("mixtral_small", (1, 2, 4, 8)), ("mixtral_8x7b", (8, 64, 256)), ("jamba_v0.1", (8, 64, 256))],
+    [
+        ("mixtral_small", (1, 2, 4, 8)),
+        ("mixtral_8x7b", (8, 64, 256)),
+        ("jamba_v0.1", (8, 64, 256)),
+        ("nemotron3_nano_30b_a3b", (8, 64)),
+        ("granite4_h_small", (8, 64)),
+    ],
 )
 def test_shipped_layouts_divide_for_their_world_sizes(name, worlds):
     cfg = load_config(REPO / f"configs/{name}.json")

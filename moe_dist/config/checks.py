@@ -49,6 +49,12 @@ def validate(cfg: JobConfig) -> None:
         n = len(getattr(m, name))
         _check(m.n_layers % n == 0, f"model.{name}: length {n} must divide model.n_layers={m.n_layers}")
     _check_layers(m)
+    for name in ("embedding_multiplier", "residual_multiplier", "logits_scaling"):
+        _check(getattr(m, name) > 0, f"model.{name}: must be positive, got {getattr(m, name)}")
+    _check(
+        a.softmax_scale is None or a.softmax_scale > 0,
+        f"model.attention.softmax_scale: must be positive or null, got {a.softmax_scale}",
+    )
     _check(
         a.n_heads > 0 and a.n_kv_heads > 0 and a.n_heads % a.n_kv_heads == 0,
         f"model.attention.n_kv_heads: must divide n_heads={a.n_heads}, got {a.n_kv_heads}",
@@ -234,6 +240,10 @@ def _check_tensor_parallel(cfg: JobConfig) -> None:
             mixer not in ("mamba2", "gdn"),
             f"model.layers[{i}]: '{mixer}' layers do not support tensor parallelism yet (parallel.tp > 1)",
         )
+    _check(
+        m.ffn_activation == "swiglu",
+        f"model.ffn_activation: {m.ffn_activation!r} FFNs do not support tensor parallelism yet (parallel.tp > 1)",
+    )
     if m.has_kind("attention"):
         _check(
             a.qk_norm != "full",

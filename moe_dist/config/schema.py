@@ -31,6 +31,7 @@ class AttentionConfig:
     mask: Literal["causal", "prefix"] = "causal"  # prefix = prefix-LM: a document's prompt tokens see each other
     qk_norm: Literal["none", "head", "full"] = "none"  # RMSNorm of q and k: per head (Qwen3), over all heads (OLMoE)
     qkv_bias: bool = False  # biases in the q, k and v projections (Qwen2)
+    softmax_scale: Optional[float] = None  # multiplier of q·k before the softmax; null = 1/sqrt(head_dim) (Granite)
 
 
 @dataclass
@@ -135,6 +136,12 @@ class ModelConfig:
     norm_eps: float = 1e-5  # RMSNorm epsilon
     tie_embeddings: bool = False  # share the embedding matrix with the LM head
     init_std: float = 0.02  # std of the normal init of projection weights
+    ffn_activation: Literal["swiglu", "relu2"] = (
+        "swiglu"  # dense FFNs, experts and shared experts: SwiGLU, or relu(x)² without a gate (Nemotron-H)
+    )
+    embedding_multiplier: float = 1.0  # the embeddings are scaled by this (Granite)
+    residual_multiplier: float = 1.0  # each sublayer's output is scaled by this before the residual add (Granite)
+    logits_scaling: float = 1.0  # the logits are divided by this (Granite)
     attention: AttentionConfig = field(default_factory=AttentionConfig)  # attention mixer
     mamba: MambaConfig = field(default_factory=MambaConfig)  # Mamba mixer
     mamba2: Mamba2Config = field(default_factory=Mamba2Config)  # Mamba-2 (SSD) mixer ("mamba2" layers)

@@ -1,12 +1,15 @@
-"""Hugging Face interop: Mixtral, Jamba, Qwen2-MoE, Qwen3-MoE, OLMoE (and dense Llama, Qwen3) checkpoint
-directories ↔ our Decoder, and ↔ our training checkpoints. One module per family (its config mapping and tensor
-names), format.py for the directories, checkpoints.py for run directories (import, export, upcycling).
+"""Hugging Face interop: Mixtral, Jamba, Qwen2-MoE, Qwen3-MoE, OLMoE, Nemotron-H, Granite 4.0-H (and dense Llama,
+Qwen3) checkpoint directories ↔ our Decoder, and ↔ our training checkpoints. One module per family (its config
+mapping and tensor names), format.py for the directories, checkpoints.py for run directories (import, export,
+upcycling).
 
 What our config cannot express is refused with a one-line error naming the field (RoPE scaling, activations
-other than SiLU, sliding-window layer mixes, OLMoE's clip_qkv, Jamba layouts that are not one period/offset), and
-so is a model the format cannot hold (sigmoid scores, expert groups, a loss-free balancing bias). Training
-hyper-parameters of the Hugging Face config (router_aux_loss_coef, jitter noise) are not mapped: ours take their
-defaults or `--set` (overrides.py: the model keys a conversion applies, and the architecture keys it refuses).
+other than SiLU or Nemotron-H's squared ReLU, sliding-window layer mixes, OLMoE's clip_qkv, Jamba layouts that are
+not one period/offset, Nemotron's latent MoE), and so is a model a format cannot hold (sigmoid scores, expert
+groups, a loss-free balancing bias outside Nemotron-H; squared-ReLU FFNs and Granite's multipliers outside their
+family). Training hyper-parameters of the Hugging Face config (router_aux_loss_coef, jitter noise) are not mapped:
+ours take their defaults or `--set` (overrides.py: the model keys a conversion applies, and the architecture keys
+it refuses).
 """
 
 from moe_dist.hf.checkpoints import (

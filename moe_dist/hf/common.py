@@ -7,6 +7,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+import torch
+
 from moe_dist.config import ConfigError, ModelConfig, config_from_dict
 
 
@@ -24,6 +26,30 @@ class Family:
     unfit: Callable[[ModelConfig], list[str]]  # why `cfg` is not expressible in this family ([] = it is)
     to_hf: Callable[[ModelConfig, dict], None]  # write this family's keys into a config.json dict
     names: Callable[[str, int], list[str]]  # our parameter name → its Hugging Face name(s) (one per expert)
+    supports: frozenset = frozenset()  # of FEATURES, what this family expresses beyond the common form
+    dropped: tuple[str, ...] = ()  # prefixes of checkpoint tensors dropped on import with one warning (MTP layers)
+    # Tensors not stored one-to-one (fused or stacked in the format): load_tensor(our name, get) → our tensor from
+    # `get(hf name)`, save_tensor(our name, tensor, stored(our name) → tensor) → {hf name: tensor}; None = `names`.
+    load_tensor: Optional[Callable[[str, Callable[[str], torch.Tensor]], Optional[torch.Tensor]]] = None
+    save_tensor: Optional[Callable[[str, torch.Tensor, dict], Optional[dict]]] = None
+
+
+# Options only some families express: each family's `supports` names those it does; the others refuse them.
+FEATURES = {
+    "relu2": lambda cfg: cfg.ffn_activation != "swiglu",
+    "multipliers": lambda cfg: (cfg.embedding_multiplier, cfg.residual_multiplier, cfg.logits_scaling) != (1, 1, 1),
+    "softmax_scale": lambda cfg: cfg.attention.softmax_scale is not None,
+}
+_FEATURE_KEYS = {
+    "relu2": "ffn_activation must be 'swiglu'",
+    "multipliers": "embedding_multiplier, residual_multiplier and logits_scaling must be 1",
+    "softmax_scale": "attention.softmax_scale must be null",
+}
+
+
+def feature_unfit(cfg: ModelConfig, family: Family) -> list[str]:
+    """Why `cfg` uses an option of FEATURES that `family` does not express."""
+    return [_FEATURE_KEYS[f] for f, used in FEATURES.items() if f not in family.supports and used(cfg)]
 
 
 def get(hf: dict, key: str, default):

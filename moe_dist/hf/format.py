@@ -12,6 +12,7 @@ safetensors.
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -20,13 +21,23 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from moe_dist.config import ModelConfig
-from moe_dist.hf import dense, jamba, mixtral, olmoe, qwen_moe
-from moe_dist.hf.common import Family, HFConfigError
+from moe_dist.hf import dense, granite_hybrid, jamba, mixtral, nemotron_h, olmoe, qwen_moe
+from moe_dist.hf.common import Family, HFConfigError, feature_unfit
 from moe_dist.models.decoder import Decoder, build_model
 
 FAMILIES: dict[str, Family] = {
     f.model_type: f
-    for f in (mixtral.FAMILY, jamba.FAMILY, qwen_moe.QWEN2, qwen_moe.QWEN3, olmoe.FAMILY, dense.LLAMA, dense.QWEN3)
+    for f in (
+        mixtral.FAMILY,
+        jamba.FAMILY,
+        qwen_moe.QWEN2,
+        qwen_moe.QWEN3,
+        olmoe.FAMILY,
+        dense.LLAMA,
+        dense.QWEN3,
+        nemotron_h.FAMILY,
+        granite_hybrid.FAMILY,
+    )
 }
 _SHARD_BYTES = 5 * 2**30  # safetensors shard size of exported checkpoints (Hugging Face's default)
 
@@ -46,7 +57,7 @@ def family_of(cfg: ModelConfig, prefer: Optional[str] = None) -> Family:
     order = sorted(FAMILIES.values(), key=lambda f: f.model_type != prefer)
     why = {}
     for family in order:
-        why[family.model_type] = family.unfit(cfg)
+        why[family.model_type] = feature_unfit(cfg, family) + family.unfit(cfg)
         if not why[family.model_type]:
             return family
     listed = "; ".join(f"{kind}: {', '.join(reasons)}" for kind, reasons in why.items())
@@ -131,8 +142,13 @@ def load_hf_model(path: str | Path, dtype: Optional[torch.dtype] = torch.float32
         used.add(hf_name)
         return handles[f].get_tensor(hf_name)
 
+    family = FAMILIES[hf["model_type"]]
+
     def read(name: str) -> torch.Tensor:
-        names = FAMILIES[hf["model_type"]].names(name, cfg.moe.num_experts)
+        special = None if family.load_tensor is None else family.load_tensor(name, get)
+        if special is not None:
+            return special
+        names = family.names(name, cfg.moe.num_experts)
         if not is_experts(name):
             return get(names[0])
         E = cfg.moe.num_experts
@@ -141,6 +157,12 @@ def load_hf_model(path: str | Path, dtype: Optional[torch.dtype] = torch.float32
 
     model = assign_tensors(build_model(cfg), read, str(path), dtype)
     unused = sorted(set(index) - used - ({"lm_head.weight"} if cfg.tie_embeddings else set()))
+    dropped = [n for n in unused if n.startswith(family.dropped)]
+    if dropped:
+        warnings.warn(
+            f"{path}: dropped {len(dropped)} multi-token-prediction tensors we do not model: {dropped}", stacklevel=2
+        )
+        unused = [n for n in unused if n not in dropped]
     if unused:
         raise HFConfigError(
             f"{path}: {len(unused)} tensors not used by the model built from config.json, e.g. {unused[:3]}"
@@ -159,13 +181,25 @@ def save_hf_model(
     `shard_bytes`) that `transformers.AutoModelForCausalLM.from_pretrained(path)` loads offline."""
     cfg = model.cfg
     hf = config_to_hf(cfg, template)
-    kind = hf["model_type"]
+    family = FAMILIES[hf["model_type"]]
     tensors: dict[str, torch.Tensor] = {}
-    for name, p in model.named_parameters():
+    # the router's choice bias is the one buffer a format holds (Nemotron-H's e_score_correction_bias)
+    ours = [*model.named_parameters(), *((n, b) for n, b in model.named_buffers() if n.endswith(".router.bias_E"))]
+    by_name = dict(ours)
+
+    def stored(name: str) -> torch.Tensor:
+        p = by_name[name]
         if p.device.type == "meta":
             raise HFConfigError(f"{name}: the model is on the meta device; materialize or load it first")
-        t = p.detach().to(dtype or p.dtype).cpu()
-        names = FAMILIES[kind].names(name, cfg.moe.num_experts)
+        return p.detach().to(dtype or p.dtype).cpu()
+
+    for name, _ in ours:
+        t = stored(name)
+        special = None if family.save_tensor is None else family.save_tensor(name, t, stored)
+        if special is not None:
+            tensors.update({n: w.contiguous() for n, w in special.items()})
+            continue
+        names = family.names(name, cfg.moe.num_experts)
         if is_experts(name):
             if t.shape[0] != cfg.moe.num_experts:
                 raise HFConfigError(

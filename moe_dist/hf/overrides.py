@@ -43,6 +43,10 @@ ARCHITECTURE_KEYS: dict[str, dict[str, str]] = {
     "model.layers": _both("which sublayers each layer holds"),
     "model.norm_eps": _both("what the RMSNorms compute"),
     "model.tie_embeddings": _both("whether the head has weights of its own"),
+    "model.ffn_activation": _both("what the FFN weights compute (and whether they have a gate)"),
+    "model.embedding_multiplier": _both("what the imported weights compute"),
+    "model.residual_multiplier": _both("what the imported weights compute"),
+    "model.logits_scaling": _both("what the imported weights compute"),
     "model.attention.n_heads": _both("the attention projection shapes"),
     "model.attention.n_kv_heads": _both("the attention projection shapes"),
     "model.attention.head_dim": _both("the attention projection shapes"),
@@ -51,6 +55,7 @@ ARCHITECTURE_KEYS: dict[str, dict[str, str]] = {
     "model.attention.sliding_window": _both("which positions the attention sees"),
     "model.attention.qk_norm": _both("the q/k norm weights"),
     "model.attention.qkv_bias": _both("the q/k/v biases"),
+    "model.attention.softmax_scale": _both("what the attention weights were trained with"),
     "model.mamba.d_state": _both("the Mamba weight shapes"),
     "model.mamba.d_conv": _both("the Mamba weight shapes"),
     "model.mamba.expand": _both("the Mamba weight shapes"),
@@ -161,6 +166,12 @@ def rebuilt(model: Decoder, cfg: ModelConfig) -> Decoder:
     their initial values, as a fresh model's would."""
     fresh = build_model(cfg)  # on the meta device: nothing allocated
     old = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    kept = dict(fresh.named_buffers())
+    for name, t in old.items():  # Nemotron-H's correction bias is our balancing bias: it decides expert choices
+        if name.endswith(".router.bias_E") and name not in kept and bool(t.any()):
+            raise ConfigError(
+                "model.moe.bias_update_rate: 0 would drop the imported router's expert-choice bias; keep it > 0"
+            )
     state = {}
     for name, t in [*fresh.named_parameters(), *fresh.named_buffers()]:
         if name in old:

@@ -132,6 +132,8 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim * (self.n_heads if full else 1), norm_eps)
             self.k_norm = RMSNorm(self.head_dim * (self.n_kv_heads if full else 1), norm_eps)
         self.wo = nn.Linear(self.n_heads * self.head_dim, d_model, bias=False)
+        # softmax_scale (Granite's attention multiplier) in place of the kernels' 1/sqrt(Dh): q is pre-scaled
+        self.q_scale = None if cfg.softmax_scale is None else cfg.softmax_scale * math.sqrt(self.head_dim)
         self.kernels = attention_kernels(cfg.impl, device, self.head_dim)  # mask kind → Kernel
         self.mask = cfg.mask  # "causal" | "prefix": whether prefix-LM calls can come
         self.init_std = init_std
@@ -190,6 +192,8 @@ class Attention(nn.Module):
         v = self.wv(x).view(B, S, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, S, Dh)
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.q_scale is not None:
+            q = q * self.q_scale
         if document_ids is not None:
             if cache is not None:
                 raise ValueError("attention: document_ids are for training, without a KV cache")

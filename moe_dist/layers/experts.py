@@ -1,4 +1,5 @@
-"""The experts: E SwiGLU experts with stacked weights, run as grouped GEMMs over expert-sorted rows.
+"""The experts: E SwiGLU (or squared-ReLU) experts with stacked weights, run as grouped GEMMs over expert-sorted
+rows.
 
 Shape legend as in moe.py: R routed rows sorted by expert, D d_model, F expert hidden size (2F: gate and up
 fused), E experts; I and O a GEMM's input and output widths. `model.moe.backend` picks the expert computation
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_dist.config import ConfigError
-from moe_dist.layers.mlp import gated_silu
+from moe_dist.layers.mlp import gated_silu, relu2
 
 
 def grouped_mm_unfit(
@@ -73,6 +74,13 @@ def native_swiglu(
     return grouped_mm(h_RF, w2_EFD, rows_per_expert_E)
 
 
+def native_relu2(
+    x_RD: torch.Tensor, w1_EDF: torch.Tensor, w2_EFD: torch.Tensor, rows_per_expert_E: torch.Tensor
+) -> torch.Tensor:
+    """Squared-ReLU experts (Nemotron-H): relu(x w1)² w2 per expert over expert-sorted rows. (R, D) → (R, D)."""
+    return grouped_mm(relu2(grouped_mm(x_RD, w1_EDF, rows_per_expert_E)), w2_EFD, rows_per_expert_E)
+
+
 def expert_swiglu(backend: str) -> Callable[..., torch.Tensor]:
     """The expert computation of `model.moe.backend`, chosen once; "megablocks" raises a ConfigError naming the
     key where MegaBlocks cannot run (not installed, no CUDA)."""
@@ -89,15 +97,31 @@ def expert_swiglu(backend: str) -> Callable[..., torch.Tensor]:
 class Experts(nn.Module):
     """E SwiGLU experts with stacked weights, run as grouped GEMMs over expert-sorted rows. The gate (w1) and up
     (w3) projections are stored side by side as w13 = [w1 | w3] (E, D, 2F), as Megatron's grouped MLP does, so
-    that one GEMM computes both; `gate_up` names the halves where they are taken apart (checkpoints stay whole)."""
+    that one GEMM computes both; `gate_up` names the halves where they are taken apart (checkpoints stay whole).
+    With activation "relu2" the experts are relu(x w1)² w2: an up projection w1 (E, D, F) in place of w13 (a
+    distinct name, so that nothing that splits w13 into halves can take it for one)."""
 
     def __init__(
-        self, num_experts: int, d_model: int, d_ff: int, init_std: float, n_layers: int, backend: str = "native"
+        self,
+        num_experts: int,
+        d_model: int,
+        d_ff: int,
+        init_std: float,
+        n_layers: int,
+        backend: str = "native",
+        activation: str = "swiglu",
     ):
         super().__init__()
         self.backend = backend
-        self.swiglu = expert_swiglu(backend)
-        self.w13 = nn.Parameter(torch.empty(num_experts, d_model, 2 * d_ff))  # [gate | up] (E, D, 2F)
+        self.gated = activation == "swiglu"
+        if self.gated:
+            self.compute = expert_swiglu(backend)
+            self.w13 = nn.Parameter(torch.empty(num_experts, d_model, 2 * d_ff))  # [gate | up] (E, D, 2F)
+        else:
+            if backend != "native":
+                raise ConfigError(f"model.moe.backend: {backend!r} runs SwiGLU experts only, not {activation!r}")
+            self.compute = native_relu2
+            self.w1 = nn.Parameter(torch.empty(num_experts, d_model, d_ff))  # up (E, D, F)
         self.w2 = nn.Parameter(torch.empty(num_experts, d_ff, d_model))  # down (E, F, D)
         self.init_std = init_std
         self.out_std = init_std / math.sqrt(2 * n_layers)
@@ -109,8 +133,14 @@ class Experts(nn.Module):
         another backend runs them."""
         if self.backend != "native":
             return None
-        widths = (self.w13.shape[1], self.w13.shape[2], self.w2.shape[1])  # D, 2F, F
+        up = getattr(self, self.weight_names[0])
+        widths = (up.shape[1], up.shape[2], self.w2.shape[1])  # D, 2F (F for squared-ReLU), F
         return grouped_mm_unfit(device_type, hasattr(F, "grouped_mm"), dtype, widths)
+
+    @property
+    def weight_names(self) -> tuple[str, str]:
+        """The stacked (E, ...) parameters: ("w13", "w2"), or ("w1", "w2") for squared-ReLU experts."""
+        return ("w13", "w2") if self.gated else ("w1", "w2")
 
     def gate_up(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of w1 (gate) and w3 (up) in w13, each (E, D, F)."""
@@ -121,11 +151,12 @@ class Experts(nn.Module):
         # One generator per global expert, seeded from the global RNG: expert e gets the same values whichever
         # rank holds it, and the draws of the rest of the model do not depend on the expert-parallel layout.
         base = int(torch.randint(0, 2**62, (1,)).item())
-        w1, w3 = self.gate_up()
-        for j in range(self.w13.shape[0]):
-            gen = torch.Generator(device=self.w13.device).manual_seed(base + self.expert_offset + j)
-            for w, std in ((w1[j], self.init_std), (w3[j], self.init_std), (self.w2[j], self.out_std)):
+        ins = self.gate_up() if self.gated else (self.w1,)
+        for j in range(self.w2.shape[0]):
+            gen = torch.Generator(device=self.w2.device).manual_seed(base + self.expert_offset + j)
+            for w, std in [*((w[j], self.init_std) for w in ins), (self.w2[j], self.out_std)]:
                 w.copy_(torch.randn(w.shape, generator=gen, device=w.device, dtype=w.dtype) * std)
 
     def forward(self, x_RD: torch.Tensor, rows_per_expert_E: torch.Tensor) -> torch.Tensor:
-        return self.swiglu(x_RD, self.w13, self.w2, rows_per_expert_E)
+        w_in = self.w13 if self.gated else self.w1
+        return self.compute(x_RD, w_in, self.w2, rows_per_expert_E)

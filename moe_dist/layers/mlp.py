@@ -1,5 +1,6 @@
-"""Dense SwiGLU feed-forward block (Shazeer 2020), the FFN of non-MoE layers, and the gated activation over a
-fused [gate | up] projection that the experts use."""
+"""Dense feed-forward blocks, the FFN of non-MoE layers and the shared experts: SwiGLU (Shazeer 2020), or the
+non-gated squared ReLU relu(x)² (So et al. 2021; Nemotron-H) under `model.ffn_activation` "relu2"; and the gated
+activation over a fused [gate | up] projection that the experts use."""
 
 import math
 
@@ -37,13 +38,19 @@ def gated_silu(ab: torch.Tensor) -> torch.Tensor:
     return _GatedSiLU.apply(ab)
 
 
-class SwiGLU(nn.Module):
-    """y = w2(silu(w1 x) * w3 x); names follow the Llama/Mixtral convention (w1 gate, w3 up, w2 down)."""
+def relu2(x: torch.Tensor) -> torch.Tensor:
+    """relu(x)², the non-gated activation of `model.ffn_activation` "relu2"."""
+    return F.relu(x).square()
 
-    def __init__(self, d_model: int, d_ff: int, init_std: float, n_layers: int):
+
+class SwiGLU(nn.Module):
+    """The dense FFN: y = w2(silu(w1 x) * w3 x), names as Llama/Mixtral (w1 gate, w3 up, w2 down); with
+    activation "relu2" y = w2(relu(w1 x)²) and no w3 (w1 is then the up projection)."""
+
+    def __init__(self, d_model: int, d_ff: int, init_std: float, n_layers: int, activation: str = "swiglu"):
         super().__init__()
         self.w1 = nn.Linear(d_model, d_ff, bias=False)
-        self.w3 = nn.Linear(d_model, d_ff, bias=False)
+        self.w3 = nn.Linear(d_model, d_ff, bias=False) if activation == "swiglu" else None
         self.w2 = nn.Linear(d_ff, d_model, bias=False)
         self.init_std = init_std
         self.out_std = init_std / math.sqrt(2 * n_layers)  # residual-branch outputs scaled down (GPT-2)
@@ -51,10 +58,13 @@ class SwiGLU(nn.Module):
     @torch.no_grad()
     def init_weights(self) -> None:
         nn.init.normal_(self.w1.weight, std=self.init_std)
-        nn.init.normal_(self.w3.weight, std=self.init_std)
+        if self.w3 is not None:
+            nn.init.normal_(self.w3.weight, std=self.init_std)
         nn.init.normal_(self.w2.weight, std=self.out_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.w3 is None:
+            return self.w2(relu2(self.w1(x)))
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
@@ -62,12 +72,15 @@ class SharedExperts(nn.Module):
     """Shared experts (DeepSeek-MoE, Qwen2-MoE): one dense SwiGLU that every token goes through beside the routed
     experts (n shared experts of width F are one SwiGLU of width n·F), its output optionally scaled per token by
     sigmoid(gate · x) (Qwen2-MoE's shared-expert gate). Not a SwiGLU: apply_tp shards it inside the MoE layer's
-    tensor-parallel region, where its partial output is summed with the routed experts' in one all-reduce."""
+    tensor-parallel region, where its partial output is summed with the routed experts' in one all-reduce.
+    With activation "relu2" it is relu(w1 x)² without w3, as the dense FFN (Nemotron-H's shared expert)."""
 
-    def __init__(self, d_model: int, d_ff: int, gated: bool, init_std: float, n_layers: int):
+    def __init__(
+        self, d_model: int, d_ff: int, gated: bool, init_std: float, n_layers: int, activation: str = "swiglu"
+    ):
         super().__init__()
         self.w1 = nn.Linear(d_model, d_ff, bias=False)
-        self.w3 = nn.Linear(d_model, d_ff, bias=False)
+        self.w3 = nn.Linear(d_model, d_ff, bias=False) if activation == "swiglu" else None
         self.w2 = nn.Linear(d_ff, d_model, bias=False)
         self.gate = nn.Linear(d_model, 1, bias=False) if gated else None
         self.init_std = init_std
@@ -76,10 +89,12 @@ class SharedExperts(nn.Module):
     @torch.no_grad()
     def init_weights(self) -> None:
         for lin, std in ((self.w1, self.init_std), (self.w3, self.init_std), (self.w2, self.out_std)):
-            nn.init.normal_(lin.weight, std=std)
+            if lin is not None:
+                nn.init.normal_(lin.weight, std=std)
         if self.gate is not None:
             nn.init.normal_(self.gate.weight, std=self.init_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.w2(F.silu(self.w1(x)) * self.w3(x))
+        h = relu2(self.w1(x)) if self.w3 is None else F.silu(self.w1(x)) * self.w3(x)
+        y = self.w2(h)
         return y if self.gate is None else y * torch.sigmoid(self.gate(x))

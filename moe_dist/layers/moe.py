@@ -81,14 +81,17 @@ class MoE(nn.Module):
         init_std: float,
         n_layers: int,
         device: torch.device | str = "cpu",
+        activation: str = "swiglu",
     ):
         super().__init__()
         self.router = Router(d_model, cfg, init_std)
-        self.experts = Experts(cfg.num_experts, d_model, cfg.d_ff or d_ff, init_std, n_layers, cfg.backend)
+        self.experts = Experts(cfg.num_experts, d_model, cfg.d_ff or d_ff, init_std, n_layers, cfg.backend, activation)
         self.dispatcher: Dispatcher = LocalDispatcher(Permutation.for_device(cfg.impl, device))
         shared_ff = cfg.shared_hidden(d_ff)
         self.shared = (
-            SharedExperts(d_model, shared_ff, cfg.shared_gate, init_std, n_layers) if cfg.n_shared_experts else None
+            SharedExperts(d_model, shared_ff, cfg.shared_gate, init_std, n_layers, activation)
+            if cfg.n_shared_experts
+            else None
         )
 
     @property

@@ -63,10 +63,11 @@ class Block(nn.Module):
         self.ffn = (
             None
             if ffn is None
-            else MoE(cfg.d_model, cfg.d_ff, cfg.moe, cfg.init_std, cfg.n_layers, device)
+            else MoE(cfg.d_model, cfg.d_ff, cfg.moe, cfg.init_std, cfg.n_layers, device, cfg.ffn_activation)
             if ffn == "moe"
-            else SwiGLU(cfg.d_model, cfg.d_ff, cfg.init_std, cfg.n_layers)
+            else SwiGLU(cfg.d_model, cfg.d_ff, cfg.init_std, cfg.n_layers, cfg.ffn_activation)
         )
+        self.residual_multiplier = cfg.residual_multiplier  # Granite's: each sublayer's output scaled before the add
 
     def parts(self) -> list[str]:
         """The names of the submodules present, in init order."""
@@ -87,15 +88,16 @@ class Block(nn.Module):
     def forward(
         self, x: torch.Tensor, cache: Optional[MixerState] = None, **documents
     ) -> tuple[torch.Tensor, RoutingStats | None]:
+        m = self.residual_multiplier
         if self.mixer is not None:
-            x = x + self.mixer(self.mixer_norm(x), cache, **documents)
+            h = self.mixer(self.mixer_norm(x), cache, **documents)
+            x = x + (h if m == 1.0 else h * m)
         if self.ffn is None:
             return x, None
-        h = self.ffn(self.ffn_norm(x))
+        h, stats = self.ffn(self.ffn_norm(x)), None
         if isinstance(h, tuple):
             h, stats = h
-            return x + h, stats
-        return x + h, None
+        return x + (h if m == 1.0 else h * m), stats
 
 
 @dataclass
@@ -174,6 +176,8 @@ class Decoder(nn.Module):
         prompt tokens that attention layers let see each other (prefix-LM)."""
         documents = {} if document_ids is None else {"document_ids": document_ids, "prefix": prefix}
         x = self.embed(tokens)  # (B, S, D)
+        if self.cfg.embedding_multiplier != 1.0:
+            x = x * self.cfg.embedding_multiplier
         stats: list[RoutingStats] = []
         for i, block in enumerate(self.blocks):
             x, s = block(x, None if cache is None else cache.layers[i], **documents)
@@ -183,6 +187,8 @@ class Decoder(nn.Module):
             cache.length += tokens.shape[1]
         x = self.norm(x)
         logits = F.linear(x, self.embed.weight) if self.head is None else self.head(x)
+        if self.cfg.logits_scaling != 1.0:
+            logits = logits / self.cfg.logits_scaling
         zero = logits.new_zeros((), dtype=torch.float32)
         aux = torch.stack([s.aux_loss for s in stats]).mean() if stats else zero
         z = torch.stack([s.z_loss for s in stats]).mean() if stats else zero

@@ -68,9 +68,9 @@ def apply_ep(model: nn.Module, mesh: Mesh, a2a_chunks: int = 1) -> nn.Module:
         if module.router.cfg.group_by == "node":
             check_node_groups(module.router.cfg.n_groups, mesh)
         experts = module.experts
-        num_experts = experts.w13.shape[0]
+        num_experts = experts.w2.shape[0]
         local = num_experts // mesh.ep
-        for name in ("w13", "w2"):
+        for name in experts.weight_names:
             full = getattr(experts, name)
             shard = nn.Parameter(torch.empty((local, *full.shape[1:]), device=full.device, dtype=full.dtype))
             private_api.mark_expert_parameter(shard, mesh.ep_group_name)  # reduced over the EDP group only

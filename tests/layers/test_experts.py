@@ -147,3 +147,43 @@ def test_gated_silu_matches_autograd_of_silu_times_up(shape, dtype, tol):
     assert got.shape == ref.shape and got.dtype == dtype
     torch.testing.assert_close(got.double(), ref.double(), rtol=tol, atol=tol)
     torch.testing.assert_close(got_in.grad.double(), ref_in.grad.double(), rtol=tol, atol=tol)
+
+
+# ------------------------------------------------------------------------------------------ squared ReLU
+
+
+def test_relu2_moe_matches_a_per_token_loop():
+    """`ffn_activation` "relu2" (Nemotron-H): each token's output is Σ_k w_k · relu(x W1_e)² W2_e over its chosen
+    experts, plus the shared expert relu(x S1)² S2 (no gate, no w3 anywhere), computed here token by token."""
+    from moe_dist.layers.mlp import SwiGLU
+
+    torch.manual_seed(0)
+    cfg = MoEConfig(num_experts=4, top_k=2, d_ff=8, capacity_factor=None, n_shared_experts=1, shared_d_ff=6)
+    moe = MoE(16, 8, cfg, init_std=0.3, n_layers=2, activation="relu2").float()
+    moe.init_weights()
+    assert moe.experts.weight_names == ("w1", "w2") and not hasattr(moe.experts, "w13")
+    assert moe.shared.w3 is None and moe.experts.w1.shape == (4, 16, 8)
+    x = torch.randn(10, 16, dtype=torch.float32)
+    out, _ = moe(x)
+    logits = x @ moe.router.weight.t()
+    weight, idx = logits.softmax(-1).topk(2, dim=-1)
+    weight = weight / weight.sum(-1, keepdim=True)
+    e = moe.experts
+    for t in range(10):
+        ref = sum(weight[t, k] * (F.relu(x[t] @ e.w1[idx[t, k]]) ** 2) @ e.w2[idx[t, k]] for k in range(2))
+        ref = ref + moe.shared.w2(F.relu(moe.shared.w1(x[t])) ** 2)
+        torch.testing.assert_close(out[t], ref, rtol=1e-5, atol=1e-5)
+    dense = SwiGLU(16, 8, 0.3, 2, activation="relu2")
+    dense.init_weights()
+    assert dense.w3 is None
+    torch.testing.assert_close(dense(x), dense.w2(F.relu(dense.w1(x)) ** 2), rtol=0, atol=0)
+
+
+def test_relu2_refuses_megablocks_and_tensor_parallelism_by_name():
+    from moe_dist.config import ConfigError, config_from_dict
+    from moe_dist.config.checks import check_layout
+
+    with pytest.raises(ConfigError, match="model.moe.backend"):
+        MoE(16, 8, MoEConfig(backend="megablocks"), init_std=0.02, n_layers=2, activation="relu2")
+    with pytest.raises(ConfigError, match="model.ffn_activation"):
+        check_layout(config_from_dict({"model": {"ffn_activation": "relu2"}, "parallel": {"tp": 2}}), 2)

@@ -94,7 +94,7 @@ def test_dry_run_plans_a_model_with_every_layer_kind(capsys):
 
 
 def test_plan_of_the_shipped_big_configs_fits_an_h200_node():
-    for name in ("mixtral_8x7b", "jamba_v0.1"):
+    for name in ("mixtral_8x7b", "jamba_v0.1", "nemotron3_nano_30b_a3b", "granite4_h_small"):
         cfg = load_config(REPO / f"configs/{name}.json")
         plan = memory_plan(cfg, world_size=8)
         mem = plan["memory_per_rank_gb"]
