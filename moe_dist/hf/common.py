@@ -7,6 +7,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+import torch
+
 from moe_dist.config import ConfigError, ModelConfig, config_from_dict
 
 
@@ -24,6 +26,14 @@ class Family:
     unfit: Callable[[ModelConfig], list[str]]  # why `cfg` is not expressible in this family ([] = it is)
     to_hf: Callable[[ModelConfig, dict], None]  # write this family's keys into a config.json dict
     names: Callable[[str, int], list[str]]  # our parameter name → its Hugging Face name(s) (one per expert)
+    # A non-expert tensor with several Hugging Face names (a fused projection stored in parts): `join(our name,
+    # their tensors, cfg)` builds ours, `split(our name, ours, cfg)` gives theirs in `names` order (exact inverses).
+    join: Optional[Callable[[str, list[torch.Tensor], ModelConfig], torch.Tensor]] = None
+    split: Optional[Callable[[str, torch.Tensor, ModelConfig], list[torch.Tensor]]] = None
+    # (tensor-name prefix, what they are) of checkpoint tensors import drops with one warning line per prefix
+    # (multi-token-prediction heads, a vision tower): parts of the checkpoint our model has no place for.
+    dropped: tuple[tuple[str, str], ...] = ()
+    export_as: Optional[str] = None  # an import-only layout (a vision-language wrapper): the family its export takes
 
 
 def get(hf: dict, key: str, default):
