@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,9 +18,11 @@ import transformers
 from safetensors.torch import save_file
 from test_hf import _max_diff, _perturb, _tensors, _tokens
 
-from moe_dist.hf import HFConfigError, config_from_hf, load_hf_model, save_hf_model
+from moe_dist.config import load_config
+from moe_dist.hf import HFConfigError, config_from_hf, config_to_hf, load_hf_model, save_hf_model
 from moe_dist.hf.format import family_of
-from moe_dist.models.decoder import generate
+from moe_dist.models.decoder import build_model, generate
+from moe_dist.planning.memory import memory_plan
 
 ATOL = 1e-5  # fp32; measured max |logit difference| is printed by each test (-s)
 TEXT = dict(
@@ -180,3 +184,41 @@ def test_export_refuses_what_the_family_cannot_hold(family):
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+REPO = Path(__file__).resolve().parents[1]
+BIG = {"qwen3_next_80b_a3b": transformers.Qwen3NextForCausalLM, "qwen3_5_35b_a3b": transformers.Qwen3_5MoeForCausalLM}
+
+
+@pytest.mark.parametrize("name", sorted(BIG))
+def test_reference_configs_count_what_transformers_builds(name, capsys):
+    """`--dry-run` of the shipped config (in this process) against transformers' own model built on the meta device
+    from the config.json our export writes for it: within 0.2% (the MTP layer is in neither)."""
+    sys.path.insert(0, str(REPO / "launch"))
+    import train as launcher
+
+    assert launcher.main(["--config", str(REPO / f"configs/{name}.json"), "--dry-run"]) == 0
+    ours = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["params_total"]
+    cls = BIG[name]
+    kind = cls.config_class.model_type  # both families express an all-MoE model: the template chooses
+    hf = config_to_hf(load_config(REPO / f"configs/{name}.json").model, {"model_type": kind})
+    assert hf["architectures"] == [cls.__name__]
+    with torch.device("meta"):
+        theirs = sum(p.numel() for p in cls(cls.config_class(**hf)).parameters())
+    print(f"{name}: ours {ours:,}, transformers {theirs:,}")
+    assert abs(ours - theirs) <= 0.002 * theirs
+
+
+@pytest.mark.parametrize("name, smallest", [("qwen3_next_80b_a3b", 16), ("qwen3_5_35b_a3b", 8)])
+def test_shipped_layouts_are_the_smallest_that_fit_h200s(name, smallest):
+    """The shipped layout (world tp × ep) fits 141 GB per rank; half the GPUs (ep halved) does not. Qwen3-Next on 8:
+    under ZeRO ≤ 2 every parameter keeps 2 (bf16) + 4 (fp32 gradient partition) + 12 (fp32 master, two moments)
+    bytes somewhere in the world, 18 B × 79.7 B = 1.43 TB > 8 × 141 GB, whatever the layout."""
+    cfg = load_config(REPO / f"configs/{name}.json")
+    assert cfg.parallel.tp * cfg.parallel.ep == smallest
+    assert memory_plan(cfg, smallest)["memory_per_rank_gb"]["total"] <= 141
+    half = load_config(REPO / f"configs/{name}.json", [f"parallel.ep={smallest // 2}"])
+    assert memory_plan(half, smallest // 2)["memory_per_rank_gb"]["total"] > 141
+    if name == "qwen3_next_80b_a3b":
+        total = sum(p.numel() for p in build_model(cfg.model).parameters())
+        assert 18 * total / 8 > 141e9

@@ -61,6 +61,7 @@ def _partial_rotary(hf: dict) -> float:
 def from_hf(hf: dict, qwen35: bool) -> ModelConfig:
     check_silu(hf)
     refuse(hf, "attention_bias", (False,), "q/k/v/o biases have no counterpart here")
+    refuse(hf, "attn_output_gate", (True,), "transformers' Qwen3-Next/3.5 attention is always gated")
     n_layers, d_model = hf["num_hidden_layers"], hf["hidden_size"]
     interval = get(hf, "full_attention_interval", 4)
     types = hf.get("layer_types") or [
