@@ -222,3 +222,26 @@ def test_shipped_layouts_are_the_smallest_that_fit_h200s(name, smallest):
     if name == "qwen3_next_80b_a3b":
         total = sum(p.numel() for p in build_model(cfg.model).parameters())
         assert 18 * total / 8 > 141e9
+
+
+def test_fused_expert_tensors_load_as_the_per_expert_ones(family, tmp_path):
+    """Qwen3.5 checkpoints may hold each layer's experts fused as transformers 5 does (gate_up_proj (E, 2F, D) with
+    rows [gate; up], down_proj (E, D, F)): the same model as from the per-expert tensors."""
+    kind, _, path = family
+    if kind == "qwen3_next":
+        pytest.skip("Qwen3-Next checkpoints hold experts per expert only")
+    tensors, fused = _tensors(path), {}
+
+    def each(stem: str, proj: str) -> torch.Tensor:
+        return torch.stack([tensors.pop(f"{stem}.{e}.{proj}.weight") for e in range(4)])
+
+    for name in [n for n in tensors if ".experts.0.gate_proj." in n]:
+        stem = name.split(".experts.")[0] + ".experts"
+        fused[f"{stem}.gate_up_proj"] = torch.cat([each(stem, "gate_proj"), each(stem, "up_proj")], dim=1)
+        fused[f"{stem}.down_proj"] = each(stem, "down_proj")
+    assert len(fused) == 8 and not any(".experts.0." in n for n in tensors)
+    (tmp_path / "fused").mkdir()
+    shutil.copy(path / "config.json", tmp_path / "fused" / "config.json")
+    save_file({**tensors, **fused}, str(tmp_path / "fused" / "model.safetensors"))
+    ours, again = _load(path)[0], _load(tmp_path / "fused")[0]
+    assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), again.state_dict().values()))

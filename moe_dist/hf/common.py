@@ -33,6 +33,9 @@ class Family:
     # (tensor-name prefix, what they are) of checkpoint tensors import drops with one warning line per prefix
     # (multi-token-prediction heads, a vision tower): parts of the checkpoint our model has no place for.
     dropped: tuple[tuple[str, str], ...] = ()
+    # Our stacked experts' name → the name of the same experts stored fused as transformers 5 holds them (w13:
+    # gate_up_proj (E, 2F, D) with rows [gate; up], w2: down_proj (E, D, F)), read where per-expert ones are absent.
+    fused_experts: Optional[Callable[[str], str]] = None
     export_as: Optional[str] = None  # an import-only layout (a vision-language wrapper): the family its export takes
 
 

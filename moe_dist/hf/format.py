@@ -150,6 +150,9 @@ def load_hf_model(path: str | Path, dtype: Optional[torch.dtype] = torch.float32
         names = family.names(name, cfg.moe.num_experts)
         if not is_experts(name):
             return get(names[0]) if len(names) == 1 else family.join(name, [get(n) for n in names], cfg)
+        fused = family.fused_experts(name) if family.fused_experts else None
+        if fused is not None and names[0] not in index and fused in index:
+            return get(fused).transpose(1, 2)  # (E, 2F, D) → (E, D, 2F) = [gate | up]; (E, D, F) → (E, F, D)
         E = cfg.moe.num_experts
         parts = [torch.stack([get(n).t() for n in names[i : i + E]]) for i in range(0, len(names), E)]
         return torch.cat(parts, dim=2)  # w13: [gate | up]

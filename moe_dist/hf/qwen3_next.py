@@ -12,6 +12,8 @@ DeltaNet's gated one is zero-centred (scale 1 + weight).
     Qwen3.5-MoE (`Qwen3_5MoeForConditionalGeneration`, the Hub checkpoints): the text model under
               `model.language_model.`, read; the vision tower (`model.visual.`) dropped with one warning line.
               Import only: our model holds no vision tower, so its export is the text model's checkpoint.
+Qwen3.5's experts are read per expert (what transformers' save_pretrained writes) or fused (`mlp.experts.gate_up_proj`
+(E, 2F, D) and `down_proj` (E, D, F), transformers 5's own layout); export writes them per expert.
 Multi-token-prediction tensors (`mtp.*`) are dropped with one warning line."""
 
 from __future__ import annotations
@@ -201,6 +203,12 @@ def names(name: str, num_experts: int, qwen35: bool = False, prefix: str = "mode
     return [prefix + n.removeprefix("model.") if n.startswith("model.") else n for n in found]
 
 
+def fused_experts(name: str, prefix: str = "model.") -> str:
+    """blocks.i.ffn.experts.w13 / w2 → the fused gate_up_proj / down_proj of layer i (Qwen3.5's Hub checkpoints)."""
+    layer, which = name.split(".")[1], name.rsplit(".", 1)[1]
+    return f"{prefix}layers.{layer}.mlp.experts.{'gate_up_proj' if which == 'w13' else 'down_proj'}"
+
+
 def _split_sizes(name: str, cfg: ModelConfig) -> tuple[int, list[int]]:
     """(key heads, per-key-head row counts of our fused projection `name`: [q, k, v, z] or [b, a])."""
     g = cfg.gdn
@@ -247,7 +255,7 @@ QWEN3_5_MOE_TEXT = Family(
     join,
     split,
     dropped=(_MTP, ("model.visual.", "vision-tower")),
-    export_as="qwen3_5_moe_text",
+    fused_experts=fused_experts,
 )
 QWEN3_5_MOE = Family(
     "qwen3_5_moe",
@@ -259,5 +267,6 @@ QWEN3_5_MOE = Family(
     join,
     split,
     dropped=(_MTP, ("model.visual.", "vision-tower")),
+    fused_experts=lambda name: fused_experts(name, "model.language_model."),
     export_as="qwen3_5_moe_text",
 )
