@@ -12,7 +12,7 @@ safetensors.
 from __future__ import annotations
 
 import json
-import warnings
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -162,9 +162,10 @@ def load_hf_model(path: str | Path, dtype: Optional[torch.dtype] = torch.float32
     for prefix, what in family.dropped:
         dropped = [n for n in unused if n.startswith(prefix)]
         if dropped:
-            warnings.warn(
-                f"{path}: dropped {len(dropped)} {what} tensors ({prefix}*): our model has no place for them",
-                stacklevel=2,
+            # One line on stderr (a warnings.warn would add its source line): the import goes on without them.
+            print(
+                f"warning: {path}: dropped {len(dropped)} {what} tensors ({prefix}*): our model has no place for them",
+                file=sys.stderr,
             )
             unused = [n for n in unused if not n.startswith(prefix)]
     if unused:
