@@ -245,3 +245,85 @@ def test_fused_expert_tensors_load_as_the_per_expert_ones(family, tmp_path):
     save_file({**tensors, **fused}, str(tmp_path / "fused" / "model.safetensors"))
     ours, again = _load(path)[0], _load(tmp_path / "fused")[0]
     assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), again.state_dict().values()))
+
+
+# The architecture keys of the published config.json files (Qwen/Qwen3-Next-80B-A3B-Instruct: the pre-5.x layout with
+# top-level rope keys and no layer_types; Qwen/Qwen3.5-35B-A3B: the vision-language wrapper, vision keys left out).
+PUBLISHED = {
+    "qwen3_next_80b_a3b": {
+        "architectures": ["Qwen3NextForCausalLM"],
+        "model_type": "qwen3_next",
+        "decoder_sparse_step": 1,
+        "full_attention_interval": 4,
+        "head_dim": 256,
+        "hidden_act": "silu",
+        "hidden_size": 2048,
+        "initializer_range": 0.02,
+        "intermediate_size": 5120,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 128,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+        "linear_value_head_dim": 128,
+        "mlp_only_layers": [],
+        "moe_intermediate_size": 512,
+        "norm_topk_prob": True,
+        "num_attention_heads": 16,
+        "num_experts": 512,
+        "num_experts_per_tok": 10,
+        "num_hidden_layers": 48,
+        "num_key_value_heads": 2,
+        "partial_rotary_factor": 0.25,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": None,
+        "rope_theta": 10000000,
+        "shared_expert_intermediate_size": 512,
+        "tie_word_embeddings": False,
+        "vocab_size": 151936,
+    },
+    "qwen3_5_35b_a3b": {
+        "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+        "model_type": "qwen3_5_moe",
+        "tie_word_embeddings": False,
+        "text_config": {
+            "model_type": "qwen3_5_moe_text",
+            "num_hidden_layers": 40,
+            "full_attention_interval": 4,
+            "hidden_size": 2048,
+            "vocab_size": 248320,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 2,
+            "head_dim": 256,
+            "attn_output_gate": True,
+            "hidden_act": "silu",
+            "linear_num_key_heads": 16,
+            "linear_num_value_heads": 32,
+            "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128,
+            "linear_conv_kernel_dim": 4,
+            "num_experts": 256,
+            "num_experts_per_tok": 8,
+            "moe_intermediate_size": 512,
+            "shared_expert_intermediate_size": 512,
+            "rms_norm_eps": 1e-6,
+            "mtp_num_hidden_layers": 1,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 10000000,
+                "mrope_section": [11, 11, 10],
+                "mrope_interleaved": True,
+                "partial_rotary_factor": 0.25,
+            },
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_reference_configs_are_what_the_published_config_json_imports_as(name):
+    """The shipped model sections equal the importer's reading of the published config.json, but for the training
+    hyper-parameters the import does not map (loss coefficients: router_aux_loss_coef is 0.001 in both)."""
+    shipped = load_config(REPO / f"configs/{name}.json").model
+    imported = config_from_hf(PUBLISHED[name])
+    imported.moe.aux_loss_coef, imported.moe.z_loss_coef = shipped.moe.aux_loss_coef, shipped.moe.z_loss_coef
+    assert imported == shipped

@@ -165,7 +165,7 @@ def to_hf(cfg: ModelConfig, out: dict, qwen35: bool) -> None:
     a, moe, g = cfg.attention, cfg.moe, cfg.gdn
     for key, value in (out.get("text_config") or {}).items():  # a vision-language template: its text model's keys
         out.setdefault(key, value)
-    for key in ("num_local_experts", "full_attention_interval", "partial_rotary_factor", *_VISION_KEYS):
+    for key in ("num_local_experts", "full_attention_interval", "partial_rotary_factor", "rope_theta", *_VISION_KEYS):
         out.pop(key, None)  # one key each: ours (layer_types, rope_parameters); no vision tower
     out.update(
         moe_intermediate_size=moe.d_ff or cfg.d_ff,
