@@ -327,3 +327,9 @@ def test_reference_configs_are_what_the_published_config_json_imports_as(name):
     imported = config_from_hf(PUBLISHED[name])
     imported.moe.aux_loss_coef, imported.moe.z_loss_coef = shipped.moe.aux_loss_coef, shipped.moe.z_loss_coef
     assert imported == shipped
+    out = config_to_hf(shipped, PUBLISHED[name])  # the export of a model imported from it
+    assert out["model_type"] == BIG[name].config_class.model_type and "text_config" not in out
+    theirs = BIG[name].config_class(**out)  # transformers reads the same architecture back
+    assert theirs.rope_parameters["partial_rotary_factor"] == 0.25 and theirs.rope_parameters["rope_theta"] == 1e7
+    assert theirs.layer_types == ["linear_attention"] * 3 + ["full_attention"] + theirs.layer_types[4:]
+    assert config_from_hf(out) == config_from_hf(PUBLISHED[name])
