@@ -64,6 +64,12 @@ def validate(cfg: JobConfig) -> None:
             m.d_model % a.n_heads == 0,
             f"model.attention.n_heads: must divide d_model={m.d_model} when head_dim is null, got {a.n_heads}",
         )
+    rotary = int((a.head_dim or m.d_model // max(a.n_heads, 1)) * a.rope_fraction)
+    _check(
+        0 < a.rope_fraction <= 1 and rotary % 2 == 0 and rotary > 0,
+        f"model.attention.rope_fraction: must be in (0, 1] and rotate an even number of head dims, "
+        f"got {a.rope_fraction} ({rotary} dims)",
+    )
     _check(
         mb.d_state > 0 and mb.d_conv > 0 and mb.expand > 0 and mb.chunk_size > 0,
         "model.mamba: d_state, d_conv, expand and chunk_size must be positive",

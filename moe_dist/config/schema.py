@@ -32,6 +32,8 @@ class AttentionConfig:
     qk_norm: Literal["none", "head", "full"] = "none"  # RMSNorm of q and k: per head (Qwen3), over all heads (OLMoE)
     qkv_bias: bool = False  # biases in the q, k and v projections (Qwen2)
     softmax_scale: Optional[float] = None  # multiplier of q·k before the softmax; null = 1/sqrt(head_dim) (Granite)
+    output_gate: bool = False  # wq also gives a sigmoid gate per output channel, per head [q | gate] (Qwen3-Next)
+    rope_fraction: float = 1.0  # RoPE rotates the first int(head_dim × this) dims of each head (Qwen3-Next: 0.25)
 
 
 @dataclass
@@ -134,6 +136,7 @@ class ModelConfig:
     ffn_pattern: str = "E"  # per-layer FFN, tiled over n_layers: D = dense SwiGLU, E = MoE
     layers: Optional[list[str]] = None  # one entry per layer, e.g. "attention+moe", "mamba2"; null = the patterns
     norm_eps: float = 1e-5  # RMSNorm epsilon
+    norm_zero_centered: bool = False  # RMSNorm weight w is an offset from one, x/rms·(1 + w) (Qwen3-Next; not gdn's)
     tie_embeddings: bool = False  # share the embedding matrix with the LM head
     init_std: float = 0.02  # std of the normal init of projection weights
     ffn_activation: Literal["swiglu", "relu2"] = (

@@ -1,5 +1,6 @@
-"""Hugging Face interop: Mixtral, Jamba, Qwen2-MoE, Qwen3-MoE, OLMoE, Nemotron-H, Granite 4.0-H (and dense Llama,
-Qwen3) checkpoint directories ↔ our Decoder, and ↔ our training checkpoints. One module per family (its config
+"""Hugging Face interop: Mixtral, Jamba, Qwen2-MoE, Qwen3-MoE, OLMoE, Nemotron-H, Granite 4.0-H, Qwen3-Next,
+Qwen3.5-MoE (its text model; the vision-language checkpoints are read, their vision tower dropped) and dense Llama,
+Qwen3 checkpoint directories ↔ our Decoder, and ↔ our training checkpoints. One module per family (its config
 mapping and tensor names), format.py for the directories, checkpoints.py for run directories (import, export,
 upcycling).
 

@@ -27,11 +27,21 @@ class Family:
     to_hf: Callable[[ModelConfig, dict], None]  # write this family's keys into a config.json dict
     names: Callable[[str, int], list[str]]  # our parameter name → its Hugging Face name(s) (one per expert)
     supports: frozenset = frozenset()  # of FEATURES, what this family expresses beyond the common form
-    dropped: tuple[str, ...] = ()  # prefixes of checkpoint tensors dropped on import with one warning (MTP layers)
     # Tensors not stored one-to-one (fused or stacked in the format): load_tensor(our name, get) → our tensor from
     # `get(hf name)`, save_tensor(our name, tensor, stored(our name) → tensor) → {hf name: tensor}; None = `names`.
     load_tensor: Optional[Callable[[str, Callable[[str], torch.Tensor]], Optional[torch.Tensor]]] = None
     save_tensor: Optional[Callable[[str, torch.Tensor, dict], Optional[dict]]] = None
+    # A non-expert tensor with several Hugging Face names (a fused projection stored in parts): `join(our name,
+    # their tensors, cfg)` builds ours, `split(our name, ours, cfg)` gives theirs in `names` order (exact inverses).
+    join: Optional[Callable[[str, list[torch.Tensor], ModelConfig], torch.Tensor]] = None
+    split: Optional[Callable[[str, torch.Tensor, ModelConfig], list[torch.Tensor]]] = None
+    # (tensor-name prefix, what they are) of checkpoint tensors import drops with one warning line per prefix
+    # (multi-token-prediction heads, a vision tower): parts of the checkpoint our model has no place for.
+    dropped: tuple[tuple[str, str], ...] = ()
+    # Our stacked experts' name → the name of the same experts stored fused as transformers 5 holds them (w13:
+    # gate_up_proj (E, 2F, D) with rows [gate; up], w2: down_proj (E, D, F)), read where per-expert ones are absent.
+    fused_experts: Optional[Callable[[str], str]] = None
+    export_as: Optional[str] = None  # an import-only layout (a vision-language wrapper): the family its export takes
 
 
 # Options only some families express: each family's `supports` names those it does; the others refuse them.
@@ -39,11 +49,17 @@ FEATURES = {
     "relu2": lambda cfg: cfg.ffn_activation != "swiglu",
     "multipliers": lambda cfg: (cfg.embedding_multiplier, cfg.residual_multiplier, cfg.logits_scaling) != (1, 1, 1),
     "softmax_scale": lambda cfg: cfg.attention.softmax_scale is not None,
+    "output_gate": lambda cfg: cfg.attention.output_gate,
+    "partial_rope": lambda cfg: cfg.attention.rope_fraction != 1.0,
+    "zero_centered_norm": lambda cfg: cfg.norm_zero_centered,
 }
 _FEATURE_KEYS = {
     "relu2": "ffn_activation must be 'swiglu'",
     "multipliers": "embedding_multiplier, residual_multiplier and logits_scaling must be 1",
     "softmax_scale": "attention.softmax_scale must be null",
+    "output_gate": "attention.output_gate must be false",
+    "partial_rope": "attention.rope_fraction must be 1",
+    "zero_centered_norm": "norm_zero_centered must be false",
 }
 
 

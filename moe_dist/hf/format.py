@@ -12,7 +12,7 @@ safetensors.
 from __future__ import annotations
 
 import json
-import warnings
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -21,7 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from moe_dist.config import ModelConfig
-from moe_dist.hf import dense, granite_hybrid, jamba, mixtral, nemotron_h, olmoe, qwen_moe
+from moe_dist.hf import dense, granite_hybrid, jamba, mixtral, nemotron_h, olmoe, qwen3_next, qwen_moe
 from moe_dist.hf.common import Family, HFConfigError, feature_unfit
 from moe_dist.models.decoder import Decoder, build_model
 
@@ -37,6 +37,9 @@ FAMILIES: dict[str, Family] = {
         dense.QWEN3,
         nemotron_h.FAMILY,
         granite_hybrid.FAMILY,
+        qwen3_next.QWEN3_NEXT,
+        qwen3_next.QWEN3_5_MOE_TEXT,
+        qwen3_next.QWEN3_5_MOE,
     )
 }
 _SHARD_BYTES = 5 * 2**30  # safetensors shard size of exported checkpoints (Hugging Face's default)
@@ -54,6 +57,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
 def family_of(cfg: ModelConfig, prefer: Optional[str] = None) -> Family:
     """The Hugging Face family that expresses `cfg` exactly (`prefer` first, e.g. the one it was imported from),
     or HFConfigError listing why each does not."""
+    prefer = FAMILIES[prefer].export_as or prefer if prefer in FAMILIES else prefer
     order = sorted(FAMILIES.values(), key=lambda f: f.model_type != prefer)
     why = {}
     for family in order:
@@ -150,19 +154,25 @@ def load_hf_model(path: str | Path, dtype: Optional[torch.dtype] = torch.float32
             return special
         names = family.names(name, cfg.moe.num_experts)
         if not is_experts(name):
-            return get(names[0])
+            return get(names[0]) if len(names) == 1 else family.join(name, [get(n) for n in names], cfg)
+        fused = family.fused_experts(name) if family.fused_experts else None
+        if fused is not None and names[0] not in index and fused in index:
+            return get(fused).transpose(1, 2)  # (E, 2F, D) → (E, D, 2F) = [gate | up]; (E, D, F) → (E, F, D)
         E = cfg.moe.num_experts
         parts = [torch.stack([get(n).t() for n in names[i : i + E]]) for i in range(0, len(names), E)]
         return torch.cat(parts, dim=2)  # w13: [gate | up]
 
     model = assign_tensors(build_model(cfg), read, str(path), dtype)
     unused = sorted(set(index) - used - ({"lm_head.weight"} if cfg.tie_embeddings else set()))
-    dropped = [n for n in unused if n.startswith(family.dropped)]
-    if dropped:
-        warnings.warn(
-            f"{path}: dropped {len(dropped)} multi-token-prediction tensors we do not model: {dropped}", stacklevel=2
-        )
-        unused = [n for n in unused if n not in dropped]
+    for prefix, what in family.dropped:
+        dropped = [n for n in unused if n.startswith(prefix)]
+        if dropped:
+            # One line on stderr (a warnings.warn would add its source line): the import goes on without them.
+            print(
+                f"warning: {path}: dropped {len(dropped)} {what} tensors ({prefix}*): our model has no place for them",
+                file=sys.stderr,
+            )
+            unused = [n for n in unused if not n.startswith(prefix)]
     if unused:
         raise HFConfigError(
             f"{path}: {len(unused)} tensors not used by the model built from config.json, e.g. {unused[:3]}"
@@ -208,6 +218,8 @@ def save_hf_model(
                 )
             halves = t.chunk(len(names) // t.shape[0], dim=2)  # w13: [gate | up]; w2: itself
             tensors.update({n: w.t().contiguous() for n, w in zip(names, (w for h in halves for w in h.unbind(0)))})
+        elif len(names) > 1:
+            tensors.update({n: w.contiguous() for n, w in zip(names, family.split(name, t, cfg))})
         else:
             tensors[names[0]] = t.contiguous()
     hf["torch_dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.")

@@ -241,5 +241,5 @@ FAMILY = Family(
     to_hf,
     names,
     supports=frozenset({"relu2"}),
-    dropped=("mtp.",),
+    dropped=(("mtp.", "multi-token-prediction"),),
 )

@@ -1,4 +1,5 @@
-"""Causal multi-head attention with grouped-query heads, RoPE and an optional sliding window.
+"""Causal multi-head attention with grouped-query heads, RoPE (optionally partial) and an optional sliding window;
+optionally gated (Qwen3-Next: a sigmoid gate from the query projection on every output channel).
 
 The attention kernels are chosen once, when the layer is built for its device, one per mask kind (causal,
 documents, prefix-LM, sliding window: `attention_kernels`, as `moe_dist.layers.kernel_choice.attention_choice` rules):
@@ -114,23 +115,28 @@ class Attention(nn.Module):
         n_layers: int,
         device: torch.device | str = "cpu",
         norm_eps: float = 1e-5,
+        norm_zero_centered: bool = False,
     ):
         super().__init__()
         self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.n_kv_heads
         self.head_dim = cfg.head_dim or d_model // cfg.n_heads
         self.rope, self.rope_theta = cfg.rope, cfg.rope_theta
+        self.rotary_dim = int(self.head_dim * cfg.rope_fraction)  # partial RoPE: the first rotary_dim dims per head
         if cfg.sliding_window is not None and cfg.sliding_window < 1:
             raise ValueError(f"model.attention.sliding_window: must be positive or null, got {cfg.sliding_window}")
         self.sliding_window = cfg.sliding_window
-        self.wq = nn.Linear(d_model, self.n_heads * self.head_dim, bias=cfg.qkv_bias)
+        # Gated attention (Qwen3-Next): wq's rows are per head [q (Dh) | gate (Dh)], so splitting them by heads
+        # (tensor parallelism) keeps each head's gate with its query.
+        self.output_gate = cfg.output_gate
+        self.wq = nn.Linear(d_model, self.n_heads * self.head_dim * (2 if cfg.output_gate else 1), bias=cfg.qkv_bias)
         self.wk = nn.Linear(d_model, self.n_kv_heads * self.head_dim, bias=cfg.qkv_bias)
         self.wv = nn.Linear(d_model, self.n_kv_heads * self.head_dim, bias=cfg.qkv_bias)
         # q/k RMSNorm before RoPE: over each head's Dh (Qwen3) or over the whole projection (OLMoE)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm != "none":
             full = cfg.qk_norm == "full"
-            self.q_norm = RMSNorm(self.head_dim * (self.n_heads if full else 1), norm_eps)
-            self.k_norm = RMSNorm(self.head_dim * (self.n_kv_heads if full else 1), norm_eps)
+            self.q_norm = RMSNorm(self.head_dim * (self.n_heads if full else 1), norm_eps, norm_zero_centered)
+            self.k_norm = RMSNorm(self.head_dim * (self.n_kv_heads if full else 1), norm_eps, norm_zero_centered)
         self.wo = nn.Linear(self.n_heads * self.head_dim, d_model, bias=False)
         # softmax_scale (Granite's attention multiplier) in place of the kernels' 1/sqrt(Dh): q is pre-scaled
         self.q_scale = None if cfg.softmax_scale is None else cfg.softmax_scale * math.sqrt(self.head_dim)
@@ -184,7 +190,11 @@ class Attention(nn.Module):
         RoPE positions restart at each document; `prefix` (B, S) bool with them: prompt tokens see each other."""
         B, S, _ = x.shape
         pos = 0 if cache is None else cache.length
-        q, k = self.wq(x), self.wk(x)  # (B, S, Hq·Dh), (B, S, Hkv·Dh)
+        q, k = self.wq(x), self.wk(x)  # (B, S, Hq·Dh) (Hq·2Dh with the output gate), (B, S, Hkv·Dh)
+        gate = None
+        if self.output_gate:
+            q, gate = q.view(B, S, -1, 2 * self.head_dim).chunk(2, dim=-1)  # per head [q | gate]
+            q, gate = q.reshape(B, S, -1), gate.reshape(B, S, -1)  # (B, S, Hq·Dh) each
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(B, S, -1, self.head_dim).transpose(1, 2)  # (B, Hq, S, Dh)
@@ -198,14 +208,14 @@ class Attention(nn.Module):
             if cache is not None:
                 raise ValueError("attention: document_ids are for training, without a KV cache")
             if self.rope:
-                cos, sin = rope_cos_sin(S, self.head_dim, self.rope_theta, x.device)
+                cos, sin = rope_cos_sin(S, self.rotary_dim, self.rope_theta, x.device)
                 p = document_positions(document_ids)  # (B, S)
                 cos, sin = cos[p][:, None], sin[p][:, None]  # (B, 1, S, Dh)
                 q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             out = self._attend(q, k, v, document_ids, prefix)  # (B, Hq, S, Dh)
-            return self.wo(out.transpose(1, 2).reshape(B, S, -1))
+            return self._output(out, gate)
         if self.rope:
-            cos, sin = rope_cos_sin(pos + S, self.head_dim, self.rope_theta, x.device)
+            cos, sin = rope_cos_sin(pos + S, self.rotary_dim, self.rope_theta, x.device)
             q, k = apply_rope(q, cos[pos:], sin[pos:]), apply_rope(k, cos[pos:], sin[pos:])
         if cache is not None:
             k, v = cache.append(k, v)  # (B, Hkv, pos + S, Dh)
@@ -214,4 +224,12 @@ class Attention(nn.Module):
         else:
             mask = _window_mask(S, pos + S, pos, self.sliding_window, x.device)  # (S, pos + S)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
-        return self.wo(out.transpose(1, 2).reshape(B, S, -1))
+        return self._output(out, gate)
+
+    def _output(self, out: torch.Tensor, gate: Optional[torch.Tensor]) -> torch.Tensor:
+        """Heads out (B, Hq, S, Dh) → wo(concatenated heads), each channel times sigmoid(gate) first if gated."""
+        B, _, S, _ = out.shape
+        out = out.transpose(1, 2).reshape(B, S, -1)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.wo(out)

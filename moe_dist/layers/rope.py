@@ -16,11 +16,16 @@ def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device: torch.device
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (B, H, S, Dh) by position; computed in fp32, returned in x's dtype."""
+    """Rotate x (B, H, S, Dh) by position; computed in fp32, returned in x's dtype. cos/sin of a last dim R < Dh
+    (partial rotary embedding, `rope_cos_sin(..., R, ...)`) rotate the first R dims and pass the rest through."""
+    rotary = cos.shape[-1]
     xf = x.float()
-    x1, x2 = xf.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return (xf * cos + rotated * sin).to(x.dtype)
+    x_rot = xf[..., :rotary]
+    x1, x2 = x_rot.chunk(2, dim=-1)
+    out = x_rot * cos + torch.cat([-x2, x1], dim=-1) * sin
+    if rotary < x.shape[-1]:
+        out = torch.cat([out, xf[..., rotary:]], dim=-1)
+    return out.to(x.dtype)
 
 
 def document_positions(document_ids: torch.Tensor) -> torch.Tensor:

@@ -41,7 +41,9 @@ MixerState = Union[KVCache, MambaState, Mamba2State, GDNState]
 
 def _mixer(cfg: ModelConfig, kind: str, device: torch.device | str) -> nn.Module:
     if kind == "attention":
-        return Attention(cfg.d_model, cfg.attention, cfg.init_std, cfg.n_layers, device, cfg.norm_eps)
+        return Attention(
+            cfg.d_model, cfg.attention, cfg.init_std, cfg.n_layers, device, cfg.norm_eps, cfg.norm_zero_centered
+        )
     if kind == "mamba1":
         return Mamba(cfg.d_model, cfg.mamba, cfg.norm_eps, cfg.init_std, device)
     if kind == "mamba2":
@@ -57,9 +59,9 @@ class Block(nn.Module):
 
     def __init__(self, cfg: ModelConfig, mixer: Optional[str], ffn: Optional[str], device: torch.device | str):
         super().__init__()
-        self.mixer_norm = None if mixer is None else RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mixer_norm = None if mixer is None else RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_zero_centered)
         self.mixer = None if mixer is None else _mixer(cfg, mixer, device)
-        self.ffn_norm = None if ffn is None else RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.ffn_norm = None if ffn is None else RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_zero_centered)
         self.ffn = (
             None
             if ffn is None
@@ -125,7 +127,7 @@ class Decoder(nn.Module):
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg, m, f, device) for m, f in layer_kinds(cfg))
-        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_zero_centered)
         self.head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
 
     def implementations(self) -> dict[str, str]:

@@ -117,6 +117,8 @@ def activation_bytes(cfg: JobConfig, tp: int = 1) -> dict[str, float]:
     for mixer, ffn in layer_kinds(m):
         if mixer == "attention":
             inner = (2 * hq + 2 * hkv) * hd * a + 4 * hq
+            if m.attention.output_gate:  # the gate and its sigmoid, for the product's backward
+                inner += 2 * hq * hd * a
             out["attention"] += norm_kept if "attention" in parts else norm_full + inner
             largest = max(largest, inner)
         elif mixer in ("mamba2", "gdn"):

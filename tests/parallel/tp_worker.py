@@ -52,6 +52,9 @@ VARIANTS = {
         "model.moe.shared_gate=true",
         "model.attention.qk_norm=head",  # Qwen3's per-head q/k norms and Qwen2's q/k/v biases under TP too
         "model.attention.qkv_bias=true",
+        "model.attention.output_gate=true",  # Qwen3-Next's gated attention (wq rows per head [q | gate]),
+        "model.attention.rope_fraction=0.5",  # partial RoPE
+        "model.norm_zero_centered=true",  # and zero-centred norms
     ],
 }
 

@@ -52,10 +52,13 @@ def _kept_bytes(cfg) -> int:
     return sum(kept.values())
 
 
-@pytest.mark.parametrize("layers", [("A", "D"), ("M", "D"), ("A", "E"), ("M", "E")], ids=lambda p: "".join(p))
+@pytest.mark.parametrize(
+    "layers", [("A", "D"), ("M", "D"), ("A", "E"), ("M", "E"), ("A", "D", "gated")], ids=lambda p: "".join(p)
+)
 def test_activation_terms_match_what_autograd_keeps(one_thread, layers):
+    gated = ["model.attention.output_gate=true"] if "gated" in layers else []  # Qwen3-Next's gated attention
     cfg = load_config(
-        "configs/debug.json", [*SMALL, f"model.mixer_pattern={layers[0]}", f"model.ffn_pattern={layers[1]}"]
+        "configs/debug.json", [*SMALL, f"model.mixer_pattern={layers[0]}", f"model.ffn_pattern={layers[1]}", *gated]
     )
     planned, kept = activation_bytes(cfg)["total"], _kept_bytes(cfg)
     assert planned == pytest.approx(kept, rel=0.05), (planned, kept)
