@@ -4,11 +4,12 @@ Every layer keeps its math; apply_tp replaces weights by this rank's shard and m
 autograd functions, placed by hooks so parameter names stay global: `copy_to_region` (f) where a replicated
 activation enters, `reduce_from_region` (g) where partial outputs leave (all-gather / reduce-scatter along the
 sequence with sequence parallelism). Invariants: TP peers route MoE tokens identically (the router is replicated
-inside the region); every sharded parameter carries `tp_dim` (and `tp_parts` for in_proj's halves) and DeepSpeed's
-model-parallel mark, so checkpoints gather it and the gradient norm counts it once; initial values do not depend on
-the layout. The per-layer sharding table and its collectives: docs/parallelism.md, section "Tensor and sequence
-parallelism"; initialization: docs/memory.md, section "Initialization without a full copy"; proof:
-tests/parallel/test_tp_e2e.py (every layout equals one process).
+inside the region); every sharded parameter carries `tp_dim` (and `tp_parts`, the dim's blocks split on their own)
+and DeepSpeed's model-parallel mark, so checkpoints gather it and the gradient norm counts it once; a replicated
+parameter whose gradient each rank has part of is marked `tp_sum_grad`; initial values do not depend on the layout.
+The per-layer sharding table and its collectives: docs/parallelism.md, section "Tensor and sequence parallelism";
+initialization: docs/memory.md, section "Initialization without a full copy"; proof: tests/parallel/test_tp_e2e.py
+(every layout equals one process).
 """
 
 from __future__ import annotations
