@@ -109,4 +109,17 @@ E2E_MODES = {
         "model.moe.n_shared_experts=1",
         "model.moe.shared_gate=true",
     ],
+    # a hybrid of every new mixer kind (layer list), capacity MoE: Mamba-2 with one B/C group (8 heads of 16
+    # channels: under tp = 2 the group spans both ranks) and Gated DeltaNet (2 key heads of 4 value heads)
+    "hybrid": [
+        "model.mixer_pattern=A",
+        "model.ffn_pattern=E",
+        'model.layers=["attention+mlp","mamba2+moe","gdn+moe","mamba2+mlp"]',
+        "model.mamba2.head_dim=16",
+        "model.mamba2.d_state=16",
+        "model.mamba2.chunk_size=16",
+        "model.gdn.head_k_dim=16",
+        "model.gdn.head_v_dim=16",
+        "model.gdn.chunk_size=16",
+    ],
 }

@@ -129,6 +129,15 @@ def test_layout_checks_against_world_size():
         check_layout(load_config(REPO / "configs/debug.json", ["parallel.a2a_chunks=0"]), 2)
 
 
+# A layer list with both new mixers (Mamba-2: 8 heads of 16 channels), for their tensor-parallel rules.
+_SSM_LAYERS = [
+    "model.mixer_pattern=A",
+    "model.ffn_pattern=E",
+    'model.layers=["mamba2+mlp","gdn+moe","attention+moe","mamba2+mlp"]',
+    "model.mamba2.head_dim=16",
+]
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [
@@ -158,6 +167,28 @@ def test_layout_checks_against_world_size():
         (
             ["model.mamba.proj_bias=true"],
             "model.mamba.proj_bias: biases of Mamba's in/out projections are not supported with parallel.tp > 1",
+        ),
+        (
+            [*_SSM_LAYERS, "model.mamba2.n_heads=3", "model.mamba2.n_groups=1"],
+            "model.mamba2.n_heads: the 3 Mamba-2 heads (n_heads, or expand * d_model / head_dim) are not divisible "
+            "by parallel.tp=2",
+        ),
+        (  # 12 heads, which tp = 4 splits, in 3 groups, which it cannot
+            [*_SSM_LAYERS, "model.mamba2.n_heads=12", "model.mamba2.n_groups=3"],
+            "model.mamba2.n_groups: 3 groups must be a multiple or a divisor of parallel.tp=4",
+        ),
+        (
+            [*_SSM_LAYERS, "model.mamba2.n_groups=1", "model.mamba2.d_state=5"],
+            "model.mamba2.d_state: 5 is not divisible by parallel.tp / n_groups = 2 (each group's B and C are split "
+            "over that many ranks)",
+        ),
+        (
+            [*_SSM_LAYERS, "model.mamba2.proj_bias=true"],
+            "model.mamba2.proj_bias: biases of Mamba-2's in/out projections are not supported with parallel.tp > 1",
+        ),
+        (
+            [*_SSM_LAYERS, "model.gdn.n_k_heads=1", "model.gdn.n_v_heads=4"],
+            "model.gdn.n_k_heads: Gated DeltaNet key heads 1 is not divisible by parallel.tp=2",
         ),
     ],
 )

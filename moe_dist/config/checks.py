@@ -241,15 +241,14 @@ def _check_tensor_parallel(cfg: JobConfig) -> None:
         _check(value % tp == 0, f"{key}: {what} {value} is not divisible by parallel.tp={tp}")
 
     divides(m.vocab_size, "model.vocab_size", "the vocabulary (split across tensor-parallel ranks)")
-    for i, (mixer, _) in enumerate(m.layer_kinds()):
-        _check(
-            mixer not in ("mamba2", "gdn"),
-            f"model.layers[{i}]: '{mixer}' layers do not support tensor parallelism yet (parallel.tp > 1)",
-        )
     _check(
         m.ffn_activation == "swiglu",
         f"model.ffn_activation: {m.ffn_activation!r} FFNs do not support tensor parallelism yet (parallel.tp > 1)",
     )
+    if m.has_kind("mamba2"):
+        _check_mamba2_tp(m.d_model, m.mamba2, tp)
+    if m.has_kind("gdn"):  # each key head keeps its value heads (a multiple of n_k_heads, so they split too)
+        divides(m.gdn.n_k_heads, "model.gdn.n_k_heads", "Gated DeltaNet key heads")
     if m.has_kind("attention"):
         _check(
             a.qk_norm != "full",
@@ -272,6 +271,31 @@ def _check_tensor_parallel(cfg: JobConfig) -> None:
             divides(moe.shared_hidden(m.d_ff), "model.moe.shared_d_ff", "the shared experts' hidden size")
     if cfg.parallel.sequence_parallel:
         divides(cfg.train.seq_len, "train.seq_len", "with parallel.sequence_parallel, the sequence length")
+
+
+def _check_mamba2_tp(d_model: int, mb: Mamba2Config, tp: int) -> None:
+    """Mamba-2 under TP (parallel/tensor_parallel.py, `_mamba2`): heads split; whole groups per rank, or one group
+    spread over tp / n_groups ranks, each holding 1/(tp / n_groups) of its B/C state channels."""
+    heads, g = mb.heads(d_model), mb.n_groups
+    _check(
+        heads % tp == 0,
+        f"model.mamba2.n_heads: the {heads} Mamba-2 heads (n_heads, or expand * d_model / head_dim) are not "
+        f"divisible by parallel.tp={tp}",
+    )
+    _check(
+        g % tp == 0 or tp % g == 0,
+        f"model.mamba2.n_groups: {g} groups must be a multiple or a divisor of parallel.tp={tp}",
+    )
+    if g < tp:
+        _check(
+            mb.d_state % (tp // g) == 0,
+            f"model.mamba2.d_state: {mb.d_state} is not divisible by parallel.tp / n_groups = {tp // g} (each group's "
+            "B and C are split over that many ranks)",
+        )
+    _check(
+        not mb.proj_bias,
+        "model.mamba2.proj_bias: biases of Mamba-2's in/out projections are not supported with parallel.tp > 1",
+    )
 
 
 def check_layout(cfg: JobConfig, world_size: int) -> int:

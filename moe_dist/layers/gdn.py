@@ -2,7 +2,7 @@
 
 Parameter names and the packing of the fused projections follow the Hugging Face Qwen3-Next checkpoints
 (in_proj_qkvz, in_proj_ba, conv1d, dt_bias, A_log, norm, out_proj), so an importer maps them 1:1.
-Single-device math; tensor parallelism over heads comes with the layer's place in the decoder.
+Single-device math; `apply_tp` (moe_dist/parallel/tensor_parallel.py) splits the heads over TP ranks.
 """
 
 from __future__ import annotations

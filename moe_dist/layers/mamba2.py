@@ -4,7 +4,7 @@ RMSNorm grouped like B and C.
 Parameter names and the in_proj layout follow transformers' Mamba2Mixer / NemotronH's mixer (in_proj, conv1d,
 dt_bias, A_log, D, norm.weight, out_proj; in_proj's rows are z, then x, B, C, then dt), so an importer maps names
 1:1 (tests/layers/test_mamba2.py loads our state dict into transformers' mixer and compares outputs).
-Single-device; the tensor-parallel split (heads and groups over TP ranks) is the next step of this layer.
+Single-device math; `apply_tp` (moe_dist/parallel/tensor_parallel.py) splits heads and groups over TP ranks.
 """
 
 from __future__ import annotations
@@ -57,8 +57,12 @@ class GatedRMSNorm(nn.Module):
         compute = torch.promote_types(y.dtype, torch.float32)
         h = y.to(compute) * F.silu(z.to(compute))  # (..., Di)
         h = h.unflatten(-1, (self.groups, -1))  # (..., G, Di / G)
-        h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).flatten(-2)
+        h = (h * torch.rsqrt(self._mean_square(h) + self.eps)).flatten(-2)
         return self.weight * h.to(y.dtype)
+
+    def _mean_square(self, h: torch.Tensor) -> torch.Tensor:
+        """Each group's mean square (..., G, 1): the statistics apply_tp sums over ranks when a group spans them."""
+        return h.pow(2).mean(-1, keepdim=True)
 
 
 def _document_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], document_ids: torch.Tensor):
@@ -157,7 +161,8 @@ class Mamba2(nn.Module):
             xBC = _document_conv(xBC, self.conv1d.weight, self.conv1d.bias, document_ids)
             reset = torch.zeros_like(document_ids, dtype=torch.bool)  # (B, L): True at a document start
             reset[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
-        xs, B, C = F.silu(xBC).transpose(1, 2).split([self.d_inner, *(2 * [self.n_groups * self.d_state])], dim=-1)
+        bc = (self.conv_dim - self.d_inner) // 2  # n_groups · d_state (under TP: this rank's part of it)
+        xs, B, C = F.silu(xBC).transpose(1, 2).split([self.d_inner, bc, bc], dim=-1)
 
         # dt and A in at least fp32: under bf16 parameters the decays exp(dt A) would lose their spacing.
         compute = torch.promote_types(x.dtype, torch.float32)
@@ -169,8 +174,8 @@ class Mamba2(nn.Module):
             xs.unflatten(-1, (self.n_heads, self.head_dim)),
             dt,
             A,
-            B.unflatten(-1, (self.n_groups, self.d_state)),
-            C.unflatten(-1, (self.n_groups, self.d_state)),
+            B.unflatten(-1, (self.n_groups, -1)),
+            C.unflatten(-1, (self.n_groups, -1)),
             D=self.D,
             initial_state=None if cache is None else cache.ssm,
             reset=reset,

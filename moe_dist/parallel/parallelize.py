@@ -8,7 +8,7 @@ from torch import nn
 from moe_dist.config import JobConfig
 from moe_dist.parallel.expert_parallel import apply_ep
 from moe_dist.parallel.mesh import Mesh
-from moe_dist.parallel.tensor_parallel import apply_tp, shard, sum_norm_grads_over_tp
+from moe_dist.parallel.tensor_parallel import apply_tp, register_grad_sums, shard
 
 
 def parallelize(model: nn.Module, mesh: Mesh, cfg: JobConfig) -> nn.Module:
@@ -22,8 +22,8 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: JobConfig) -> nn.Module:
     template = copy.deepcopy(model, memo={id(x): x for x in shared})
     model = apply_tp(model, mesh, cfg.parallel.sequence_parallel)
     materialize_shards(model, template, mesh, cfg.train.seed)
-    if mesh.tp > 1 and cfg.parallel.sequence_parallel:
-        sum_norm_grads_over_tp(model, mesh)
+    if mesh.tp > 1:  # after allocation: the gradient sums' hooks belong to the allocated parameters
+        register_grad_sums(model, mesh)
     return model
 
 

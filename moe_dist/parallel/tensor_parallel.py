@@ -4,16 +4,18 @@ Every layer keeps its math; apply_tp replaces weights by this rank's shard and m
 autograd functions, placed by hooks so parameter names stay global: `copy_to_region` (f) where a replicated
 activation enters, `reduce_from_region` (g) where partial outputs leave (all-gather / reduce-scatter along the
 sequence with sequence parallelism). Invariants: TP peers route MoE tokens identically (the router is replicated
-inside the region); every sharded parameter carries `tp_dim` (and `tp_parts` for in_proj's halves) and DeepSpeed's
-model-parallel mark, so checkpoints gather it and the gradient norm counts it once; initial values do not depend on
-the layout. The per-layer sharding table and its collectives: docs/parallelism.md, section "Tensor and sequence
-parallelism"; initialization: docs/memory.md, section "Initialization without a full copy"; proof:
-tests/parallel/test_tp_e2e.py (every layout equals one process).
+inside the region); every sharded parameter carries `tp_dim` (and `tp_parts`, the dim's blocks split on their own)
+and DeepSpeed's model-parallel mark, so checkpoints gather it and the gradient norm counts it once; a replicated
+parameter whose gradient each rank has part of is marked `tp_sum_grad`; initial values do not depend on the layout.
+The per-layer sharding table and its collectives: docs/parallelism.md, section "Tensor and sequence parallelism";
+initialization: docs/memory.md, section "Initialization without a full copy"; proof: tests/parallel/test_tp_e2e.py
+(every layout equals one process).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import torch.distributed as dist
@@ -22,7 +24,10 @@ from torch import nn
 
 from moe_dist.data.batches import IGNORE
 from moe_dist.layers.attention import Attention
+from moe_dist.layers.gdn import GatedDeltaNet
+from moe_dist.layers.kernel_choice import Kernel
 from moe_dist.layers.mamba import Mamba
+from moe_dist.layers.mamba2 import GatedRMSNorm, Mamba2
 from moe_dist.layers.mlp import SwiGLU
 from moe_dist.layers.moe import MoE
 from moe_dist.parallel import private_api
@@ -40,24 +45,47 @@ from moe_dist.parallel.mesh import Mesh
 # ------------------------------------------------------------------------------------------ shard math
 
 
-def shard(full: torch.Tensor, dim: int, rank: int, tp: int, parts: int = 1) -> torch.Tensor:
-    """Rank `rank`'s slice along `dim`; with parts > 1 the dim holds `parts` equal blocks, each split alone."""
-    blocks = full.chunk(parts, dim)
-    return torch.cat([b.chunk(tp, dim)[rank] for b in blocks], dim)
+Parts = int | tuple[int, ...]  # a sharded dim's blocks: n equal ones, or their sizes (each block split alone)
 
 
-def unshard(shards: list[torch.Tensor], dim: int, parts: int = 1) -> torch.Tensor:
+def _blocks(size: int, parts: Parts) -> list[int]:
+    if isinstance(parts, int):
+        return [size // parts] * parts
+    if sum(parts) != size:
+        raise ValueError(f"blocks {parts} do not add up to the dim's size {size}")
+    return list(parts)
+
+
+def shard_ranges(size: int, rank: int, tp: int, parts: Parts = 1) -> list[tuple[int, int]]:
+    """The [start, stop) ranges of a full dim of `size` that rank `rank`'s shard holds, in order: the rank's
+    1/tp of each block (`parts`: n equal blocks, or the blocks' sizes, e.g. Mamba-2's in_proj rows z, x, B, C, dt)."""
+    out, start = [], 0
+    for n in _blocks(size, parts):
+        piece = n // tp
+        out.append((start + rank * piece, start + (rank + 1) * piece))
+        start += n
+    return out
+
+
+def shard(full: torch.Tensor, dim: int, rank: int, tp: int, parts: Parts = 1) -> torch.Tensor:
+    """Rank `rank`'s slice along `dim` (a new tensor); with `parts` the dim holds blocks, each split alone."""
+    return torch.cat([full.narrow(dim, a, b - a) for a, b in shard_ranges(full.shape[dim], rank, tp, parts)], dim)
+
+
+def unshard(shards: list[torch.Tensor], dim: int, parts: Parts = 1) -> torch.Tensor:
     """Inverse of `shard`: the full tensor from every rank's slice, in rank order."""
-    per_rank = [s.chunk(parts, dim) for s in shards]
-    return torch.cat([per_rank[r][b] for b in range(parts) for r in range(len(shards))], dim)
+    tp = len(shards)
+    sizes = [n // tp for n in _blocks(shards[0].shape[dim] * tp, parts)]
+    per_rank = [s.split(sizes, dim) for s in shards]
+    return torch.cat([per_rank[r][b] for b in range(len(sizes)) for r in range(tp)], dim)
 
 
-def gather_shards(t: torch.Tensor, group: dist.ProcessGroup, dim: int, parts: int = 1) -> torch.Tensor:
+def gather_shards(t: torch.Tensor, group: dist.ProcessGroup, dim: int, parts: Parts = 1) -> torch.Tensor:
     """Collective over the TP group: the full tensor from each rank's slice (not differentiable)."""
     return unshard(all_gather_list(t, group), dim, parts)
 
 
-def _shard_param(module: nn.Module, name: str, dim: int, mesh: Mesh, parts: int = 1) -> None:
+def _shard_param(module: nn.Module, name: str, dim: int, mesh: Mesh, parts: Parts = 1) -> None:
     """Replace module.<name> by this rank's slice, keeping the parameter's marks (apply_ep's expert group)."""
     full = getattr(module, name)
     p = nn.Parameter(shard(full.detach(), dim, mesh.tp_rank, mesh.tp, parts).clone(), requires_grad=full.requires_grad)
@@ -115,7 +143,7 @@ def _attention(attn: Attention, mesh: Mesh, b: _Boundaries) -> None:
             _shard_param(lin, "bias", 0, mesh)
     if attn.qk_norm == "head":  # one weight shared by every head: each rank's heads give part of its gradient
         for norm in (attn.q_norm, attn.k_norm):
-            _sum_grad_over_tp(norm.weight, mesh.tp_group)
+            _sum_grad_over_tp(norm.weight)
     _shard_param(attn.wo, "weight", 1, mesh)
     attn.n_heads //= mesh.tp
     attn.n_kv_heads //= mesh.tp
@@ -146,6 +174,83 @@ def _mamba(mamba: Mamba, mesh: Mesh, b: _Boundaries) -> None:
             norm.register_forward_hook(lambda m, args, out: copy_to_region(out, group))
     else:
         mamba.x_proj.register_forward_hook(lambda m, args, out: copy_to_region(reduce_from_region(out, group), group))
+
+
+def _mamba2(m: Mamba2, mesh: Mesh, b: _Boundaries) -> None:
+    """Heads split over TP (config rule: n_heads divisible by tp; n_groups a multiple or a divisor of tp). Each
+    component of in_proj (rows z, x, B, C, dt) and of the conv (channels x, B, C) is split alone; a rank's heads
+    are contiguous and so are its groups' B/C rows. With groups >= tp every rank holds whole groups and the layer
+    runs unchanged on them. With groups < tp each group spans tp / groups ranks: the B/C rows and conv channels are
+    split along the group's flattened (group, state) block, so every parameter stays sharded (none partly
+    replicated), the conv output's B/C slices are all-gathered before the scan, each rank keeping its heads' group,
+    and the gated norm's per-group statistics are summed over the group's ranks."""
+    tp, gn = mesh.tp, m.n_groups * m.d_state
+    _shard_param(m.in_proj, "weight", 0, mesh, parts=(m.d_inner, m.d_inner, gn, gn, m.n_heads))
+    for name in ("weight", "bias"):
+        if getattr(m.conv1d, name) is not None:
+            _shard_param(m.conv1d, name, 0, mesh, parts=(m.d_inner, gn, gn))
+    for name in ("dt_bias", "A_log", "D"):
+        _shard_param(m, name, 0, mesh)
+    _shard_param(m.norm, "weight", 0, mesh)  # channels are head-major, like y
+    _shard_param(m.out_proj, "weight", 1, mesh)
+    if m.n_groups < tp:
+        span = tp // m.n_groups  # ranks per group; this rank's heads all read group tp_rank // span
+        own = mesh.tp_rank // span
+        m.scan = Kernel(m.scan.name, functools.partial(_scan_own_group, m.scan, m.n_groups, own, mesh.tp_group))
+        m.norm = _SpanningGroupNorm(m.norm, mesh.tp_group, span, own)
+    m.n_heads //= tp
+    m.d_inner //= tp
+    m.conv_dim //= tp
+    m.n_groups = max(m.n_groups // tp, 1)  # local: whole groups, or the one group this rank's heads read
+    m.norm.groups = m.n_groups
+    conv = m.conv1d
+    conv.in_channels = conv.out_channels = conv.groups = m.conv_dim
+    _region(m, b)
+
+
+def _scan_own_group(scan: Kernel, n_groups: int, own: int, group: dist.ProcessGroup, x, dt, A, B, C, **kwargs):
+    """B, C (batch, L, 1, n_groups·N / tp): this rank's slice of the flattened (group, state) block, all-gathered
+    (backward: each slice's gradient summed over the ranks) and cut to group `own`, the one this rank's heads read."""
+    B, C = (gather_sequence(t, 3, group) for t in (B, C))  # (batch, L, 1, n_groups·N)
+    n = B.shape[3] // n_groups
+    return scan(x, dt, A, B[..., own * n : (own + 1) * n], C[..., own * n : (own + 1) * n], **kwargs)
+
+
+class _SpanningGroupNorm(GatedRMSNorm):
+    """Mamba-2's gated RMSNorm where this rank holds 1/span of one group's channels: the group's mean square is the
+    sum of its `span` ranks' sums of squares (all-gathered; backward sums each rank's part of the gradient)."""
+
+    def __init__(self, norm: GatedRMSNorm, group: dist.ProcessGroup, span: int, own: int):
+        nn.Module.__init__(self)
+        self.groups, self.eps, self.weight = 1, norm.eps, norm.weight
+        self.group, self.span, self.own = group, span, own
+
+    def _mean_square(self, h: torch.Tensor) -> torch.Tensor:
+        sums = gather_sequence(h.pow(2).sum(-1, keepdim=True), h.dim() - 1, self.group)  # (..., 1, tp)
+        mine = sums.unflatten(-1, (-1, self.span))[..., self.own, :]  # (..., 1, span): this group's ranks
+        return mine.sum(-1, keepdim=True) / (h.shape[-1] * self.span)
+
+
+def _gdn(g: GatedDeltaNet, mesh: Mesh, b: _Boundaries) -> None:
+    """Key heads split over TP, each with its n_v_heads / n_k_heads value heads (config rule: both counts divisible
+    by tp). The fused projections are packed per key head, so a rank's rows are one contiguous block; the conv's
+    q, k, v channels are split alone; the gated norm is per head (its weight, shared by the heads, is replicated)."""
+    tp = mesh.tp
+    _shard_param(g.in_proj_qkvz, "weight", 0, mesh)  # per key head [q, k, v, z]
+    _shard_param(g.in_proj_ba, "weight", 0, mesh)  # per key head [b, a]
+    _shard_param(g.conv1d, "weight", 0, mesh, parts=(g.key_dim, g.key_dim, g.value_dim))
+    _shard_param(g, "dt_bias", 0, mesh)
+    _shard_param(g, "A_log", 0, mesh)
+    _shard_param(g.out_proj, "weight", 1, mesh)
+    _sum_grad_over_tp(g.norm.weight)
+    g.n_k_heads //= tp
+    g.n_v_heads //= tp
+    g.key_dim //= tp
+    g.value_dim //= tp
+    g.conv_dim //= tp
+    conv = g.conv1d
+    conv.in_channels = conv.out_channels = conv.groups = g.conv_dim
+    _region(g, b)
 
 
 def _swiglu(ffn: SwiGLU, mesh: Mesh, b: _Boundaries) -> None:
@@ -205,10 +310,20 @@ def _vocabulary(model: nn.Module, mesh: Mesh, b: _Boundaries) -> None:
     model.norm.register_forward_hook(lambda m, args, out: b.enter(out))
 
 
-def _sum_grad_over_tp(p: nn.Parameter, group: dist.ProcessGroup) -> None:
-    """Sequence parallelism: a norm outside the regions sees only this rank's tokens; sum its weight's gradient
-    over TP (a tensor hook runs before the gradient is accumulated, so DeepSpeed sees the sum)."""
-    p.register_hook(lambda g: all_reduce_sum(g.contiguous().clone(), group))
+def _sum_grad_over_tp(p: nn.Parameter) -> None:
+    """Mark a parameter replicated over TP whose gradient each rank only has part of (a norm weight shared by heads
+    split over TP; with sequence parallelism, a norm outside the regions, which sees only this rank's tokens): its
+    gradient is summed over TP by `register_grad_sums`, once the parameter is allocated."""
+    p.tp_sum_grad = True
+
+
+def register_grad_sums(model: nn.Module, mesh: Mesh) -> None:
+    """Sum the gradient of every marked parameter over TP, on allocated parameters: a tensor hook belongs to the
+    Parameter object, which allocating a meta parameter replaces (the mark, a Python attribute, is carried over).
+    A tensor hook runs before the gradient is accumulated, so DeepSpeed sees the sum."""
+    for p in model.parameters():
+        if getattr(p, "tp_sum_grad", False):
+            p.register_hook(lambda g: all_reduce_sum(g.contiguous().clone(), mesh.tp_group))
 
 
 def apply_tp(model: nn.Module, mesh: Mesh, sequence_parallel: bool = False) -> nn.Module:
@@ -222,21 +337,21 @@ def apply_tp(model: nn.Module, mesh: Mesh, sequence_parallel: bool = False) -> n
             _attention(module, mesh, b)
         elif isinstance(module, Mamba):
             _mamba(module, mesh, b)
+        elif isinstance(module, Mamba2):
+            _mamba2(module, mesh, b)
+        elif isinstance(module, GatedDeltaNet):
+            _gdn(module, mesh, b)
         elif isinstance(module, SwiGLU):
             _swiglu(module, mesh, b)
         elif isinstance(module, MoE):
             _moe(module, mesh, b)
-    if sequence_parallel and not model.norm.weight.is_meta:  # on meta: parallelize registers them once allocated
-        sum_norm_grads_over_tp(model, mesh)
+    if sequence_parallel:  # the norms outside the regions see only this rank's tokens
+        for norm in [model.norm, *(n for blk in model.blocks for n in (blk.mixer_norm, blk.ffn_norm) if n is not None)]:
+            for p in norm.parameters():
+                _sum_grad_over_tp(p)
+    if not model.norm.weight.is_meta:  # on meta: parallelize registers them once allocated
+        register_grad_sums(model, mesh)
     return model
-
-
-def sum_norm_grads_over_tp(model: nn.Module, mesh: Mesh) -> None:
-    """Sequence parallelism's gradient sums for the norms outside the regions, on allocated parameters (a tensor
-    hook belongs to the Parameter object, which allocating a meta parameter replaces)."""
-    for norm in [model.norm, *(n for blk in model.blocks for n in (blk.mixer_norm, blk.ffn_norm) if n is not None)]:
-        for p in norm.parameters():
-            _sum_grad_over_tp(p, mesh.tp_group)
 
 
 # ------------------------------------------------------------------------------------------ loss

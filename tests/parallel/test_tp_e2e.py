@@ -2,7 +2,8 @@
 equal one process with gradient accumulation step by step (losses, clipped-gradient norms, expert load, final
 parameters and Adam moments), and checkpoints reshard tp=2 → tp=1 → tp=2 and across combined layouts on the
 same trajectory; the same for expert parallelism folded across TP (parallel.etp = 1), and checkpoints reshard
-between etp = 1 and etp = tp. (dp, ep, tp) = (4, 4, 1) from scratch is test_ep_e2e.py's; the single-process
+between etp = 1 and etp = tp; a Mamba-2 / Gated DeltaNet hybrid at tp = 2 and (2, 2, 2) with sequence parallelism,
+its checkpoint resharded to one process. (dp, ep, tp) = (4, 4, 1) from scratch is test_ep_e2e.py's; the single-process
 reference is the session's, shared with it."""
 
 from __future__ import annotations
@@ -36,6 +37,12 @@ LAYOUTS = {  # dp-ep-tp: world size, overrides
     # Activation checkpointing of every part (models/activation_checkpointing.py) under EP and TP: also compared with
     # the same layout without it, exactly (test_recompute_changes_nothing_under_ep_and_tp).
     "dp2-ep2-tp2-recompute": (4, ["parallel.tp=2", "parallel.ep=2", "train.activation_checkpointing=full"]),
+    # Mamba-2 (one B/C group spanning the TP ranks) and Gated DeltaNet layers beside attention, dense and MoE ones
+    "dp1-ep1-tp2-hybrid": (2, ["parallel.tp=2", *E2E_MODES["hybrid"]]),
+    "dp2-ep2-tp2-sequence-parallel-hybrid": (
+        4,
+        ["parallel.tp=2", "parallel.ep=2", "parallel.sequence_parallel=true", *E2E_MODES["hybrid"]],
+    ),
 }
 
 
@@ -62,7 +69,10 @@ FOLDED = {
 
 def _mode(layout: str) -> str:
     """The single-process reference a layout is compared with (support.E2E_MODES)."""
-    return "recipes" if layout.endswith("-recipes") else "capacity"
+    for mode in ("recipes", "hybrid"):
+        if layout.endswith(f"-{mode}"):
+            return mode
+    return "capacity"
 
 
 # fp32, of each tensor's largest magnitude. TP splits sums (heads, channels, expert hidden units) into partial sums,
@@ -158,6 +168,21 @@ def test_checkpoint_reshards_across_combined_layouts(
     dimension changes."""
     d, ref = tmp_path / "resume_222_to_441", reference("capacity")
     _resume(run_train, runs["dp2-ep2-tp2-sequence-parallel"], d, 4, "parallel.ep=4", from_step=E2E_SAVE)
+    same_trajectory(
+        [r for r in train_records(metrics(d)) if r["step"] > E2E_SAVE], metrics(ref), first_step=E2E_SAVE + 1
+    )
+    same_final_state(d, ref, ATOL_OF_SCALE)
+
+
+def test_hybrid_checkpoint_reshards_to_one_process(
+    tmp_path, runs, reference, run_train, metrics, same_trajectory, same_final_state
+):
+    """The Mamba-2 / Gated DeltaNet hybrid's (dp, ep, tp) = (2, 2, 2) sequence-parallel step-3 checkpoint resumed in
+    one process: every sharded tensor of the new mixers (in_proj's z, x, B, C, dt blocks, the conv's channel
+    blocks, per-head vectors) is gathered whole on save, and the run continues the single-process trajectory."""
+    d, ref = tmp_path / "resume_hybrid_222_to_111", reference("hybrid")
+    src = runs["dp2-ep2-tp2-sequence-parallel-hybrid"]
+    _resume(run_train, src, d, 1, *E2E_MODES["hybrid"], from_step=E2E_SAVE)
     same_trajectory(
         [r for r in train_records(metrics(d)) if r["step"] > E2E_SAVE], metrics(ref), first_step=E2E_SAVE + 1
     )

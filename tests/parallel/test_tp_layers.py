@@ -9,13 +9,18 @@ import pytest
 import torch
 from support import run_torchrun_worker
 
-from moe_dist.parallel.tensor_parallel import shard, unshard
+from moe_dist.parallel.tensor_parallel import shard, shard_ranges, unshard
 
 WORKER = Path(__file__).with_name("tp_worker.py")
 LAYERS = ["attention", "mamba", "swiglu", "moe", "model"]
 # Jamba's inner norms with an untied head; plain Mamba with a tied head; the first with sequence parallelism; the
 # MoE recipes (sigmoid scores, bias, groups, sequence aux loss, gated shared experts)
 VARIANTS = ["norms_untied", "plain_tied", "sp_norms_untied", "moe_recipes"]
+# Mamba-2 and Gated DeltaNet layers: one B/C group (fewer than the ranks) with an untied head; four groups with
+# sequence parallelism
+SSM_LAYERS = ["mamba2", "gateddeltanet", "swiglu", "moe", "model"]
+SSM_VARIANTS = ["ssm_groups1_untied", "sp_ssm_groups4"]
+CASES = [(v, layer) for v in VARIANTS for layer in LAYERS] + [(v, layer) for v in SSM_VARIANTS for layer in SSM_LAYERS]
 
 
 @pytest.fixture(scope="module")
@@ -27,8 +32,7 @@ def tp_results(tmp_path_factory) -> list[dict]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("layer", LAYERS)
+@pytest.mark.parametrize("variant, layer", CASES)
 def test_tensor_parallel_layer_matches_single_device(tp_results, layer, variant):
     for rank, results in enumerate(tp_results):
         entries = {k: v for k, v in results.items() if k.startswith(f"{variant}.{layer}.")}
@@ -42,7 +46,7 @@ def test_tensor_parallel_layer_matches_single_device(tp_results, layer, variant)
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", VARIANTS + SSM_VARIANTS)
 def test_packed_documents_stay_apart_under_tp_and_sp(tp_results, variant):
     """Dropless MoE, fp32: the sharded logits of packed documents equal the single-device ones, and changing one
     document moves no logit of another document by more than 1e-6."""
@@ -53,7 +57,7 @@ def test_packed_documents_stay_apart_under_tp_and_sp(tp_results, variant):
         assert changed["err"] > 1e-3, (rank, changed)  # the changed document did change
 
 
-@pytest.mark.parametrize("parts", [1, 2])
+@pytest.mark.parametrize("parts", [1, 2, (2, 4, 2)])
 def test_shard_and_unshard_are_inverse(parts):
     full = torch.arange(4 * 8 * 3).view(4, 8, 3)
     pieces = [shard(full, 1, r, 2, parts) for r in range(2)]
@@ -61,3 +65,6 @@ def test_shard_and_unshard_are_inverse(parts):
     torch.testing.assert_close(unshard(pieces, 1, parts), full)
     if parts == 2:  # each half of the dim is split on its own: rank 0 holds the first quarter of both halves
         torch.testing.assert_close(pieces[0], torch.cat([full[:, 0:2], full[:, 4:6]], dim=1))
+    if parts == (2, 4, 2):  # blocks of given sizes (Mamba-2's in_proj components), each split on its own
+        torch.testing.assert_close(pieces[1], torch.cat([full[:, 1:2], full[:, 4:6], full[:, 7:8]], dim=1))
+        assert shard_ranges(8, 1, 2, parts) == [(1, 2), (4, 6), (7, 8)]  # what a checkpoint read slices

@@ -2,9 +2,10 @@
 
 Both ranks build the same single-device model, keep an unsharded copy as the reference, shard the other with
 the real `apply_tp` (tp = 2), and run every layer (attention with grouped-query heads, Mamba with and without
-Jamba's inner norms, dense SwiGLU, MoE with capacity drops, vocabulary-parallel embedding and loss, tied and
-untied heads) forward and backward on the same inputs through both. Each rank writes, per compared tensor, the
-largest absolute difference and the reference's largest magnitude; the test asserts on them.
+Jamba's inner norms, Mamba-2 with fewer and more B/C groups than ranks, Gated DeltaNet, dense SwiGLU, MoE with
+capacity drops, vocabulary-parallel embedding and loss, tied and untied heads) forward and backward on the same
+inputs through both. Each rank writes, per compared tensor, the largest absolute difference and the reference's
+largest magnitude; the test asserts on them.
 """
 
 import copy
@@ -15,6 +16,7 @@ import torch
 
 from moe_dist.config import load_config
 from moe_dist.layers.moe import MoE
+from moe_dist.models.activation_checkpointing import apply_activation_checkpointing
 from moe_dist.models.decoder import build_model, lm_loss, materialize_whole
 from moe_dist.parallel.mesh import init_distributed
 from moe_dist.parallel.tensor_parallel import apply_tp, shard, vocab_parallel_lm_loss
@@ -57,6 +59,41 @@ VARIANTS = {
         "model.norm_zero_centered=true",  # and zero-centred norms
     ],
 }
+# Mamba-2 and Gated DeltaNet (the patterns reset to their defaults for a layer list). One B/C group, fewer than the TP
+# ranks (Granite's default): split along its state and all-gathered, its norm statistics summed over the ranks; four
+# groups, two whole ones per rank, under sequence parallelism. Gated DeltaNet with two and with one value heads per
+# key head. Chunks of 8 over 16 positions: the chunked scans cross a chunk boundary. The first recomputes every
+# sublayer in backward (activation checkpointing), collectives inside the mixers included.
+_SSM = [
+    "model.mixer_pattern=A",
+    "model.ffn_pattern=E",
+    'model.layers=["mamba2+mlp","gdn+moe"]',
+    "model.mamba2.head_dim=8",  # 8 heads of d_inner 64
+    "model.mamba2.d_state=8",
+    "model.mamba2.chunk_size=8",
+    "model.gdn.head_k_dim=8",
+    "model.gdn.head_v_dim=8",
+    "model.gdn.chunk_size=8",
+]
+VARIANTS.update(
+    {
+        "ssm_groups1_untied": [
+            *_SSM,
+            "model.mamba2.n_groups=1",
+            "model.gdn.n_k_heads=2",
+            "model.gdn.n_v_heads=4",
+            "model.tie_embeddings=false",
+            "train.activation_checkpointing=full",  # the mixers' collectives run again in the recompute
+        ],
+        "sp_ssm_groups4": [
+            *_SSM,
+            "model.mamba2.n_groups=4",
+            "model.gdn.n_k_heads=2",
+            "model.gdn.n_v_heads=2",
+            "parallel.sequence_parallel=true",
+        ],
+    }
+)
 
 
 def _diff(got: torch.Tensor, want: torch.Tensor) -> dict:
@@ -120,7 +157,9 @@ def main(path: str) -> None:
         if mesh is None:
             mesh = init_distributed(cfg)
         ref = materialize_whole(build_model(cfg.model), "cpu", seed=0)
-        tp_model = apply_tp(copy.deepcopy(ref), mesh, cfg.parallel.sequence_parallel)
+        tp_model = apply_activation_checkpointing(
+            apply_tp(copy.deepcopy(ref), mesh, cfg.parallel.sequence_parallel), cfg.train
+        )
         x = torch.randn(2, 16, cfg.model.d_model, generator=torch.Generator().manual_seed(0))
         for b_ref, b_tp in zip(ref.blocks, tp_model.blocks):
             kind = type(b_ref.mixer).__name__.lower()

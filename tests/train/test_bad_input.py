@@ -42,6 +42,7 @@ PRE_INIT = [
     "run_dir_is_a_file",
     "existing_run_without_resume",
     "checkpoints_without_resume",
+    "mamba2_heads_tp_cannot_split",
 ]
 CHECKPOINT = ["checkpoint_of_another_model_shape", "checkpoint_of_another_data_order"]
 
@@ -152,6 +153,13 @@ def _case_inputs(case: str, tmp: Path) -> tuple[list[str], str]:
     if case == "checkpoints_without_resume":  # e.g. a run whose metrics.jsonl was deleted
         (tmp / "existing" / "metrics.jsonl").unlink()
         return [], "already holds a run (metrics.jsonl or checkpoints); pass --resume"
+    if case == "mamba2_heads_tp_cannot_split":
+        layers = '["mamba2+mlp","gdn+moe","attention+moe","mamba2+moe"]'
+        tiny = ["model.mamba2.n_heads=3", "model.mamba2.head_dim=16", "model.mamba2.n_groups=1"]
+        patterns = ["model.mixer_pattern=A", "model.ffn_pattern=E", f"model.layers={layers}"]
+        return ["--set", *patterns, *tiny, "model.attention.n_kv_heads=4", "parallel.tp=2"], (
+            "model.mamba2.n_heads: the 3 Mamba-2 heads"
+        )
     raise ValueError(case)
 
 

@@ -18,6 +18,7 @@ from torch import nn
 from moe_dist.parallel import private_api
 from moe_dist.parallel.comm import barrier
 from moe_dist.parallel.mesh import Mesh
+from moe_dist.parallel.tensor_parallel import shard_ranges
 from moe_dist.train.checkpoint.format import FORMAT_VERSION, STEP_DIR, TENSOR_FILE, CheckpointError, CheckpointMismatch
 from moe_dist.train.checkpoint.plan import MOMENTS, STATE_KEYS, stored_name
 from moe_dist.train.checkpoint.state import (
@@ -199,13 +200,10 @@ def load_checkpoint(engine, model: nn.Module, scheduler, path: Path, meta: dict,
         stored = handles[f].get_slice(name)
         shape = stored.get_shape()
         dim = st.tp_dim - 1 if st.stacked else st.tp_dim  # a stored expert lacks the stacked dim
-        block = shape[dim] // st.tp_parts
-        piece = block // mesh.tp
         parts = []
-        for b in range(st.tp_parts):  # tensor_parallel.shard's layout: each block split on its own
+        for start, stop in shard_ranges(shape[dim], mesh.tp_rank, mesh.tp, st.tp_parts):  # shard's layout
             index_ = [slice(None)] * len(shape)
-            start = b * block + mesh.tp_rank * piece
-            index_[dim] = slice(start, start + piece)
+            index_[dim] = slice(start, stop)
             parts.append(stored[tuple(index_)])
         return torch.cat(parts, dim)
 

@@ -15,7 +15,7 @@ from torch import nn
 from moe_dist.layers.experts import Experts
 from moe_dist.parallel import private_api
 from moe_dist.parallel.mesh import Mesh
-from moe_dist.parallel.tensor_parallel import gather_shards
+from moe_dist.parallel.tensor_parallel import Parts, gather_shards
 from moe_dist.train.checkpoint.plan import MOMENTS, Entry
 
 
@@ -26,7 +26,7 @@ class Stored:
     names: list[str]  # global tensor names: one, or one per local expert of a stacked expert parameter
     stacked: bool
     tp_dim: int | None = None  # the parameter's dim split over tensor-parallel ranks (apply_tp), if any
-    tp_parts: int = 1  # blocks of that dim split separately (Mamba in_proj's x and z halves)
+    tp_parts: Parts = 1  # blocks of that dim split separately (tensor_parallel.shard: Mamba in_proj's components)
 
     def whole(self, local: torch.Tensor, mesh: Mesh) -> torch.Tensor:
         """Collective over the TP group for a TP-sharded parameter: the full tensor from this rank's slice."""
