@@ -3,7 +3,8 @@
     python benchmarks/tb_report.py RUN_DIR [--out report.png]      (default: RUN_DIR/tb_report.png)
 
 Panels: loss curves (train loss, LM loss, eval loss), drop fraction per MoE layer over steps, and the token
-share of every expert of every MoE layer over steps as a heatmap (rows grouped by layer). Needs matplotlib
+share of every expert of every MoE layer over steps as a heatmap (rows grouped by layer; read from
+RUN_DIR/metrics.jsonl when TensorBoard has no per-expert scalars, as above 64 experts). Needs matplotlib
 (`pip install -e '.[report]'`); training itself never imports it.
 """
 
@@ -53,13 +54,29 @@ def share_matrix(scalars: dict) -> tuple[np.ndarray, np.ndarray, list[int]]:
     return np.stack(rows), steps, experts
 
 
-def render(scalars: dict, out: Path, title: str) -> None:
+def share_matrix_from_jsonl(path: Path) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """`share_matrix` from the per-expert token counts of metrics.jsonl (kept there at any expert count)."""
+    import json
+
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = [r for r in records if r.get("moe")]
+    if not records:
+        return np.zeros((0, 0)), np.zeros(0), []
+    experts = [len(layer["tokens_per_expert"]) for layer in records[0]["moe"]]
+    columns = []
+    for r in records:
+        counts = [np.asarray(layer["tokens_per_expert"], dtype=np.float64) for layer in r["moe"]]
+        columns.append(np.concatenate([c / max(c.sum(), 1.0) for c in counts]))
+    return np.stack(columns, axis=1), np.array([r["step"] for r in records]), experts
+
+
+def render(scalars: dict, out: Path, title: str, shares=None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    share, steps, experts = share_matrix(scalars)
+    share, steps, experts = shares if shares is not None else share_matrix(scalars)
     fig, axes = plt.subplots(3, 1, figsize=(10, 11), gridspec_kw={"height_ratios": [1, 1, 1.6]})
     fig.suptitle(title)
     ax = axes[0]
@@ -112,7 +129,10 @@ def main(argv=None) -> int:
         print(f"error: {tb}: no scalar events", file=sys.stderr)
         return 2
     out = args.out or args.run_dir / "tb_report.png"
-    render(scalars, out, f"run {args.run_dir.resolve().name}")
+    shares = share_matrix(scalars)
+    if not len(shares[0]) and (args.run_dir / "metrics.jsonl").exists():
+        shares = share_matrix_from_jsonl(args.run_dir / "metrics.jsonl")
+    render(scalars, out, f"run {args.run_dir.resolve().name}", shares)
     print(f"wrote {out}")
     return 0
 
