@@ -241,3 +241,5 @@ def test_tb_report_reads_expert_shares_from_jsonl_when_tensorboard_has_none(tmp_
     assert experts == [E, E] and steps.tolist() == [1, 2, 3] and share.shape == (2 * E, 3)
     assert np.allclose(share[E + 5, 2], tokens[1, 5] / tokens[1].sum())
     assert module["main"]([str(tmp_path)]) == 0 and (tmp_path / "tb_report.png").exists()
+    by_kind, steps = module["event_bytes"](tmp_path / "tb")
+    assert steps == 3 and by_kind["scalar"] > 0 and "per-expert scalar" not in by_kind and "image" not in by_kind
