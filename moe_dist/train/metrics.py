@@ -3,10 +3,12 @@
 Every value written is an average over the whole global batch (all ranks, all micro-batches), and expert
 load is the global count, not rank 0's local view.
 
-TensorBoard gets every numeric record key as a scalar, per MoE layer the token share of each expert and
-a tokens-per-expert histogram, a custom-scalars layout grouping the MoE metrics per layer, and every
-`train.image_every` steps two layers × experts heatmaps (token share, drop rate) drawn with numpy and PIL.
-"""
+metrics.jsonl gets every value, per expert included. TensorBoard gets every numeric record key as a scalar, per
+MoE layer a tokens-per-expert histogram and a custom-scalars layout grouping its metrics, and every
+`train.image_every` steps the pictures of moe_dist/train/expert_images.py: (layers × experts) token share and drop
+rate, and per layer an (experts × recent steps) load history. Per-expert scalars (token share, balancing bias) go
+to TensorBoard only up to PER_EXPERT_SCALARS experts: beyond, one line per expert is an unreadable single-coloured
+tangle that dominates the event file, and the history image is the view (a TensorBoard text says so)."""
 
 from __future__ import annotations
 
@@ -19,8 +21,11 @@ import torch
 
 from moe_dist.models.decoder import DecoderOutput
 from moe_dist.parallel.comm import all_reduce_sum
+from moe_dist.train.expert_images import LoadHistory, expert_load_images
 
 SCALARS = ("loss", "lm_loss", "aux_loss", "z_loss")
+PER_EXPERT_SCALARS = 64  # above this many experts, per-expert values go to metrics.jsonl and images only
+HISTORY_STEPS = 128  # logged steps kept per layer for the load-history image
 _LAYER_EXTRA = 4  # per MoE layer after the two per-expert blocks: dropped, assignments, entropy, a2a bytes sent
 
 
@@ -128,83 +133,9 @@ class DeadExperts:
             layer["dead_expert_ids"] = dead.tolist()
 
 
-# ----------------------------------------------------------------------------------------------- images
-
-CELL = 24  # pixels per heatmap cell
-TITLE_H, AXIS_H, LABEL_W, BAR_W = 20, 16, 28, 52  # margins: title, expert indices, layer indices, colour bar
-MIN_W = 200  # room for the title
-# viridis at 9 evenly spaced points: perceptually uniform and readable by colour-blind viewers
-_VIRIDIS = np.array(
-    [
-        [68, 1, 84],
-        [71, 44, 122],
-        [59, 81, 139],
-        [44, 113, 142],
-        [33, 144, 141],
-        [39, 173, 129],
-        [92, 200, 99],
-        [170, 220, 50],
-        [253, 231, 37],
-    ],
-    dtype=np.float64,
-)
-
-
-def colormap(values: np.ndarray) -> np.ndarray:
-    """Values in [0, 1] (clipped) → viridis RGB uint8, shape values.shape + (3,)."""
-    x = np.clip(np.nan_to_num(values), 0.0, 1.0) * (len(_VIRIDIS) - 1)
-    lo = np.minimum(np.floor(x).astype(int), len(_VIRIDIS) - 2)
-    frac = (x - lo)[..., None]
-    return np.round(_VIRIDIS[lo] * (1 - frac) + _VIRIDIS[lo + 1] * frac).astype(np.uint8)
-
-
-def heatmap_size(n_rows: int, n_cols: int) -> tuple[int, int]:
-    """(height, width) in pixels of `heatmap_image` for a (n_rows, n_cols) matrix."""
-    return TITLE_H + n_rows * CELL + AXIS_H, max(LABEL_W + n_cols * CELL + BAR_W, MIN_W)
-
-
-def heatmap_image(values_LE: np.ndarray, vmax: float, title: str) -> np.ndarray:
-    """A (layers, experts) matrix as an RGB image (H, W, 3) uint8: one CELL×CELL square per value on the
-    0..vmax viridis scale, layer indices on the left, expert indices below, a colour bar with its range."""
-    from PIL import Image, ImageDraw
-
-    L, E = values_LE.shape
-    H, W = heatmap_size(L, E)
-    img = np.full((H, W, 3), 255, dtype=np.uint8)
-    cells = colormap(values_LE / vmax if vmax > 0 else np.zeros_like(values_LE))  # (L, E, 3)
-    img[TITLE_H : TITLE_H + L * CELL, LABEL_W : LABEL_W + E * CELL] = cells.repeat(CELL, 0).repeat(CELL, 1)
-    bar_x, bar_h = LABEL_W + E * CELL + 6, L * CELL
-    ramp = colormap(np.linspace(1.0, 0.0, bar_h))[:, None, :]  # top = vmax
-    img[TITLE_H : TITLE_H + bar_h, bar_x : bar_x + 8] = ramp
-    pil = Image.fromarray(img)
-    draw = ImageDraw.Draw(pil)
-    draw.text((4, 4), title, fill=(0, 0, 0))
-    for layer in range(L):
-        draw.text((4, TITLE_H + layer * CELL + CELL // 2 - 5), str(layer), fill=(0, 0, 0))
-    for e in range(E):  # a CELL-wide column holds a 3-digit label of the default font
-        draw.text((LABEL_W + e * CELL + 4, TITLE_H + L * CELL + 2), str(e), fill=(0, 0, 0))
-    draw.text((bar_x + 11, TITLE_H), f"{vmax:.2g}", fill=(0, 0, 0))
-    draw.text((bar_x + 11, TITLE_H + bar_h - 11), "0", fill=(0, 0, 0))
-    return np.asarray(pil)
-
-
-def expert_load_images(layers: list[dict], step: int) -> dict[str, np.ndarray]:
-    """The two per-step pictures of a record's MoE layers: token share and drop rate, (layers, experts) each.
-    Token share uses a 0..max(2/E, max share) scale, so a balanced router sits mid-scale."""
-    tpe = np.array([layer["tokens_per_expert"] for layer in layers], dtype=np.float64)  # (L, E)
-    dpe = np.array([layer.get("dropped_per_expert", [0] * tpe.shape[1]) for layer in layers], dtype=np.float64)
-    share = tpe / np.maximum(tpe.sum(axis=1, keepdims=True), 1.0)
-    drop_rate = dpe / np.maximum(tpe, 1.0)
-    return {
-        "moe/expert_load": heatmap_image(
-            share, max(2.0 / tpe.shape[1], share.max()), f"token share (layer x expert) @{step}"
-        ),
-        "moe/drop_rate": heatmap_image(drop_rate, 1.0, f"drop rate (layer x expert) @{step}"),
-    }
-
-
-def custom_scalars_layout(n_moe_layers: int) -> dict:
-    """TensorBoard's custom-scalars layout: losses together, then one category per MoE layer."""
+def custom_scalars_layout(n_moe_layers: int, num_experts: int = 0) -> dict:
+    """TensorBoard's custom-scalars layout: losses together, then one category per MoE layer (with per-expert
+    charts only up to PER_EXPERT_SCALARS experts)."""
     layout = {
         "training": {
             "loss": ["Multiline", ["train/loss", "train/lm_loss", "eval/eval_loss"]],
@@ -217,7 +148,7 @@ def custom_scalars_layout(n_moe_layers: int) -> dict:
     }
     for i in range(n_moe_layers):
         tag = f"moe/layer{i}"
-        layout[f"moe layer {i}"] = {
+        charts = {
             "token share per expert": ["Multiline", [rf"{tag}/expert\d+_token_share"]],
             "drop fraction and imbalance": [
                 "Multiline",
@@ -226,6 +157,9 @@ def custom_scalars_layout(n_moe_layers: int) -> dict:
             "balancing bias per expert": ["Multiline", [rf"{tag}/expert\d+_bias"]],
             "router entropy": ["Multiline", [f"{tag}/router_entropy"]],
         }
+        if num_experts > PER_EXPERT_SCALARS:
+            del charts["token share per expert"], charts["balancing bias per expert"]
+        layout[f"moe layer {i}"] = charts
     return layout
 
 
@@ -264,6 +198,7 @@ class MetricsLogger:
         self.path = run_dir / "metrics.jsonl"
         self.tb = None
         self.layout_written = False
+        self.history = LoadHistory(HISTORY_STEPS)
         if not enabled:
             return
         self.image_every = _image_every_from_run_dir(run_dir) if image_every is None else image_every
@@ -292,24 +227,35 @@ class MetricsLogger:
             if _numeric(value) and key != "step":
                 self.tb.add_scalar(("eval/" if key.startswith("eval_") else "train/") + key, value, step)
         layers = record.get("moe", [])
+        num_experts = len(layers[0]["tokens_per_expert"]) if layers else 0
+        per_expert = num_experts <= PER_EXPERT_SCALARS
         if layers and not self.layout_written:
-            self.tb.add_custom_scalars(custom_scalars_layout(len(layers)))
+            self.tb.add_custom_scalars(custom_scalars_layout(len(layers), num_experts))
+            if not per_expert:
+                self.tb.add_text(
+                    "moe/per_expert",
+                    f"{num_experts} experts > {PER_EXPERT_SCALARS}: per-expert token share and bias are in "
+                    "metrics.jsonl and the moe/layerN/load_history images, not in scalars",
+                    step,
+                )
             self.layout_written = True
+        self.history.observe(layers, step)
         for i, layer in enumerate(layers):
             tag = f"moe/layer{i}"
             tpe = torch.tensor(layer["tokens_per_expert"], dtype=torch.float64)
             share = tpe / max(tpe.sum().item(), 1.0)
-            for e, v in enumerate(share.tolist()):
+            for e, v in enumerate(share.tolist() if per_expert else []):
                 self.tb.add_scalar(f"{tag}/expert{e}_token_share", v, step)
             for key, value in layer.items():
                 if _numeric(value):
                     self.tb.add_scalar(f"{tag}/{key}", value, step)
-            for e, v in enumerate(layer.get("bias", [])):  # loss-free balancing bias, when used
+            for e, v in enumerate(layer.get("bias", []) if per_expert else []):  # loss-free balancing bias
                 self.tb.add_scalar(f"{tag}/expert{e}_bias", v, step)
             if self._periodic(self.histogram_every, step):
                 self.tb.add_histogram(f"{tag}/tokens_per_expert", tpe, step)
         if layers and self._periodic(self.image_every, step):
-            for tag, img in expert_load_images(layers, step).items():
+            images = {**expert_load_images(layers, step), **self.history.images()}
+            for tag, img in images.items():
                 self.tb.add_image(tag, img, step, dataformats="HWC")
         self.tb.flush()
 
