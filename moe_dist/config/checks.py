@@ -292,6 +292,8 @@ def check_layout(cfg: JobConfig, world_size: int) -> int:
         "needs ZeRO stage 2; set deepspeed.zero_stage=2, or train.grad_accum_dtype=bf16 to accumulate in bf16",
     )
     check_global_batch(cfg.train.global_batch_size, cfg.train.micro_batch_size, dp, ranks)
+    bad = [r for r in cfg.train.profile_ranks if not 0 <= r < world_size]
+    _check(not bad, f"train.profile_ranks: {bad} outside the world's ranks 0..{world_size - 1}")
     _check(
         cfg.train.eval_batches % dp == 0,
         f"train.eval_batches: {cfg.train.eval_batches} is not divisible among {ranks}",
@@ -340,6 +342,8 @@ def _check_run_settings(t: TrainConfig) -> None:
     for key in ("keep_last", "max_nonfinite_steps", "save_buffer_mb"):
         _check(getattr(t, key) >= 0, f"train.{key}: must be >= 0, got {getattr(t, key)}")
     _check(t.save_timeout_s > 0, f"train.save_timeout_s: must be > 0, got {t.save_timeout_s}")
+    bad = [s for s in t.profile_steps if not 1 <= s <= t.steps]
+    _check(not bad, f"train.profile_steps: {bad} outside the run's optimizer steps 1..{t.steps}")
 
 
 def _check_data(d: DataConfig) -> None:
