@@ -332,6 +332,8 @@ def check_layout(cfg: JobConfig, world_size: int) -> int:
         "needs ZeRO stage 2; set deepspeed.zero_stage=2, or train.grad_accum_dtype=bf16 to accumulate in bf16",
     )
     check_global_batch(cfg.train.global_batch_size, cfg.train.micro_batch_size, dp, ranks)
+    bad = [r for r in cfg.train.profile_ranks if not 0 <= r < world_size]
+    _check(not bad, f"train.profile_ranks: {bad} outside the world's ranks 0..{world_size - 1}")
     _check(
         cfg.train.eval_batches % dp == 0,
         f"train.eval_batches: {cfg.train.eval_batches} is not divisible among {ranks}",
@@ -383,6 +385,8 @@ def _check_run_settings(t: TrainConfig) -> None:
     _check(
         t.save_staging_mb * 2**20 >= 1024, f"train.save_staging_mb: must be >= 1/1024 (1 KiB), got {t.save_staging_mb}"
     )
+    bad = [s for s in t.profile_steps if not 1 <= s <= t.steps]
+    _check(not bad, f"train.profile_steps: {bad} outside the run's optimizer steps 1..{t.steps}")
 
 
 def _check_data(d: DataConfig) -> None:

@@ -262,6 +262,10 @@ class TrainConfig:
     save_buffer_mb: int = 256  # checkpoint: host memory for tensors gathered and not yet written (synchronous save)
     save_staging_mb: float = 512.0  # checkpoint, async_save: pinned host buffer the snapshot is copied through (MiB)
     save_timeout_s: float = 1800.0  # checkpoint save and load: limit of every wait (writers, their collectives)
+    profile_steps: list[int] = field(
+        default_factory=list
+    )  # optimizer steps to trace with torch.profiler into RUN_DIR/profile/ (Chrome/Perfetto JSON); [] = none
+    profile_ranks: list[int] = field(default_factory=lambda: [0])  # global ranks that trace the profile_steps
 
     def decay_steps(self) -> int:
         """lr_schedule wsd: how many final steps decay, decay_fraction × steps rounded half up to a whole step."""

@@ -46,6 +46,7 @@ from moe_dist.train.metrics import DeadExperts, MetricsLogger, StepAccumulator
 from moe_dist.train.optim import build_optimizer, deepspeed_config
 from moe_dist.train.shared_storage import check_shared_run_dir
 from moe_dist.train.startup import startup_report
+from moe_dist.train.throughput import Utilisation, device_peak, maybe_profile, model_flops_per_token
 
 
 class RunDirError(RuntimeError):
@@ -64,6 +65,7 @@ class StepContext:
     val: TokenDataset
     guard: NonFiniteGuard
     n_moe: int
+    utilisation: Utilisation  # tokens/s → model TFLOP/s per device and MFU
 
 
 def _to_device(t: torch.Tensor, mesh: Mesh) -> torch.Tensor:
@@ -144,6 +146,7 @@ def _train_step(ctx: StepContext, step: int) -> dict:
         tokens_per_s=t.global_batch_size * t.seq_len / elapsed,
         skipped_steps=guard.skipped_total,
     )
+    record.update(ctx.utilisation(record["tokens_per_s"]))
     return record
 
 
@@ -312,7 +315,9 @@ def train(cfg: JobConfig, run_dir: Path, resume: bool = False) -> list[dict]:
     if start == 0:
         logger.text("config", "```\n" + json.dumps(config_to_dict(cfg), indent=2) + "\n```")
     guard = NonFiniteGuard(engine, scheduler, mesh, t.max_nonfinite_steps, say, skipped_total=skipped)
-    ctx = StepContext(engine, cfg, mesh, data, val, guard, n_moe)
+    utilisation = Utilisation(model_flops_per_token(cfg), mesh.world_size, device_peak(mesh.device, t.dtype))
+    say(f"throughput: {utilisation.describe()}")
+    ctx = StepContext(engine, cfg, mesh, data, val, guard, n_moe, utilisation)
     records: list[dict] = []
     if start == 0 and t.eval_every:
         with operation("step 0: evaluation", timeout):
@@ -325,7 +330,8 @@ def train(cfg: JobConfig, run_dir: Path, resume: bool = False) -> list[dict]:
     bar = tqdm(total=t.steps, initial=start, disable=mesh.rank != 0, desc="train", dynamic_ncols=True)
     try:
         for done in range(start + 1, t.steps + 1):  # the optimizer step being made, numbered as in metrics.jsonl
-            record = _train_step(ctx, done)
+            with maybe_profile(run_dir, done, mesh.rank, t.profile_steps, t.profile_ranks, mesh.device):
+                record = _train_step(ctx, done)
             dead.observe(record)
             if (t.eval_every and done % t.eval_every == 0) or done == t.steps:
                 with operation(f"step {done}: evaluation", timeout):

@@ -13,9 +13,12 @@ import pytest
 from support import DEBUG_CONFIG, ONE_THREAD, train_records
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from moe_dist.config import load_config
+from moe_dist.train.throughput import model_flops_per_token, profile_trace_path
+
 CONFIG = DEBUG_CONFIG  # zero_stage 1, 6 steps, eval and checkpoint every 3
 STEPS = 6
-REQUIRED = {"step", "loss", "lm_loss", "aux_loss", "z_loss", "lr", "grad_norm", "tokens_per_s", "moe"}
+REQUIRED = {"step", "loss", "lm_loss", "aux_loss", "z_loss", "lr", "grad_norm", "tokens_per_s", "moe", "mfu"}
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -35,14 +38,21 @@ def test_single_process_matches_two_processes_for_every_zero_stage(tmp_path, deb
             run_dir = debug_run("deepspeed")
         else:
             run_dir = tmp_path / f"zero{stage}"
+            extra = ["train.profile_steps=[2]", "train.profile_ranks=[0,1]"] if stage == 0 else []
             run_train(
                 "torchrun",
                 2,
-                ["--config", CONFIG, "--run-dir", str(run_dir), "--set", ONE_THREAD, f"deepspeed.zero_stage={stage}"],
+                ["--config", CONFIG, "--run-dir", str(run_dir), "--set", ONE_THREAD, f"deepspeed.zero_stage={stage}"]
+                + extra,
             )
         assert json.loads((run_dir / "config.json").read_text())["deepspeed"]["zero_stage"] == stage
         got = metrics(run_dir)
         assert _losses(got) == pytest.approx(ref_losses, rel=1e-5, abs=1e-6), f"zero stage {stage}"
+        if stage == 0:  # profiling one step changes no number; each chosen rank wrote its trace of step 2 only
+            traces = sorted(p.name for p in (run_dir / "profile").iterdir())
+            assert traces == [profile_trace_path(run_dir, 2, r).name for r in (0, 1)]
+            events = json.loads(profile_trace_path(run_dir, 2, 1).read_text())["traceEvents"]
+            assert any(e.get("name", "").startswith("aten::") for e in events)
         # Expert load is the global count: every assignment of the global batch is counted once.
         for r in train_records(got):
             assert len(r["moe"]) == 2
@@ -58,6 +68,12 @@ def test_deepspeed_two_process_outputs(debug_run, metrics):
     for r in train:
         assert REQUIRED <= r.keys(), REQUIRED - r.keys()
         assert r["tokens_per_s"] > 0 and r["grad_norm"] > 0
+        # model FLOPs of the global tokens per second, shared by the 2 processes; MFU against the start-up peak
+        per_token = r["tflops_per_device"] * 1e12 * 2 / r["tokens_per_s"]
+        assert per_token == pytest.approx(model_flops_per_token(load_config(CONFIG)), rel=1e-9)
+        assert 0 < r["mfu"] < 1 and r["mfu"] / r["tflops_per_device"] == pytest.approx(
+            train[0]["mfu"] / train[0]["tflops_per_device"], rel=1e-9
+        )  # one peak for the whole run
     evals = [r for r in records if "eval_loss" in r]
     assert [r["step"] for r in evals] == [0, 3, 6] and evals[-1]["eval_loss"] < evals[0]["eval_loss"]
     assert json.loads((run_dir / "config.json").read_text())["train"]["steps"] == STEPS
@@ -74,6 +90,8 @@ def test_deepspeed_two_process_outputs(debug_run, metrics):
         "train/lr",
         "train/grad_norm",
         "train/tokens_per_s",
+        "train/mfu",
+        "train/tflops_per_device",
         "eval/eval_loss",
         "moe/layer0/drop_fraction",
         "moe/layer0/max_over_mean_load",

@@ -1,0 +1,124 @@
+"""Model FLOPs utilisation in the training log, and torch.profiler traces of chosen steps.
+
+MFU here is Megatron's and torchtitan's "model FLOPs": 3 × the forward FLOPs per token of the model as
+configured (planning.perfmodel.model_cost: every matmul weight a token touches, routed experts at top_k / E,
+causal attention scores, the SSM and delta-rule scans), times tokens per second, per device, over the device's
+dense peak in the training dtype. Recomputation under activation checkpointing is not counted (it is hardware
+work, not model work), so MFU falls when recompute is on, as it should.
+
+The peak is the vendor's dense (no 2:4 sparsity) figure of a known GPU, or, on CPU or an unknown GPU, one matmul
+measured at start-up (so the CPU figure is "of what this machine's matmul reaches", not of a datasheet).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+# Dense bf16 and tf32 tensor-core peaks in FLOP/s, from the vendors' datasheets (SXM parts; the figure without
+# sparsity). Matched by substring of torch.cuda.get_device_name(), first match wins: "H200" before "H100".
+GPU_PEAKS: tuple[tuple[str, float, float], ...] = (
+    ("GH200", 989e12, 494e12),
+    ("H200", 989e12, 494e12),
+    ("H100 PCIe", 756e12, 378e12),
+    ("H100", 989e12, 494e12),
+    ("H800", 989e12, 494e12),
+    ("H20", 148e12, 74e12),
+    ("B200", 2250e12, 1100e12),
+    ("B100", 1750e12, 875e12),
+    ("A100", 312e12, 156e12),
+    ("A800", 312e12, 156e12),
+    ("L40S", 362e12, 183e12),
+    ("MI300X", 1307e12, 654e12),
+)
+
+
+@dataclass(frozen=True)
+class Peak:
+    flops_per_s: float
+    source: str  # where the figure comes from, for the start-up line
+
+
+def table_peak(device_name: str, dtype: str) -> Peak | None:
+    """The datasheet peak of a known GPU in `dtype` ('bf16' or 'fp32', the latter at tf32), else None."""
+    for key, bf16, tf32 in GPU_PEAKS:
+        if key in device_name:
+            return Peak(bf16 if dtype == "bf16" else tf32, f"{device_name}: datasheet dense {dtype} peak")
+    return None
+
+
+def measured_peak(device: torch.device, dtype: str, n: int = 1024, repeats: int = 5) -> Peak:
+    """The best of `repeats` n×n×n matmuls in `dtype` on `device` (after one warm-up), in FLOP/s."""
+    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    a = torch.randn(n, n, device=device, dtype=torch_dtype)
+    b = torch.randn(n, n, device=device, dtype=torch_dtype)
+    best = float("inf")
+    for _ in range(repeats + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        tic = time.perf_counter()
+        a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - tic)
+    threads = f", {torch.get_num_threads()} threads" if device.type == "cpu" else ""
+    return Peak(2.0 * n**3 / best, f"measured {n}^3 {dtype} matmul on {device.type}{threads}")
+
+
+def device_peak(device: torch.device, dtype: str) -> Peak:
+    if device.type == "cuda":
+        known = table_peak(torch.cuda.get_device_name(device), dtype)
+        if known is not None:
+            return known
+    return measured_peak(device, dtype)
+
+
+def model_flops_per_token(cfg) -> float:
+    """Training FLOPs per token (forward + backward = 3 × forward) of the model as configured."""
+    from moe_dist.planning.perfmodel import model_cost
+
+    return 3.0 * model_cost(cfg).fwd_flops_per_token
+
+
+@dataclass(frozen=True)
+class Utilisation:
+    """Turns a step's global tokens per second into model TFLOP/s per device and MFU."""
+
+    flops_per_token: float
+    devices: int
+    peak: Peak
+
+    def __call__(self, tokens_per_s: float) -> dict:
+        per_device = self.flops_per_token * tokens_per_s / self.devices
+        return {"tflops_per_device": per_device / 1e12, "mfu": per_device / self.peak.flops_per_s}
+
+    def describe(self) -> str:
+        return (
+            f"model {self.flops_per_token / 1e9:.3g} GFLOP per token (forward + backward, no recompute); "
+            f"peak {self.peak.flops_per_s / 1e12:.4g} TFLOP/s per device ({self.peak.source})"
+        )
+
+
+def profile_trace_path(run_dir: Path, step: int, rank: int) -> Path:
+    return run_dir / "profile" / f"step{step:06d}-rank{rank:05d}.trace.json"
+
+
+@contextlib.contextmanager
+def maybe_profile(run_dir: Path, step: int, rank: int, steps: list[int], ranks: list[int], device: torch.device):
+    """torch.profiler over optimizer step `step` when it is in `steps` and this rank in `ranks`; the trace is a
+    Chrome/Perfetto JSON file (profile_trace_path). Otherwise does nothing."""
+    if step not in steps or rank not in ranks:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities, record_shapes=True) as prof:
+        yield
+    path = profile_trace_path(run_dir, step, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(path))
