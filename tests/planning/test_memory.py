@@ -192,10 +192,12 @@ def test_dry_run_prints_the_plan_with_json_last(tmp_path):
     assert out["params_total"] == 46_702_792_704 and out["params_active"] == 12_879_925_248
     assert set(out["memory_per_rank_gb"]) >= {"params", "grads", "optimizer", "activations", "runtime", "total"}
     assert any(line.startswith("layout: world 64 = dp 64 x tp 1, ep 8") for line in lines)
+    assert out["capacity"]["fits"] and any(line.startswith("fits: yes: total ") for line in lines)
     cpu = subprocess.run([*cmd, "--dry-run", "--world-size", "64", "--device", "cpu"], capture_output=True, text=True)
     cpu_mem = json.loads(cpu.stdout.strip().splitlines()[-1])["memory_per_rank_gb"]
     gpu_mem = out["memory_per_rank_gb"]
     assert cpu_mem["runtime"] == pytest.approx(0.27) and gpu_mem["runtime"] > 1  # the framework's own memory
     assert gpu_mem["total"] - cpu_mem["total"] == pytest.approx(gpu_mem["runtime"] - cpu_mem["runtime"])
+    assert json.loads(cpu.stdout.strip().splitlines()[-1])["capacity"] is None
     bad = subprocess.run([*cmd, "--dry-run", "--world-size", "12"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error: parallel.ep: 8 must divide")
