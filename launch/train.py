@@ -86,7 +86,15 @@ def main(argv=None) -> int:
         print("largest transients (GB): " + ", ".join(f"{k} {v:.2f}" for k, v in plan["transient_gb"].items()))
         if plan["host_gb"]["save_staging"]:  # host memory, not in the total above
             print(f"host memory (GB): async-save staging buffer {plan['host_gb']['save_staging']:.2f}")
-        print(json.dumps({**param_counts(cfg.model), "memory_per_rank_gb": mem}))
+        cap = plan["capacity"]
+        if cap is not None:
+            print(
+                f"fits: {'yes' if cap['fits'] else 'NO'}: total {mem['total']:.2f} GB of {cap['usable_gb']:.2f} GB "
+                f"usable = {cap['device_mib']:,.0f} MiB ({cap['device_gb']:.2f} GB; {cap['source']}) less the "
+                f"{cap['fragmentation_margin']:.0%} fragmentation margin; headroom {cap['headroom_gb']:.2f} GB; "
+                f"expert rows at {lay['expert_rows_factor']:g}x the mean"
+            )
+        print(json.dumps({**param_counts(cfg.model), "memory_per_rank_gb": mem, "capacity": cap}))
         return 0
     from moe_dist.train.checkpoint import CheckpointError
     from moe_dist.train.guard import TrainingError

@@ -19,6 +19,7 @@ from moe_dist.config.schema import (
     Mamba2Config,
     ModelConfig,
     MoEConfig,
+    PlanConfig,
     TrainConfig,
 )
 
@@ -136,6 +137,16 @@ def validate(cfg: JobConfig) -> None:
     _check_run_settings(t)
     _check_data(cfg.data)
     _check_gdn(cfg.model.gdn)
+    _check_plan(cfg.plan)
+
+
+def _check_plan(p: PlanConfig) -> None:
+    mib = p.device_memory_mib
+    _check(mib is None or mib > 0, f"plan.device_memory_mib: must be positive or null, got {mib}")
+    margin = p.fragmentation_margin
+    _check(0 <= margin < 1, f"plan.fragmentation_margin: must be in [0, 1), got {margin}")
+    rho = p.expert_imbalance
+    _check(rho is None or rho >= 1, f"plan.expert_imbalance: must be >= 1 (the mean load) or null, got {rho}")
 
 
 def _check_moe_recipes(moe: MoEConfig) -> None:

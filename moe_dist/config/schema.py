@@ -284,9 +284,25 @@ class DeepSpeedConfig:
 
 
 @dataclass
+class PlanConfig:
+    device_memory_mib: Optional[int] = (
+        None  # memory of one GPU the plan must fit in, MiB (1 MiB = 2^20 bytes); null = the total
+        # torch.cuda.mem_get_info reports for this machine's GPU, or an H200's 143,771 MiB without a GPU
+    )
+    fragmentation_margin: float = (
+        0.10  # fraction of the GPU's memory the plan leaves free for the caching allocator's fragmentation
+    )
+    expert_imbalance: Optional[float] = (
+        None  # dropless MoE under EP: planned rows of the busiest expert rank in a micro-batch over the mean;
+        # null = the most routing can send one rank, ep·min(top_k, experts/ep)/top_k (our runs reach it)
+    )
+
+
+@dataclass
 class JobConfig:
     model: ModelConfig = field(default_factory=ModelConfig)  # architecture
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # parallel layout
     data: DataConfig = field(default_factory=DataConfig)  # training data
     train: TrainConfig = field(default_factory=TrainConfig)  # optimization loop
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)  # DeepSpeed engine settings
+    plan: PlanConfig = field(default_factory=PlanConfig)  # assumptions of the memory plan (docs/memory.md)

@@ -4,9 +4,11 @@ Counted from the meta model (no storage) and the config's layout at the given wo
 optimizer, activations, runtime, transient and total. Invariants: `total` is params + optimizer + runtime + the
 larger of the backward phase and the accumulation-boundary phase (not the sum of the other keys); shard sizes
 follow apply_tp/apply_ep exactly (experts by EP and TP, by EP alone with parallel.etp = 1); the per-token
-activation terms are those of the tensors autograd saves, so a change to what a layer saves must change them too.
-Every term and the activation table: docs/memory.md, sections "The plan" and "Activation bytes per token"; held to
-the saved tensors by tests/planning/test_memory.py.
+activation terms are those of the tensors autograd saves, so a change to what a layer saves must change them too;
+the expert side of a dropless MoE layer under EP is planned at the busiest rank's load (`expert_rows_factor`).
+On CUDA the total is held against one GPU's memory less a fragmentation margin (capacity.py).
+Every term and the activation table: docs/memory.md, sections "The plan", "Activation bytes per token" and
+"Headroom"; held to the saved tensors by tests/planning/test_memory.py.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from moe_dist.config import JobConfig
 from moe_dist.config.checks import check_layout
 from moe_dist.models.activation_checkpointing import checkpointed_parts
 from moe_dist.models.decoder import build_model, layer_kinds
+from moe_dist.planning.capacity import headroom
 
 GB = 1e9
 # Parameters apply_tp splits over tensor-parallel ranks (parallel/tensor_parallel.py), by name suffix.
@@ -87,7 +90,8 @@ def activation_bytes(cfg: JobConfig, tp: int = 1) -> dict[str, float]:
     n, r = m.mamba.d_state, m.mamba.dt_rank or math.ceil(D / 16)
     f_dense, f_moe = m.d_ff // tp, (m.moe.d_ff or m.d_ff) // tp
     E, K = m.moe.num_experts, m.moe.top_k
-    cf = m.moe.capacity_factor or 1.0
+    cf = m.moe.capacity_factor or 1.0  # token side: the rows this rank routes, K·T·cf (dropless: K·T)
+    rho = expert_rows_factor(cfg)  # expert side: the rows this rank's experts receive, K·T·rho
     norm_full = 3 * D * a / sp + 4  # norm input, norm output, the first linear's copy of it, rstd
     norm_kept = 2 * D * a / sp + 4  # the recomputed sublayer's input and the norm's input stay
     m2, g = m.mamba2, m.gdn
@@ -139,9 +143,11 @@ def activation_bytes(cfg: JobConfig, tp: int = 1) -> dict[str, float]:
             largest = max(largest, 4 * f_dense * a)
         elif ffn == "moe":
             router = 8 * E + 12 + (D * 4 if a == 2 else 0)  # the router's fp32 copy of its input under bf16
-            rows = K * cf * (2 * D * a if "moe_experts" in parts else (2 * D + 4 * f_moe) * a)
-            out["moe"] += norm_full + router + rows
-            largest = max(largest, K * cf * 4 * f_moe * a)
+            # The combine keeps the expert outputs in token order (token side); the experts keep their input rows
+            # and, without recompute, their gate/up, SiLU and product (expert side).
+            expert_kept = D * a if "moe_experts" in parts else (D + 4 * f_moe) * a
+            out["moe"] += norm_full + router + K * (cf * D * a + rho * expert_kept)
+            largest = max(largest, K * rho * 4 * f_moe * a)
     v = m.vocab_size // tp
     out["head"] = norm_full + 4 * v + 16
     per_token = {k: val * T for k, val in out.items()}
@@ -149,9 +155,28 @@ def activation_bytes(cfg: JobConfig, tp: int = 1) -> dict[str, float]:
         "logits": 3 * 4 * v * T,  # fp32 logits, log-softmax and its gradient at the start of the backward
         # One sublayer's backward: its interior (recomputed first, under recompute) and the gradients of it.
         "layer_backward": (2 if parts else 1) * largest * T,
-        "all_to_all": (2 * K * cf * T * D * a) if cfg.parallel.ep > 1 and m.has_kind("moe") else 0.0,
+        # The rows sent (token side) and received (expert side).
+        "all_to_all": (K * (cf + rho) * T * D * a) if cfg.parallel.ep > 1 and m.has_kind("moe") else 0.0,
     }
     return {**per_token, "total": sum(per_token.values()), "transient": transient}
+
+
+def expert_rows_factor(cfg: JobConfig) -> float:
+    """Rows one rank's experts receive in a micro-batch, in units of K·T (the rows this rank routes).
+
+    With a capacity factor cf, each expert keeps at most cf times its share: cf. Dropless with every expert on the
+    rank (ep = 1): exactly K·T rows, however the router spreads them: 1. Dropless under EP, the busiest rank's
+    load: `plan.expert_imbalance`, capped by the most routing can send one rank, every one of the ep ranks' T
+    tokens choosing min(K, E/ep) of its experts: ep·min(K, E/ep)/K, planned when the key is null (the default:
+    our dropless runs reach it, docs/memory.md "Headroom").
+    """
+    moe, ep = cfg.model.moe, cfg.parallel.ep
+    if moe.capacity_factor is not None:
+        return moe.capacity_factor
+    if ep == 1:
+        return 1.0
+    most = ep * min(moe.top_k, moe.num_experts // ep) / moe.top_k
+    return most if cfg.plan.expert_imbalance is None else min(cfg.plan.expert_imbalance, most)
 
 
 def runtime_bytes(device: str, world_size: int, dp: int, tp: int, ep: int, edp: int) -> float:
@@ -166,9 +191,11 @@ def runtime_bytes(device: str, world_size: int, dp: int, tp: int, ep: int, edp: 
     return CUDA_CONTEXT + NCCL_PER_GROUP * len(groups) + NCCL_ALL_TO_ALL_PER_PEER * (ep - 1)
 
 
-def memory_plan(cfg: JobConfig, world_size: int, device: str = "cuda") -> dict:
+def memory_plan(cfg: JobConfig, world_size: int, device: str = "cuda", capacity_bytes: int | None = None) -> dict:
     """The plan for one rank at `world_size` under the config's layout (checked as at start-up), on `device`
-    ("cuda": device memory of a GPU rank; "cpu": resident memory of a CPU rank, as measured in docs/memory.md)."""
+    ("cuda": device memory of a GPU rank; "cpu": resident memory of a CPU rank, as measured in docs/memory.md).
+    On CUDA, `capacity` holds the total against one GPU's memory (`capacity_bytes`, else capacity.py's
+    `planned_capacity`) less the fragmentation margin; None on the CPU (ranks share the host's memory)."""
     dp = check_layout(cfg, world_size)
     tp, ep, etp = cfg.parallel.tp, cfg.parallel.ep, cfg.parallel.expert_tp
     edp = dp * tp // (ep * etp)  # the ranks holding the same experts
@@ -212,6 +239,7 @@ def memory_plan(cfg: JobConfig, world_size: int, device: str = "cuda") -> dict:
             "edp": edp,
             "zero_stage": stage,
             "device": device,
+            "expert_rows_factor": expert_rows_factor(cfg),
         },
         "params_local": {"dense": dense, "expert": expert},
         "activations_by_part_gb": {k: act[k] / GB for k in ("attention", "mamba", "mlp", "moe", "head")},
@@ -226,4 +254,5 @@ def memory_plan(cfg: JobConfig, world_size: int, device: str = "cuda") -> dict:
             "runtime": runtime / GB,
             "total": total / GB,
         },
+        "capacity": headroom(cfg, total, capacity_bytes) if device == "cuda" else None,
     }
