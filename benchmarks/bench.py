@@ -362,6 +362,100 @@ def bench_scan(args) -> dict:
     }
 
 
+# ----------------------------------------------------------------------------------------------- ssd, gdn
+
+
+def _recurrence_inputs(args, device, shapes: dict) -> dict:
+    """fp32 inputs of a recurrent op, named and shaped as `shapes` says, from one seeded generator; a shape's
+    entry may name a transform ("neg" → −rand − 0.5, "pos" → softplus, "unit" → sigmoid, "l2" → unit rows)."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    out = {}
+    for name, (shape, kind) in shapes.items():
+        t = torch.randn(*shape, generator=g)
+        t = {
+            "neg": lambda t: -t.abs() - 0.5,
+            "pos": lambda t: F.softplus(t) * 0.5,
+            "unit": torch.sigmoid,
+            "logdecay": lambda t: -F.softplus(t) * 0.1,
+            "l2": lambda t: F.normalize(t, dim=-1),
+            None: lambda t: t,
+        }[kind](t)
+        out[name] = t.to(device).requires_grad_()
+    return out
+
+
+def _bench_recurrence(name: str, args, chunked_fn, ref_fn, inputs: dict, desc: str) -> dict:
+    """forward+backward of the chunked PyTorch path against the step-by-step reference, on the same inputs."""
+    device = next(iter(inputs.values())).device
+    leaves = tuple(inputs.values())
+
+    def run(fn):
+        y, state = fn(**inputs)
+        torch.autograd.grad((y * dy).sum() + state.sum(), leaves)
+
+    with torch.no_grad():
+        (y, state), (y_ref, state_ref) = chunked_fn(**inputs), ref_fn(**inputs)
+        diff = max((y - y_ref).abs().max().item(), (state - state_ref).abs().max().item())
+        dy = torch.randn_like(y)
+    ms = interleaved_ms({"chunked": lambda: run(chunked_fn)}, device, args.repeats)
+    ref_ms = interleaved_ms({"ref": lambda: run(ref_fn)}, device, args.ref_repeats, warmup=0)["ref"]
+    print(f"{desc} fp32 on {device}: the chunked PyTorch path (chunk {args.chunk_size}) vs the step-by-step reference")
+    return {
+        "bench": name,
+        "device": str(device),
+        **{k: getattr(args, k) for k in ("batch", "seq", "heads", "chunk_size")},
+        "chunked_ms": sig(ms["chunked"]),
+        "reference_ms": sig(ref_ms),
+        "speedup": sig(ref_ms / ms["chunked"]),
+        "max_abs_diff": sig(diff),  # of the outputs and final states, chunked against the reference
+    }
+
+
+def bench_ssd(args) -> dict:
+    from moe_dist.kernels.reference import ssd_scan_ref
+
+    from moe_dist.layers.ssd import ssd_scan
+
+    if args.heads % args.groups:
+        raise ConfigError(f"--groups: must divide --heads={args.heads}, got {args.groups}")
+    b, L, H, P, G, N = args.batch, args.seq, args.heads, args.head_dim, args.groups, args.state
+    shapes = {
+        "x": ((b, L, H, P), None),
+        "dt": ((b, L, H), "pos"),
+        "A": ((H,), "neg"),
+        "B": ((b, L, G, N), None),
+        "C": ((b, L, G, N), None),
+        "D": ((H,), None),
+    }
+    inputs = _recurrence_inputs(args, resolve_device(args.device), shapes)
+    chunked = lambda **kw: ssd_scan(**kw, chunk_size=args.chunk_size)  # noqa: E731
+    result = _bench_recurrence(
+        "ssd", args, chunked, ssd_scan_ref, inputs, f"Mamba-2 SSD B={b} L={L} H={H} P={P} G={G} N={N}"
+    )
+    return {**result, "head_dim": P, "groups": G, "state": N}
+
+
+def bench_gdn(args) -> dict:
+    from moe_dist.kernels.reference import gated_delta_rule_ref
+
+    from moe_dist.layers.delta_rule import chunk_gated_delta_rule
+
+    b, L, H, K, V = args.batch, args.seq, args.heads, args.dk, args.dv
+    shapes = {
+        "q": ((b, L, H, K), "l2"),
+        "k": ((b, L, H, K), "l2"),
+        "v": ((b, L, H, V), None),
+        "g": ((b, L, H), "logdecay"),
+        "beta": ((b, L, H), "unit"),
+    }
+    inputs = _recurrence_inputs(args, resolve_device(args.device), shapes)
+    chunked = lambda **kw: chunk_gated_delta_rule(**kw, chunk_size=args.chunk_size)  # noqa: E731
+    result = _bench_recurrence(
+        "gdn", args, chunked, gated_delta_rule_ref, inputs, f"gated delta rule B={b} L={L} H={H} dk={K} dv={V}"
+    )
+    return {**result, "dk": K, "dv": V}
+
+
 # ----------------------------------------------------------------------------------------------- cli
 
 
@@ -397,11 +491,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     s.add_argument("--chunk-size", type=int, default=16, help="model.mamba.chunk_size of the chunked scan")
     s.add_argument("--repeats", type=int, default=5)
     s.add_argument("--ref-repeats", type=int, default=1)
+    recurrences = []
+    for name, what in (("ssd", "the Mamba-2 SSD scan"), ("gdn", "the gated delta rule")):
+        r = sub.add_parser(name, help=f"forward+backward of {what}: chunked PyTorch path vs step-by-step reference")
+        r.add_argument("--batch", type=int, required=True)
+        r.add_argument("--seq", type=int, required=True)
+        r.add_argument("--heads", type=int, required=True)
+        r.add_argument("--chunk-size", type=int, default=64, help="chunk size of the chunked path")
+        r.add_argument("--repeats", type=int, default=5)
+        r.add_argument("--ref-repeats", type=int, default=1)
+        recurrences.append(r)
+    recurrences[0].add_argument("--head-dim", type=int, default=64)
+    recurrences[0].add_argument("--groups", type=int, default=1)
+    recurrences[0].add_argument("--state", type=int, default=128)
+    recurrences[1].add_argument("--dk", type=int, default=128)
+    recurrences[1].add_argument("--dv", type=int, default=128)
     t = sub.add_parser("step", help="training steps of a config (one process, no DeepSpeed)")
     t.add_argument("--config", required=True)
     t.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE")
     t.add_argument("--steps", type=int, default=4, help="measured optimizer steps (after one warm-up step)")
-    for sp in (*parsers, s, t):
+    for sp in (*parsers, s, *recurrences, t):
         sp.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
         sp.add_argument(
             "--threads",
@@ -425,7 +534,8 @@ def main(argv=None) -> int:
         if args.cmd == "_moe_mem":
             moe_memory_child(args)
             return 0
-        result = {"moe": bench_moe, "scan": bench_scan, "step": bench_step}[args.cmd](args)
+        benches = {"moe": bench_moe, "scan": bench_scan, "ssd": bench_ssd, "gdn": bench_gdn, "step": bench_step}
+        result = benches[args.cmd](args)
     except ConfigError as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2

@@ -1,8 +1,8 @@
 """`bench.py step`: training steps of a config in one process, and where their time goes.
 
 The step is launch/train.py's without DeepSpeed: micro-batches with gradient accumulation, clipping, the
-optimizer (fp32 master weights for bf16, as the engine keeps them). tokens/s and MFU (model FLOPs from
-moe_dist.planning.perfmodel.model_cost against this machine's torch.mm rate) are medians over steps; `time_share` comes
+optimizer (fp32 master weights for bf16, as the engine keeps them). tokens/s and MFU (the training log's model
+FLOPs, moe_dist.train.throughput, against this machine's torch.mm rate) are medians over steps; `time_share` comes
 from one more step under torch.profiler, with a range around every mixer and the four parts of every MoE layer.
 """
 
@@ -92,8 +92,8 @@ def bench_step(args) -> dict:
     from moe_dist.data.sources import load_tokens
     from moe_dist.models.compile import maybe_compile
     from moe_dist.models.decoder import build_model, lm_loss, materialize_whole
-    from moe_dist.planning.perfmodel import model_cost
     from moe_dist.train.optim import build_optimizer
+    from moe_dist.train.throughput import model_flops_per_token
 
     cfg = load_config(args.config, args.set)
     t, moe_cfg = cfg.train, cfg.model.moe
@@ -106,7 +106,7 @@ def bench_step(args) -> dict:
         raise ConfigError(str(e)) from None
     data = TokenDataset(train_tokens, t.seq_len, t.seed)
     model = materialize_whole(build_model(cfg.model, device), device, t.seed)
-    fpt = 3 * model_cost(cfg).fwd_flops_per_token  # forward + backward (twice the forward's FLOPs)
+    fpt = model_flops_per_token(cfg)  # what the training log's mfu counts
     # bf16 as the DeepSpeed engine runs it: bf16 weights and gradients, fp32 master weights in the optimizer.
     master = copy.deepcopy(model).float() if dtype != torch.float32 else model
     model = model.to(dtype)

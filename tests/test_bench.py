@@ -149,6 +149,21 @@ def test_scan_impl_that_cannot_run_is_a_one_line_error():
     assert not done.stdout.strip()
 
 
+@pytest.mark.parametrize(
+    "cmd, shape",
+    [
+        ("ssd", ["--heads", "4", "--head-dim", "4", "--groups", "2", "--state", "3"]),
+        ("gdn", ["--heads", "2", "--dk", "4", "--dv", "3"]),
+    ],
+)
+def test_recurrences_chunked_against_reference(cmd, shape):
+    common = ["--batch", "2", "--seq", "21", "--chunk-size", "8", "--repeats", "2"]
+    out = last_json(run_bench(cmd, *common, *shape))
+    assert out["bench"] == cmd and out["seq"] == 21 and out["chunk_size"] == 8
+    assert out["max_abs_diff"] < 1e-4  # the chunked path computes what the step-by-step reference does
+    assert out["speedup"] == pytest.approx(out["reference_ms"] / out["chunked_ms"], rel=0.02)
+
+
 def test_step():
     small = ["train.global_batch_size=4", "train.micro_batch_size=2", "train.seq_len=32"]
     out = last_json(run_bench("step", "--config", "configs/debug.json", "--steps", "1", "--set", *small))
@@ -169,6 +184,7 @@ def test_step():
     [
         (moe("0 8 8 2 1"), "--tokens"),
         (moe("8 8 8 2 3"), "--top-k"),
+        (["ssd", "--batch", "1", "--seq", "8", "--heads", "3", "--groups", "2"], "--groups"),
         (["step", "--config", "configs/debug.json", "--set", "model.moe.top_kk=2"], "model.moe.top_kk"),
     ],
 )
