@@ -1,6 +1,6 @@
 """The GPU check: what a first run on one CUDA GPU must prove, in one command that fits in 6 minutes on an H200.
 
-    python benchmarks/gpu_check.py [--out DIR]                      # every part, cold start included
+    python benchmarks/gpu_check.py [--out DIR] [--export DIR2]      # every part, cold start included
     python benchmarks/gpu_check.py --only kernels,bench             # a rerun of some parts
     python benchmarks/gpu_check.py --dry-run --out /tmp/gc          # no GPU: every part's logic on the CPU, tiny
 
@@ -24,9 +24,14 @@ Parts, in this order, each with a time budget in seconds (--budget PART=S; `kern
   bench     each Triton kernel against SDPA / its PyTorch path in bf16 (interleaved rounds): the speed ratios
   kernels   the kernel test suites (tests/kernels) on the GPU, one process per file, with the time that remains
 A part that runs out of its budget is reported as "not run" (with what it finished), never as a failure: a
-failure is a defect found. The summary table ends the output and goes to OUT/summary.{md,json} with each part's
-figures; OUT/logs holds every subprocess's log.
-Exit status: 0 nothing failed; 1 a part failed; 2 bad usage, or no CUDA device (without --dry-run).
+failure is a defect found. The summary table ends the output and goes to OUT/summary.{txt,md,json} (the JSON with
+each part's figures and the versions found); OUT/logs holds every subprocess's log. --export copies the three
+summaries and logs.tar.gz to another folder (a device machine's $OUT, which brings back a few files only).
+--dry-run runs every part on the CPU at tiny sizes, the PyTorch paths standing in for the kernels (the kernel suites
+are only collected, under the Triton interpreter) and the budgets 4 times longer: the plumbing and the comparisons,
+not the GPU's numbers.
+Exit status: 0 nothing failed; 1 a part failed; 2 bad usage, no CUDA device (without --dry-run), or no DeepSpeed for
+the parts that train.
 """
 
 from __future__ import annotations
@@ -34,14 +39,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from gpu_check_common import REPO, Budget, BudgetSpent
+
 PARTS = ("warm", "hf", "syncs", "dispatch", "train", "memory", "resume", "bench", "kernels")
 # Seconds. `kernels` takes whatever --total leaves (at least its own figure); the others add up to 330: when every
 # part uses all of its budget, the whole takes 355 s plus the imports.
@@ -64,44 +68,6 @@ IN_PROCESS = ("hf", "syncs", "dispatch", "bench")  # stopped by SIGALRM; the oth
 DRY_RUN_SLOWDOWN = 4  # --dry-run: a shared CPU runs every part far slower than a GPU (budgets scale by this)
 
 
-class BudgetSpent(Exception):
-    pass
-
-
-class Budget:
-    """A part's time budget. In-process work is interrupted by SIGALRM (`interrupting`); subprocesses are ended
-    by `finish` when it is spent."""
-
-    def __init__(self, part: str, seconds: float):
-        self.part, self.seconds, self.start = part, seconds, time.monotonic()
-
-    def left(self) -> float:
-        return self.seconds - (time.monotonic() - self.start)
-
-    def check(self, doing: str) -> None:
-        if self.left() <= 0:
-            raise BudgetSpent(f"budget of {self.seconds:.0f} s spent before {doing}")
-
-    def interrupting(self):
-        return _Alarm(self)
-
-
-class _Alarm:
-    def __init__(self, budget: Budget):
-        self.budget = budget
-
-    def _fire(self, *_):
-        raise BudgetSpent(f"budget of {self.budget.seconds:.0f} s spent")
-
-    def __enter__(self):
-        self.previous = signal.signal(signal.SIGALRM, self._fire)
-        signal.setitimer(signal.ITIMER_REAL, max(self.budget.left(), 0.001))
-
-    def __exit__(self, *exc):
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, self.previous)
-
-
 @dataclass
 class Result:
     part: str
@@ -110,54 +76,6 @@ class Result:
     summary: str
     budget: float = 0.0
     figures: dict = field(default_factory=dict)
-
-
-# ----------------------------------------------------------------------------------------------- subprocesses
-
-
-def _kill(proc: subprocess.Popen) -> None:
-    """End a process we started and everything it started (its own session, so its own process group)."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
-
-
-def start(cmd: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("w") as f:  # a file, not a pipe: no process blocks on its output
-        return subprocess.Popen(
-            cmd,
-            cwd=REPO,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-
-
-def finish(procs: dict[str, subprocess.Popen], budget: Budget) -> dict[str, int]:
-    """Wait for every process until the budget is spent; then end the rest and raise BudgetSpent naming them."""
-    codes = {}
-    for name, proc in procs.items():
-        try:
-            codes[name] = proc.wait(timeout=max(budget.left(), 0.01))
-        except subprocess.TimeoutExpired:
-            late = [n for n, p in procs.items() if n not in codes and p.poll() is None]
-            for n in late:
-                _kill(procs[n])
-            done = {n: p.returncode for n, p in procs.items() if n not in late}
-            raise BudgetSpent(
-                f"budget of {budget.seconds:.0f} s spent while {', '.join(late)} "
-                f"{'was' if len(late) == 1 else 'were'} running (ended)"
-                + (f"; finished: {', '.join(f'{n} exit {c}' for n, c in done.items())}" if done else "")
-            ) from None
-    return codes
-
-
-def tail(log: Path, n: int = 30) -> str:
-    return "\n".join(log.read_text(errors="replace").strip().splitlines()[-n:])
 
 
 # ----------------------------------------------------------------------------------------------- driver
@@ -201,6 +119,35 @@ def markdown(results: list[Result], footer: str) -> str:
     return "\n".join([*rows, "", footer, ""])
 
 
+def versions() -> dict:
+    """What this machine runs, for the summary (a missing package is None)."""
+    import importlib.metadata as md
+
+    import torch
+
+    found = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda}
+    for name in ("triton", "deepspeed", "transformers"):
+        try:
+            found[name] = md.version(name)
+        except md.PackageNotFoundError:
+            found[name] = None
+    found["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return found
+
+
+def export(out: Path, to: Path) -> None:
+    """The summaries and the logs, as four files (what a device machine's $OUT brings back)."""
+    import shutil
+    import tarfile
+
+    to.mkdir(parents=True, exist_ok=True)
+    for name in ("summary.txt", "summary.md", "summary.json"):
+        shutil.copy(out / name, to / name)
+    with tarfile.open(to / "logs.tar.gz", "w:gz") as tar:
+        if (out / "logs").is_dir():
+            tar.add(out / "logs", arcname="logs")
+
+
 def passed(results: list[Result]) -> bool:
     return not any(r.status == "FAILED" for r in results)
 
@@ -217,6 +164,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--total", type=float, default=TOTAL, help="seconds for the whole; kernels get what is left")
     p.add_argument("--out", type=Path, default=REPO / "runs" / "gpu_check", help="summary, run directories, logs")
+    p.add_argument("--export", type=Path, default=None, help="also copy the summaries and a logs.tar.gz here")
     p.add_argument("--steps", type=int, default=None, help="train: steps (default 30; --dry-run 8)")
     p.add_argument("--resume-steps", type=int, default=6, help="resume: steps of the uninterrupted run")
     p.add_argument(
@@ -255,8 +203,18 @@ def main(argv=None) -> int:
     if os.environ.get("TRITON_INTERPRET"):
         print("gpu_check: unset TRITON_INTERPRET: it would run the kernels in the CPU interpreter", file=sys.stderr)
         return 2
-    # The repository first on the path, here and in every process a part starts (a GPU machine has no install).
-    sys.path.insert(0, str(REPO))
+    found = versions()
+    if found["deepspeed"] is None and {"train", "memory", "resume"} & set(args.parts):
+        print(
+            "gpu_check: DeepSpeed is not installed (the train, memory and resume parts need it); on a machine without "
+            "network, install the wheels of benchmarks/device/prepare_wheels.sh (docs/benchmarks.md, GPU check)",
+            file=sys.stderr,
+        )
+        return 2
+    print("gpu_check: " + ", ".join(f"{k} {v}" for k, v in found.items()), flush=True)
+    # The repository first on the path, here and in every process a part starts (a GPU machine has no install),
+    # and the part modules beside this script (also when it was imported rather than run).
+    sys.path[:0] = [str(REPO), str(Path(__file__).resolve().parent)]
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     args.out = args.out.resolve()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -276,8 +234,13 @@ def main(argv=None) -> int:
     (args.out / "summary.txt").write_text(f"{table}\n{footer}\n")
     (args.out / "summary.md").write_text(markdown(results, footer))
     (args.out / "summary.json").write_text(
-        json.dumps({"verdict": verdict, "dry_run": args.dry_run, "parts": [asdict(r) for r in results]}, indent=1)
+        json.dumps(
+            {"verdict": verdict, "dry_run": args.dry_run, "versions": found, "parts": [asdict(r) for r in results]},
+            indent=1,
+        )
     )
+    if args.export:
+        export(args.out, args.export)
     return 0 if verdict == "passed" else 1
 
 

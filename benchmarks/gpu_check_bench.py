@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 from common import interleaved_ms, measure_matmul_gflops
-from gpu_check import BudgetSpent
+from gpu_check_common import BudgetSpent
 
 BF16 = torch.bfloat16
 

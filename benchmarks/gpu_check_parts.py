@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import torch
-from gpu_check import REPO, Budget, finish, start, tail
+from gpu_check_common import REPO, Budget, BudgetSpent, finish, start, tail
 
 DEBUG = "configs/debug.json"
 MIXTRAL = "configs/mixtral_8x7b.json"
@@ -335,8 +335,6 @@ KERNEL_TESTS = (
 def part_kernels(args, budget, figures):
     """The kernel suites on the GPU (MOE_DIST_KERNEL_DEVICE=cuda), one process per file in parallel. --dry-run
     only collects them under the Triton interpreter (running them there takes minutes)."""
-    from gpu_check import BudgetSpent
-
     env = {"TRITON_INTERPRET": "1"} if args.dry_run else {"MOE_DIST_KERNEL_DEVICE": "cuda"}
     extra = ["--collect-only"] if args.dry_run else []
     logs = {f: args.out / "logs" / f"{Path(f).stem}.log" for f in KERNEL_TESTS}
