@@ -37,12 +37,13 @@ def main() -> int:
         return 1
     import hjson
     import pydantic
+    import pydantic_core
 
     class Probe(pydantic.BaseModel):
         stage: int
 
     assert Probe(stage="2").stage == 2 and hjson.loads("{a: 1}") == {"a": 1}
-    print(f"pydantic {pydantic.VERSION} (core {pydantic.__version__}) validates; hjson loads")
+    print(f"pydantic {pydantic.VERSION} (core {pydantic_core.__version__}) validates; hjson loads")
     try:
         import deepspeed  # noqa: F401
     except ModuleNotFoundError as err:
