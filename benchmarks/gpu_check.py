@@ -9,7 +9,7 @@ docs/benchmarks.md, "GPU check", has the whole device command).
 
 Parts, in this order, each with a time budget in seconds (--budget PART=S; `kernels` gets what is left of --total):
   warm      compile the Triton kernels training uses (attention with document masks, scan, permutation) for the
-            train part's shapes and at Mixtral width, one process per model in parallel: later parts start warm
+            train part's shapes, at Mixtral width and in fp32, one process per model in parallel: later parts start warm
   hf        a tiny Mixtral-style and a tiny Jamba-style model of ours, exported to Hugging Face format, against
             transformers' own forward of the export, fp32, our kernels on CUDA: the one check independent of our code
   syncs     one forward + backward of configs/debug.json under torch.cuda.set_sync_debug_mode: the syncs the GPU
@@ -98,6 +98,10 @@ def run_part(part: str, args, seconds: float) -> Result:
         status, summary = NOT_RUN, str(stop)
     except Exception as err:  # a part's failure is reported, and the other parts still run
         status, summary = "FAILED", f"{type(err).__name__}: {err}"
+    import torch
+
+    if torch.cuda.is_initialized():  # what an in-process part cached is free for the next part's processes
+        torch.cuda.empty_cache()
     print(f"--- {part}: {status}: {summary}", flush=True)
     return Result(part, status, time.monotonic() - budget.start, summary, seconds, figures)
 

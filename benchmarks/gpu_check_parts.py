@@ -30,6 +30,7 @@ TRAINING = ["train.dtype=bf16", "deepspeed.zero_stage=2", "train.activation_chec
 TRAINING.append("data.document_masking=true")
 # Mixtral width on one GPU: two layers, every expert local, one sequence of 4096 per micro-batch, 4 micro-batches
 MIXTRAL_PROBE = ["model.n_layers=2", "parallel.ep=1", "train.global_batch_size=4", "train.steps=4", *QUIET]
+MIXTRAL_PROBE.append("train.eval_batches=1")
 MIXTRAL_TINY = [*MIXTRAL_PROBE, "model.d_model=64", "model.d_ff=96", "model.vocab_size=256", "train.seq_len=64"]
 MIXTRAL_TINY += ["model.attention.n_heads=4", "model.attention.n_kv_heads=2"]
 
@@ -68,10 +69,11 @@ def run_script(args, budget: Budget, name: str, cmd: list[str]) -> Path:
 
 
 def part_warm(args, budget, figures):
-    """One forward + backward of each model the later parts train, in parallel processes: Triton compiles each
-    kernel variant once into its on-disk cache, which the later processes then read."""
+    """One forward + backward of each model the later parts run, in parallel processes: Triton compiles each
+    kernel variant once into its on-disk cache, which the later parts then read."""
     models = {"train": [DEBUG, *(TINY if args.dry_run else WIDE), *TRAINING, *kernels(args)]}
     models["mixtral"] = [MIXTRAL, *(MIXTRAL_TINY if args.dry_run else MIXTRAL_PROBE), "model.n_layers=1"]
+    models["fp32"] = [DEBUG, *QUIET, *kernels(args)]  # the fp32 variants hf and syncs run (head_dim 16)
     me = str(Path(__file__).resolve())
     env = {"CUDA_VISIBLE_DEVICES": ""} if args.dry_run else {}
     logs = {name: args.out / "logs" / f"warm_{name}.log" for name in models}
@@ -295,7 +297,9 @@ def part_dispatch(args, budget, figures):
     if made:
         backend = "gloo" if device.type == "cpu" else "nccl"
         kw = {} if device.type == "cpu" else {"device_id": torch.device("cuda", torch.cuda.current_device())}
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(60), **kw)
+        dist.init_process_group(
+            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=60), **kw
+        )
     try:
         group, cpu_group = dist.new_group([0]), dist.new_group([0], backend="gloo")
         x = torch.randn(4, 64, 64, generator=torch.Generator().manual_seed(2))

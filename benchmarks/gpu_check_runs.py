@@ -98,6 +98,7 @@ def part_memory(args, budget, figures):
     the allocator's peak against the plan without its runtime term (CUDA context, NCCL: outside the allocator)."""
     sets = MIXTRAL_TINY if args.dry_run else MIXTRAL_PROBE
     out = args.out / "memory.json"
+    shutil.rmtree(args.out / "memory_run", ignore_errors=True)  # the worker's run directory (a rerun starts fresh)
     me = str(Path(__file__).resolve())
     run_script(args, budget, "memory", [sys.executable, me, "memory", "--out", str(out), "--set", *sets])
     got = json.loads(out.read_text())
@@ -163,7 +164,6 @@ def memory_worker(argv: list[str]) -> None:
         "tokens_per_s": tps,
         "mfu": flops / H200_BF16_DENSE_PEAK if cuda else None,
         "peak_tflops": H200_BF16_DENSE_PEAK / 1e12,
-        "implementations": None,
     }
     a.out.write_text(json.dumps(result))
 
