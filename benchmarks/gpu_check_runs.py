@@ -112,7 +112,8 @@ def part_memory(args, budget, figures):
         ok = peak <= allocator_plan * (1 + PLAN_SLACK)
         summary = (
             f"peak {peak:.1f} GB reserved ({got['peak_allocated_gb']:.1f} allocated) vs plan {allocator_plan:.1f} GB "
-            f"without runtime ({plan['total']:.1f} with); capacity {got['capacity_gb']:.1f} GB"
+            f"without runtime ({plan['total']:.1f} with); "
+            f"capacity {got['capacity_mib']:,.0f} MiB = {got['capacity_gb']:.1f} GB"
         )
     summary += f"; {got['tokens_per_s']:.0f} tokens/s"
     if got.get("mfu") is not None:
@@ -142,7 +143,11 @@ def memory_worker(argv: list[str]) -> None:
     import deepspeed  # noqa: F401  (before the baseline: its import is not the run's memory)
 
     if cuda:
-        free, capacity = torch.cuda.mem_get_info()
+        try:  # the plan's own reading of the device, where the planning package has one
+            from moe_dist.planning.capacity import device_capacity_bytes
+        except ImportError:
+            device_capacity_bytes = lambda: torch.cuda.mem_get_info()[1]  # noqa: E731
+        capacity = device_capacity_bytes()
         torch.cuda.reset_peak_memory_stats()
     else:
         gc.collect()
@@ -158,6 +163,8 @@ def memory_worker(argv: list[str]) -> None:
     flops = 3 * model_cost(cfg).fwd_flops_per_token * tps  # model FLOPs: forward + backward, recompute not counted
     result = {
         "capacity_gb": capacity / GB,
+        "capacity_mib": capacity / 2**20,
+        "plan_capacity": plan.get("capacity"),  # the plan's fit against the device, where the plan states it
         "peak_reserved_gb": reserved / GB,
         "peak_allocated_gb": allocated / GB,
         "plan_gb": plan["memory_per_rank_gb"],
