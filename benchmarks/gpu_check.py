@@ -28,7 +28,7 @@ failure is a defect found. The summary table ends the output and goes to OUT/sum
 each part's figures and the versions found); OUT/logs holds every subprocess's log. --export copies the three
 summaries and logs.tar.gz to another folder (a device machine's $OUT, which brings back a few files only).
 --dry-run runs every part on the CPU at tiny sizes, the PyTorch paths standing in for the kernels (the kernel suites
-are only collected, under the Triton interpreter) and the budgets 4 times longer: the plumbing and the comparisons,
+are only collected, under the Triton interpreter) and the budgets 10 times longer: the plumbing and the comparisons,
 not the GPU's numbers.
 Exit status: 0 nothing failed; 1 a part failed; 2 bad usage, no CUDA device (without --dry-run), or no DeepSpeed for
 the parts that train.
@@ -65,7 +65,9 @@ NOT_RUN = "not run"
 # where each part's `part_NAME(args, budget, figures) -> (status, summary)` lives
 MODULES = {"bench": "gpu_check_bench", **dict.fromkeys(("train", "memory", "resume"), "gpu_check_runs")}
 IN_PROCESS = ("hf", "syncs", "dispatch", "bench")  # stopped by SIGALRM; the others' subprocesses by `finish`
-DRY_RUN_SLOWDOWN = 4  # --dry-run: a shared CPU runs every part far slower than a GPU (budgets scale by this)
+# --dry-run: budgets scale by this. A busy 2-core CPU has run a tiny training step in 15 s, where a GPU takes
+# milliseconds: the budgets there only stop a part that hangs.
+DRY_RUN_SLOWDOWN = 10
 
 
 @dataclass
@@ -169,8 +171,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--total", type=float, default=TOTAL, help="seconds for the whole; kernels get what is left")
     p.add_argument("--out", type=Path, default=REPO / "runs" / "gpu_check", help="summary, run directories, logs")
     p.add_argument("--export", type=Path, default=None, help="also copy the summaries and a logs.tar.gz here")
-    p.add_argument("--steps", type=int, default=None, help="train: steps (default 30; --dry-run 8)")
-    p.add_argument("--resume-steps", type=int, default=6, help="resume: steps of the uninterrupted run")
+    p.add_argument("--steps", type=int, default=None, help="train: steps (default 30; --dry-run 6)")
+    p.add_argument(
+        "--resume-steps", type=int, default=None, help="resume: steps of the whole run (default 6; --dry-run 4)"
+    )
     p.add_argument(
         "--resume-rtol",
         type=float,
@@ -189,7 +193,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--budget: expected PART=SECONDS with PART in {', '.join(PARTS)}, got {item!r}")
         budgets[part] = float(seconds)
     args.budgets, args.budget_given = budgets, {item.partition("=")[0] for item in args.budget}
-    args.steps = args.steps or (8 if args.dry_run else 30)
+    args.steps = args.steps or (6 if args.dry_run else 30)
+    args.resume_steps = args.resume_steps or (4 if args.dry_run else 6)
     return args
 
 

@@ -12,8 +12,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-class BudgetSpent(Exception):
-    pass
+class BudgetSpent(BaseException):
+    """A part's time is up. Not an Exception (like KeyboardInterrupt): code that reports an Exception as a failure
+    (a benchmark that failed, a library's fallback) must let the alarm through."""
 
 
 class Budget:

@@ -32,6 +32,7 @@ TRAINING.append("data.document_masking=true")
 MIXTRAL_PROBE = ["model.n_layers=2", "parallel.ep=1", "train.global_batch_size=4", "train.steps=4", *QUIET]
 MIXTRAL_PROBE.append("train.eval_batches=1")
 MIXTRAL_TINY = [*MIXTRAL_PROBE, "model.d_model=64", "model.d_ff=96", "model.vocab_size=256", "train.seq_len=64"]
+MIXTRAL_TINY += ["train.global_batch_size=2", "train.steps=2"]
 MIXTRAL_TINY += ["model.attention.n_heads=4", "model.attention.n_kv_heads=2"]
 
 

@@ -49,7 +49,8 @@ def test_budgets_and_parts_from_the_command_line():
     assert args.budget_given == {"train", "resume"}
     # every part at its full budget, the kernel suites at their least: the whole within 6 minutes
     assert sum(gpu_check.BUDGETS.values()) <= gpu_check.TOTAL <= 6 * 60
-    assert gpu_check.parse_args([]).steps == 30 and gpu_check.parse_args(["--dry-run"]).steps == 8
+    assert (gpu_check.parse_args([]).steps, gpu_check.parse_args([]).resume_steps) == (30, 6)
+    assert (gpu_check.parse_args(["--dry-run"]).steps, gpu_check.parse_args(["--dry-run"]).resume_steps) == (6, 4)
     for bad in (["--only", "train,nope"], ["--budget", "train"], ["--budget", "nope=3"], ["--budget", "train=-1"]):
         with pytest.raises(SystemExit):
             gpu_check.parse_args(bad)
@@ -132,7 +133,7 @@ def test_dry_run_runs_every_part(tmp_path):
     assert {k: p["status"] for k, p in parts.items()} == dict.fromkeys(gpu_check.PARTS, "ok")
     assert all(d < 2e-5 for k, d in parts["hf"]["figures"].items())  # our export, transformers' forward
     losses = parts["train"]["figures"]["losses"]
-    assert len(losses) == 8 and runs.loss_falls(losses)
+    assert len(losses) == 6 and runs.loss_falls(losses)
     assert "bitwise equal" in parts["resume"]["summary"]
     assert parts["syncs"]["figures"] == {"cpu_syncs_per_microbatch": 2, "gpu_syncs_per_microbatch": 2}
     assert parts["memory"]["figures"]["plan_gb"]["total"] > 0
