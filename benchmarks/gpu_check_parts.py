@@ -91,6 +91,8 @@ def part_warm(args, budget, figures):
 
 
 def warm_worker(argv: list[str]) -> None:
+    """One forward + backward of the config's model as training runs it (its dtype, activation checkpointing,
+    document masks when the config packs documents); prints what ran and the seconds it took as JSON."""
     import argparse
     import time
 
@@ -116,7 +118,8 @@ def warm_worker(argv: list[str]) -> None:
         docs["document_ids"] = docs["document_ids"].expand(t.micro_batch_size, -1).contiguous()
     out = model(batch[:, :-1], **docs)
     (lm_loss(out.logits.float(), batch[:, 1:]) + out.aux_loss).backward()
-    torch.cuda.synchronize() if device.type == "cuda" else None
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     print(json.dumps({"implementations": model.implementations(), "seconds": time.monotonic() - tic}))
 
 
@@ -190,9 +193,10 @@ def part_hf(args, budget, figures):
 
 
 def count_syncs(fn, device: torch.device, host_syncs) -> list[str]:
-    """Where fn makes the GPU wait for the host: on CUDA every synchronizing operation torch reports under
-    set_sync_debug_mode (file:line of the innermost moe_dist frame torch names); on the CPU (--dry-run) the
-    test suite's counter, which models the same on host tensors."""
+    """Where fn makes the host wait for the GPU: on CUDA every synchronizing operation torch reports under
+    set_sync_debug_mode (each as the warning's file:line, the Python line that called it; a backward's syncs
+    are replayed at the `.backward()` call); on the CPU (--dry-run) the test suite's counter, which models the
+    same on host tensors."""
     import warnings
 
     if device.type != "cuda":
