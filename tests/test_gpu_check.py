@@ -47,8 +47,8 @@ def test_budgets_and_parts_from_the_command_line():
     assert args.parts == ["train", "resume"]
     assert args.budgets == {**gpu_check.BUDGETS, "train": 30.0, "resume": 12.5}
     assert args.budget_given == {"train", "resume"}
-    # every part at its full budget, the kernel suites at their least: the whole within 6 minutes
-    assert sum(gpu_check.BUDGETS.values()) <= gpu_check.TOTAL <= 6 * 60
+    # every part at its full budget leaves the kernel suites their 25 s and a 5 s margin: the whole in 6 minutes
+    assert sum(gpu_check.BUDGETS.values()) + 5 <= gpu_check.TOTAL <= 6 * 60
     assert (gpu_check.parse_args([]).steps, gpu_check.parse_args([]).resume_steps) == (30, 6)
     assert (gpu_check.parse_args(["--dry-run"]).steps, gpu_check.parse_args(["--dry-run"]).resume_steps) == (6, 4)
     for bad in (["--only", "train,nope"], ["--budget", "train"], ["--budget", "nope=3"], ["--budget", "train=-1"]):
@@ -71,6 +71,14 @@ def test_a_spent_budget_ends_processes_and_interrupts_work(tmp_path):
     with pytest.raises(common.BudgetSpent), common.Budget("hf", 0.3).interrupting():
         time.sleep(30)  # in-process work: the alarm interrupts it
     assert time.monotonic() - tic < 5
+
+
+def test_the_kernel_suites_get_what_the_total_leaves(tmp_path):
+    # --total 0.1 (x10 on --dry-run) is spent before the suites start: they are not run, and that is no failure
+    assert gpu_check.main(["--dry-run", "--only", "kernels", "--total", "0.1", "--out", str(tmp_path)]) == 0
+    (part,) = json.loads((tmp_path / "summary.json").read_text())["parts"]
+    assert (part["status"], part["budget"]) == ("not run", 0.0)
+    assert "spent while tests/kernels/test_flash_attention.py" in part["summary"]
 
 
 def test_judgements():
