@@ -155,5 +155,5 @@ def part_bench(args, budget, figures) -> tuple[str, str]:
             masked = " documents" if "documents" in case.shape else ""
             short.append(f"{case.name.split(' vs')[0]}{masked} {tri / tor:.2f}x")
     short = ", ".join(short)
-    summary = f"bf16 matmul peak {peak:.0f} TFLOP/s; triton/torch: {short}"
+    summary = f"bf16 matmul peak {peak:.0f} TFLOP/s; {impls[0]}/{impls[1]}: {short}"
     return ("FAILED", "\n".join([summary, *failed])) if failed else ("ok", summary)
