@@ -1,10 +1,13 @@
-"""benchmarks/gpu_check.py without a GPU: its command line, the budgets that stop a part, the comparisons and the
-summary, and (slow) its --dry-run, which runs the training and resume parts on the CPU."""
+"""benchmarks/gpu_check.py without a GPU: its command line, the budgets that stop a part (reported as not run, not
+as a failure), the summaries it writes, the comparisons it judges by, and its --dry-run, which runs the parts'
+logic on the CPU (a few in-process parts here; every part in the slow test)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -15,6 +18,8 @@ from support import load_script
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "gpu_check.py"
 gpu_check = load_script(SCRIPT)
+common = sys.modules[gpu_check.Budget.__module__]  # the budget module the script itself uses (one BudgetSpent)
+runs = load_script(REPO / "benchmarks" / "gpu_check_runs.py")
 
 
 def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -27,8 +32,8 @@ def test_help_lists_every_part():
     proc = run("--help")
     assert proc.returncode == 0, proc.stderr
     for part in gpu_check.PARTS:
-        assert part in proc.stdout
-    assert "MOE_DIST_KERNEL_DEVICE=cuda" in proc.stdout
+        assert f"\n  {part} " in proc.stdout
+    assert "--dry-run" in proc.stdout and "--only" in proc.stdout
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
@@ -38,66 +43,106 @@ def test_without_cuda_it_says_so_and_exits_2():
 
 
 def test_budgets_and_parts_from_the_command_line():
-    args = gpu_check.parse_args(["--parts", "train,resume", "--budget", "train=30", "resume=12.5"])
+    args = gpu_check.parse_args(["--only", "train,resume", "--budget", "train=30", "resume=12.5"])
     assert args.parts == ["train", "resume"]
     assert args.budgets == {**gpu_check.BUDGETS, "train": 30.0, "resume": 12.5}
-    assert sum(gpu_check.BUDGETS.values()) <= 8 * 60  # the whole fits in 8 minutes on one GPU
-    assert gpu_check.parse_args([]).steps == 20 and gpu_check.parse_args(["--dry-run"]).steps == 3
-    for bad in (["--parts", "tests,nope"], ["--budget", "train"], ["--budget", "nope=3"], ["--budget", "train=-1"]):
+    assert args.budget_given == {"train", "resume"}
+    # every part at its full budget leaves the kernel suites their 25 s and a 5 s margin: the whole in 6 minutes
+    assert sum(gpu_check.BUDGETS.values()) + 5 <= gpu_check.TOTAL <= 6 * 60
+    assert (gpu_check.parse_args([]).steps, gpu_check.parse_args([]).resume_steps) == (30, 6)
+    assert (gpu_check.parse_args(["--dry-run"]).steps, gpu_check.parse_args(["--dry-run"]).resume_steps) == (6, 4)
+    for bad in (["--only", "train,nope"], ["--budget", "train"], ["--budget", "nope=3"], ["--budget", "train=-1"]):
         with pytest.raises(SystemExit):
             gpu_check.parse_args(bad)
 
 
-def test_a_spent_budget_ends_the_running_process(tmp_path):
-    budget = gpu_check.Budget("train", 0.5)
-    proc = gpu_check.start([sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "sleep.log")
+def test_a_spent_budget_ends_processes_and_interrupts_work(tmp_path):
+    budget = common.Budget("train", 0.5)
+    proc = common.start([sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "sleep.log")
     tic = time.monotonic()
-    with pytest.raises(gpu_check.BudgetSpent, match="budget of 0 s spent while sleeper was running"):
-        gpu_check.finish({"sleeper": proc}, budget)
+    with pytest.raises(common.BudgetSpent, match="budget of 0 s spent while sleeper was running"):
+        common.finish({"sleeper": proc}, budget)
     assert time.monotonic() - tic < 10 and proc.poll() is not None
-    with pytest.raises(gpu_check.BudgetSpent, match="before the next benchmark"):
+    with pytest.raises(common.BudgetSpent, match="before the next benchmark"):
         budget.check("the next benchmark")
-    quick = gpu_check.start([sys.executable, "-c", "raise SystemExit(3)"], tmp_path / "quick.log")
-    assert gpu_check.finish({"quick": quick}, gpu_check.Budget("tests", 60)) == {"quick": 3}
+    quick = common.start([sys.executable, "-c", "raise SystemExit(3)"], tmp_path / "quick.log")
+    assert common.finish({"quick": quick}, common.Budget("tests", 60)) == {"quick": 3}
+    tic = time.monotonic()
+    with pytest.raises(common.BudgetSpent), common.Budget("hf", 0.3).interrupting():
+        time.sleep(30)  # in-process work: the alarm interrupts it
+    assert time.monotonic() - tic < 5
 
 
-def test_comparisons_and_summary():
-    assert gpu_check.max_rel_diff([1.0, 2.2], [1.0, 2.0]) == pytest.approx(0.1)
+def test_the_kernel_suites_get_what_the_total_leaves(tmp_path):
+    # --total 0.1 (x10 on --dry-run) is spent before the suites start: they are not run, and that is no failure
+    assert gpu_check.main(["--dry-run", "--only", "kernels", "--total", "0.1", "--out", str(tmp_path)]) == 0
+    (part,) = json.loads((tmp_path / "summary.json").read_text())["parts"]
+    assert (part["status"], part["budget"]) == ("not run", 0.0)
+    assert "spent while tests/kernels/test_flash_attention.py" in part["summary"]
+
+
+def test_judgements():
+    assert runs.max_rel_diff([1.0, 2.2], [1.0, 2.0]) == pytest.approx(0.1)
     with pytest.raises(ValueError, match="cannot compare 1 losses with 2"):
-        gpu_check.max_rel_diff([1.0], [1.0, 2.0])
-    records = [{"tokens_per_s": 100.0}, {"tokens_per_s": 1000.0}, {"tokens_per_s": 2000.0}, {"tokens_per_s": 4000.0}]
-    assert gpu_check.step_ms(records, 1000) == pytest.approx(375.0)  # median of 500 and 250 ms, warm-up left out
+        runs.max_rel_diff([1.0], [1.0, 2.0])
+    records = [{"tokens_per_s": 10.0}, {"tokens_per_s": 1000.0}, {"tokens_per_s": 2000.0}, {"tokens_per_s": 4000.0}]
+    assert runs.tokens_per_s(records) == 2000.0  # the first step (compiles, warm-up) left out
+    assert runs.loss_falls([5.5, 5.0, 4.6, 4.5, 4.6])  # last three average 4.57 <= 0.85 * 5.5
+    assert not runs.loss_falls([5.5, 5.4, 5.0, 4.9, 4.8])  # 4.9 > 4.675
+    assert not runs.loss_falls([5.5, float("nan"), 3.0, 3.0, 3.0])
+
+
+def test_summaries_and_verdict(tmp_path):
     R = gpu_check.Result
     results = [
-        R("tests", "ok", 100, "3 files"),
-        R("bench", "partial", 60, "budget spent"),
-        R("train", "STOPPED", 120, "budget of 120 s spent\nline 2"),
+        R("warm", "ok", 40, "compiled", 60),
+        R("bench", "not run", 35, "budget of 35 s spent\nline 2", 35),
+        R("kernels", "FAILED", 80, "flash_attention: 1 failed", 120),
     ]
-    table = gpu_check.summary_table(results, gpu_check.BUDGETS)
+    table = gpu_check.summary_table(results)
     assert table.splitlines()[0].split() == ["part", "status", "seconds", "budget", "result"]
-    assert "train   STOPPED      120    120  budget of 120 s spent" in table and "line 2" in table
-    assert not gpu_check.passed(results)  # a verifying part that ran out of time did not verify
-    assert gpu_check.passed(results[:2])  # benchmarks cut short are partial, not failed
+    assert "bench     not run       35     35  budget of 35 s spent" in table and "line 2" in table
+    assert "| kernels | FAILED | 80 | 120 | flash_attention: 1 failed |" in gpu_check.markdown(results, "footer")
+    assert gpu_check.passed(results[:2])  # a part out of time was not run: not a failure
+    assert not gpu_check.passed(results)
 
 
-def test_dry_run_part_out_of_budget_fails(tmp_path):
-    proc = run("--dry-run", "--parts", "resume", "--budget", "resume=1", "--out", str(tmp_path), timeout=300)
-    assert proc.returncode == 1, proc.stderr[-2000:]
-    assert "resume  STOPPED" in proc.stdout and "gpu_check: FAILED" in proc.stdout
-    assert "STOPPED" in (tmp_path / "summary.txt").read_text()
+def test_dry_run_in_process_parts_and_a_budget_stop(tmp_path):
+    """dispatch and bench run their real logic on the CPU; syncs gets too little time and is reported as not run;
+    the summaries and the export come out."""
+    code = gpu_check.main(
+        ["--dry-run", "--only", "syncs,dispatch,bench", "--budget", "syncs=0.2", "--out", str(tmp_path / "o")]
+        + ["--export", str(tmp_path / "x")]
+    )
+    assert code == 0
+    summary = json.loads((tmp_path / "x" / "summary.json").read_text())
+    parts = {p["part"]: p for p in summary["parts"]}
+    assert {k: p["status"] for k, p in parts.items()} == {"syncs": "not run", "dispatch": "ok", "bench": "ok"}
+    assert summary["versions"]["torch"] == torch.__version__ and summary["dry_run"]
+    dispatch = parts["dispatch"]["figures"]
+    assert set(dispatch) == {
+        f"{k} cf={cf}" for k in ("local", "all-to-all", "all-to-all chunks=3", "dedup") for cf in (None, 1.0)
+    }
+    # the all-to-all and dedup dispatchers move their counts to the host once per layer (the CPU test's pin)
+    assert [v["syncs"] for v in dispatch.values()] == [0, 1, 1, 1, 1, 1, 1, 1]
+    assert all(v["max_abs_diff"] <= 1e-6 for v in dispatch.values())
+    assert len(parts["bench"]["figures"]["ratios"]) == 10  # 4 attention (causal, documents) + 2 scan + 4 permutation
+    assert (tmp_path / "x" / "summary.md").read_text().startswith("| part | status |")
+    with tarfile.open(tmp_path / "x" / "logs.tar.gz") as tar:
+        assert tar.getnames() == []  # in-process parts only: no subprocess logs
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_dry_run_trains_compares_and_resumes(tmp_path):
-    proc = run("--dry-run", "--out", str(tmp_path), timeout=800)
+@pytest.mark.timeout(1500)
+def test_dry_run_runs_every_part(tmp_path):
+    proc = run("--dry-run", "--out", str(tmp_path), timeout=1400)
     assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-2000:]}"
-    rows = {
-        line.split()[0]: line.split()[1]
-        for line in proc.stdout.splitlines()
-        if line.split()[:1] and line.split()[0] in gpu_check.PARTS and len(line.split()) > 1
-    }
-    assert rows == {"tests": "skipped", "bench": "skipped", "train": "ok", "resume": "ok"}
-    assert "max relative loss difference 0.00e+00" in proc.stdout  # both sides on the PyTorch paths here
-    assert "steps 4-6 resumed from step 3: bitwise equal" in proc.stdout
-    assert (tmp_path / "resume_from_3" / "metrics.jsonl").exists()
+    parts = {p["part"]: p for p in json.loads((tmp_path / "summary.json").read_text())["parts"]}
+    assert {k: p["status"] for k, p in parts.items()} == dict.fromkeys(gpu_check.PARTS, "ok")
+    assert all(d < 2e-5 for k, d in parts["hf"]["figures"].items())  # our export, transformers' forward
+    losses = parts["train"]["figures"]["losses"]
+    assert len(losses) == 6 and runs.loss_falls(losses)
+    assert "bitwise equal" in parts["resume"]["summary"]
+    assert parts["syncs"]["figures"] == {"cpu_syncs_per_microbatch": 2, "gpu_syncs_per_microbatch": 2}
+    assert parts["memory"]["figures"]["plan_gb"]["total"] > 0
+    assert "31 tests collected" in parts["kernels"]["summary"] or "collected" in parts["kernels"]["summary"]
