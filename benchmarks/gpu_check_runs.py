@@ -143,10 +143,8 @@ def memory_worker(argv: list[str]) -> None:
     import deepspeed  # noqa: F401  (before the baseline: its import is not the run's memory)
 
     if cuda:
-        try:  # the plan's own reading of the device, where the planning package has one
-            from moe_dist.planning.capacity import device_capacity_bytes
-        except ImportError:
-            device_capacity_bytes = lambda: torch.cuda.mem_get_info()[1]  # noqa: E731
+        from moe_dist.planning.capacity import device_capacity_bytes  # the plan's own reading of the device
+
         capacity = device_capacity_bytes()
         torch.cuda.reset_peak_memory_stats()
     else:
