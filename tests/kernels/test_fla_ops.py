@@ -66,7 +66,7 @@ def _resets(batch: int, seqlen: int) -> torch.Tensor:
     return reset
 
 
-def _check(fn, ref, inputs: dict, state_key: str, device, atol: float) -> None:
+def _check(fn, ref, inputs: dict, device, atol: float) -> None:
     """fn and ref on the same leaves: outputs, final states and the gradients of a random projection of both."""
     leaves = {k: v.detach().to(device).requires_grad_(v.is_floating_point()) for k, v in inputs.items()}
     ref_leaves = {k: v.detach().double().requires_grad_(v.is_floating_point()) for k, v in inputs.items()}
@@ -103,7 +103,7 @@ def test_gated_delta_rule_matches_the_reference(documents, device):
     }
     if documents:
         inputs["reset"] = _resets(batch, seqlen)
-    _check(fla_gated_delta_rule, gated_delta_rule_ref, inputs, "initial_state", device, atol=2e-4)
+    _check(fla_gated_delta_rule, gated_delta_rule_ref, inputs, device, atol=2e-4)
 
 
 @pytest.mark.parametrize("documents", [False, True])
@@ -123,7 +123,7 @@ def test_ssd_matches_the_reference(documents, device):
     }
     if documents:
         inputs["reset"] = _resets(batch, seqlen)
-    _check(fla_ssd_scan, ssd_scan_ref, inputs, "initial_state", device, atol=2e-4)
+    _check(fla_ssd_scan, ssd_scan_ref, inputs, device, atol=2e-4)
 
 
 def _mixer_pair(kind: str, device):
