@@ -1,6 +1,7 @@
 """fla-core's chunked kernels behind our signatures (moe_dist/layers/fla_ops.py) against the step-by-step oracles:
 outputs, final states and every input gradient, with packed documents and initial states; and the two mixers
-built with impl "triton" against the same mixers on their PyTorch paths (outputs and parameter gradients).
+built with impl "triton" against the same mixers on their PyTorch paths (outputs and parameter gradients, and
+cached decoding against the full forward); bf16 activations within the PyTorch paths' error.
 
 Runs under TRITON_INTERPRET=1 on CPU or on CUDA (see conftest.py); skipped where fla-core is not installed (the
 optional extra `fla`). Under the interpreter two things differ from compiled Triton, and `_interpreter_shims`
@@ -199,3 +200,15 @@ def test_bf16_activations_within_the_pytorch_paths_error(kind, device, within_to
     out, state = fn(*[t.to(device) for t in bf16], reset=reset.to(device))
     assert state.dtype == torch.float32
     within_torch_error("out", out.cpu(), torch_out, want)
+
+
+@pytest.mark.parametrize("kind", ["gdn", "mamba2"])
+def test_cached_steps_on_fla_equal_the_full_forward(kind, device):
+    """Generation on the kernels: a prompt, then one position per call through the cache (the state passed in as
+    the initial state), equals the whole sequence at once."""
+    layer, _ = _mixer_pair(kind, device)
+    x = torch.randn(2, 9, 32, device=device)
+    with torch.no_grad():
+        state = layer.new_state(2, x.device, x.dtype)
+        outs = [layer(x[:, :5], cache=state)] + [layer(x[:, t : t + 1], cache=state) for t in range(5, 9)]
+        torch.testing.assert_close(torch.cat(outs, 1), layer(x), atol=1e-5, rtol=1e-5)
