@@ -66,7 +66,7 @@ class Mamba2Config:
     )
     conv_bias: bool = True  # bias in the depthwise conv1d
     proj_bias: bool = False  # bias in in_proj / out_proj
-    impl: Literal["auto", "torch", "triton"] = "auto"  # SSD scan: auto/torch = chunked PyTorch (no GPU kernel yet)
+    impl: Literal["auto", "torch", "triton"] = "auto"  # SSD scan: torch = chunked; triton = fla-core's (extra `fla`)
 
     def d_inner(self, d_model: int) -> int:
         """The SSM width, n_heads * head_dim (checks.py's `check_mamba2` makes the default n_heads exact)."""
@@ -85,7 +85,7 @@ class GDNConfig:
     head_v_dim: int = 64  # per-head value size
     conv_size: int = 4  # width of the causal depthwise conv over q, k and v
     chunk_size: int = 64  # chunk length of the chunked PyTorch delta rule (a power of two); the result is the same
-    impl: Literal["auto", "torch", "triton"] = "auto"  # delta rule: the chunked PyTorch path (no GPU kernel yet)
+    impl: Literal["auto", "torch", "triton"] = "auto"  # delta rule: torch = chunked; triton = fla-core's (extra `fla`)
 
 
 @dataclass

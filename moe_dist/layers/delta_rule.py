@@ -1,4 +1,5 @@
-"""Gated delta rule for training in pure PyTorch: chunked, in the WY/UT form (the CPU path; impl "torch").
+"""Gated delta rule for training in pure PyTorch: chunked, in the WY/UT form (the CPU path; impl "torch";
+the GPU kernel, impl "triton", is fla-core's: moe_dist/layers/fla_ops.py).
 
 The oracle is `moe_dist.kernels.reference.gated_delta_rule_ref` (one rank-one update per timestep). Invariants:
 only the state passes from chunk to chunk (the UT systems of every chunk are solved at once); decays enter only

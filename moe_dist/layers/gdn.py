@@ -18,7 +18,7 @@ from torch import nn
 
 from moe_dist.config import GDNConfig
 from moe_dist.layers.delta_rule import chunk_gated_delta_rule
-from moe_dist.layers.kernel_choice import Kernel, resolve
+from moe_dist.layers.kernel_choice import Kernel, resolve, why_no_fla
 
 # Initial step size range, sampled log-uniformly per value head (fla's GatedDeltaNet, as Mamba-2), and the
 # range of A = exp(A_log) (Qwen3-Next: U(0.01, 16), kept away from 0 so log A is finite).
@@ -27,12 +27,21 @@ _A_MIN, _A_MAX = 0.01, 16.0
 _L2_EPS = 1e-6  # q, k ← x / sqrt(Σx² + eps), as Qwen3-Next and fla normalise them
 
 
-def delta_rule_kernel(impl: str, device: torch.device | str = "cpu", chunk_size: int = 64) -> Kernel:
-    """`model.gdn.impl` for a layer built for `device`, with `gated_delta_rule_ref`'s signature. Only the
-    chunked PyTorch path (`moe_dist.layers.delta_rule`) exists so far, which "auto" takes everywhere. The GPU
-    kernel comes next: ours in Triton, or fla-core's chunked gated-delta-rule kernels as an optional extra."""
-    fn = functools.partial(chunk_gated_delta_rule, chunk_size=chunk_size)
-    return resolve(impl, "model.gdn.impl", device, fn, None, "gated delta rule")
+def delta_rule_kernel(
+    impl: str, device: torch.device | str = "cpu", chunk_size: int = 64, head_k_dim: int = 128
+) -> Kernel:
+    """`model.gdn.impl` for a layer built for `device`, with `gated_delta_rule_ref`'s signature: the chunked
+    PyTorch path (`moe_dist.layers.delta_rule`), or fla-core's chunked Triton kernels (`moe_dist.layers.fla_ops`;
+    see there why)."""
+
+    def kernel():
+        from moe_dist.layers.fla_ops import fla_gated_delta_rule
+
+        return fla_gated_delta_rule
+
+    torch_fn = functools.partial(chunk_gated_delta_rule, chunk_size=chunk_size)
+    why_not = why_no_fla(head_k_dim, "model.gdn.head_k_dim")
+    return resolve(impl, "model.gdn.impl", device, torch_fn, kernel, "gated delta rule", why_not)
 
 
 @dataclass
@@ -88,7 +97,7 @@ class GatedDeltaNet(nn.Module):
         self.key_dim, self.value_dim = cfg.n_k_heads * cfg.head_k_dim, cfg.n_v_heads * cfg.head_v_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.init_std = init_std
-        self.rule = delta_rule_kernel(cfg.impl, device, cfg.chunk_size)
+        self.rule = delta_rule_kernel(cfg.impl, device, cfg.chunk_size, cfg.head_k_dim)
 
         # Packed per key head (Qwen3-Next's layout): [q (dk), k (dk), v (r·dv), z (r·dv)] and [b (r), a (r)],
         # r = n_v_heads / n_k_heads.

@@ -24,18 +24,20 @@ IMPLS = ("auto", "torch", "triton")
 AUTO_ON_CUDA = {
     "model.attention.impl": "torch",
     "model.mamba.impl": "triton",
-    "model.mamba2.impl": "torch",  # no GPU kernel for Mamba-2's SSD yet
+    "model.mamba2.impl": "triton",  # fla-core's chunked simple-GLA kernels (layers/fla_ops.py), where installed
     "model.moe.impl": "triton",
-    "model.gdn.impl": "torch",  # no GPU kernel for the gated delta rule yet: the chunked PyTorch path
+    "model.gdn.impl": "triton",  # fla-core's chunked gated-delta-rule kernels (layers/fla_ops.py), where installed
 }
 
 
 @dataclass(frozen=True)
 class Kernel:
-    """A resolved implementation: calling it runs `fn`; `name` says which one it is ("torch" or "triton")."""
+    """A resolved implementation: calling it runs `fn`; `name` says which one it is ("torch" or "triton");
+    `slow` says why "auto" took the PyTorch path on CUDA where a kernel exists (start-up prints it), else None."""
 
     name: str
     fn: Callable
+    slow: Optional[str] = None
 
     def __call__(self, *args, **kwargs):
         return self.fn(*args, **kwargs)
@@ -74,25 +76,43 @@ def resolve(
     torch_fn: Callable,
     kernel: Optional[Callable[[], Callable]],
     what: str,
+    why_not: Optional[str] = None,
 ) -> Kernel:
     """The implementation of config value `impl` (of config key `key`) for a layer built for `device`.
 
     `torch_fn` is the PyTorch path; `kernel` loads the Triton function with the same signature (a zero-argument
     function that imports it from moe_dist.kernels, called only when it is chosen), or is None while the operation
-    has no GPU kernel ("triton" is then refused); `what` names it in messages ("selective scan").
+    has no GPU kernel ("triton" is then refused); `what` names it in messages ("selective scan"); `why_not` says
+    why the kernel cannot take this layer whatever the device (its library missing, shapes it does not take):
+    "triton" is then refused with it, and "auto" on CUDA takes the PyTorch path with it as the slow-path reason.
     """
     _check_impl(impl, key)
     device = torch.device(device)
+    slow = None
     if impl == "auto":  # a CUDA machine without the triton package gets the PyTorch paths
         impl = AUTO_ON_CUDA[key] if device.type == "cuda" and why_no_triton(device) is None else "torch"
+        if impl == "triton" and kernel is not None and why_not is not None:
+            impl, slow = "torch", f"the {what} takes the PyTorch path ({why_not})"
     if impl == "torch":
-        return Kernel("torch", torch_fn)
+        return Kernel("torch", torch_fn, slow)
     if kernel is None:
         raise ValueError(f"{key}='triton': there is no Triton {what} kernel yet; use 'torch' or 'auto'")
-    why_not = why_no_triton(device)
+    why_not = why_not or why_no_triton(device)
     if why_not is not None:
         raise ValueError(f"{key}='triton': the Triton {what} is not available: {why_not}")
     return Kernel("triton", kernel())
+
+
+def why_no_fla(key_dim: int, dim_key: str) -> Optional[str]:
+    """Why fla-core's kernels (moe_dist/layers/fla_ops.py) cannot take a layer whose key head size (the delta
+    rule's dk, the SSD's state size) is `key_dim`, set by config key `dim_key` (None: they can)."""
+    from moe_dist.layers.fla_ops import MAX_KEY_DIM
+
+    if importlib.util.find_spec("fla") is None:
+        return "the fla-core package is not installed: pip install 'moe_dist[fla]'"
+    if key_dim > MAX_KEY_DIM:
+        return f"{dim_key}={key_dim} is above {MAX_KEY_DIM}, the largest the fla kernels take"
+    return None
 
 
 # ------------------------------------------------------------------------------------------------ attention masks

@@ -19,17 +19,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_dist.config import Mamba2Config, check_mamba2
-from moe_dist.layers.kernel_choice import Kernel, resolve
+from moe_dist.layers.kernel_choice import Kernel, resolve, why_no_fla
 from moe_dist.layers.ssd import ssd_scan
 
 
-def scan_kernel(impl: str, device: torch.device | str = "cpu", chunk_size: int = 64) -> Kernel:
+def scan_kernel(impl: str, device: torch.device | str = "cpu", chunk_size: int = 64, d_state: int = 128) -> Kernel:
     """`model.mamba2.impl` for a layer built for `device`, with `ssd_scan_ref`'s signature: the chunked PyTorch SSD
-    (`moe_dist.layers.ssd`). There is no GPU kernel yet (future work: ours in Triton, or a library's Triton SSD
-    tested under the interpreter), so "auto" takes the PyTorch path everywhere and "triton" is refused."""
-    return resolve(
-        impl, "model.mamba2.impl", device, functools.partial(ssd_scan, chunk_size=chunk_size), None, "SSD scan"
-    )
+    (`moe_dist.layers.ssd`), or fla-core's chunked Triton kernels (`moe_dist.layers.fla_ops`; see there why)."""
+
+    def kernel():
+        from moe_dist.layers.fla_ops import fla_ssd_scan
+
+        return fla_ssd_scan
+
+    torch_fn = functools.partial(ssd_scan, chunk_size=chunk_size)
+    why_not = why_no_fla(d_state, "model.mamba2.d_state")
+    return resolve(impl, "model.mamba2.impl", device, torch_fn, kernel, "SSD scan", why_not)
 
 
 @dataclass
@@ -96,7 +101,7 @@ class Mamba2(nn.Module):
         self.dt_limit = None if cfg.dt_limit is None else tuple(cfg.dt_limit)
         self.dt_init = (cfg.dt_min, cfg.dt_max, cfg.dt_init_floor)
         self.init_std = init_std
-        self.scan = scan_kernel(cfg.impl, device, cfg.chunk_size)
+        self.scan = scan_kernel(cfg.impl, device, cfg.chunk_size, cfg.d_state)
 
         self.in_proj = nn.Linear(d_model, self.d_inner + self.conv_dim + self.n_heads, bias=cfg.proj_bias)
         self.conv1d = nn.Conv1d(
@@ -110,7 +115,7 @@ class Mamba2(nn.Module):
 
     @property
     def implementations(self) -> dict[str, str]:
-        return {"scan": self.scan.name}
+        return {"ssd": self.scan.name}
 
     def init_weights(self) -> None:
         """mamba_ssm's Mamba2 init (A uniform in [1, 16], dt log-uniform in [dt_min, dt_max]), in place, from the

@@ -1,7 +1,7 @@
 """Mamba-2's SSD scan for training in pure PyTorch: chunked, quadratic inside a chunk, recurrent across chunks.
 
 The PyTorch path of the Mamba-2 scan (the CPU path; impl "torch" on any device); its oracle is
-`moe_dist.kernels.reference.ssd_scan_ref`. A GPU kernel is future work (the Mamba-2 layer refuses "triton").
+`moe_dist.kernels.reference.ssd_scan_ref`. The GPU kernel (impl "triton") is fla-core's: moe_dist/layers/fla_ops.py.
 Invariants: document starts (`reset`) zero the state before their step, inside and across chunks; decays come
 from a cumulative sum of masked log-decays, never a difference of cumulative sums, so underflow gives exact zeros
 and no inf − inf; gradients are autograd's. The derivation: docs/kernels.md, section "The chunked Mamba-2 SSD";

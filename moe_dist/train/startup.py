@@ -14,7 +14,7 @@ from torch import nn
 from moe_dist.config import JobConfig
 from moe_dist.layers.attention import Attention
 from moe_dist.layers.experts import Experts
-from moe_dist.layers.kernel_choice import attention_choice, attention_mask_kind, why_no_triton
+from moe_dist.layers.kernel_choice import Kernel, attention_choice, attention_mask_kind, why_no_triton
 
 
 def _version(package: str) -> str:
@@ -58,6 +58,9 @@ def slow_paths(cfg: JobConfig, model: nn.Module, device: torch.device) -> list[s
     dtype = torch.bfloat16 if t.dtype == "bf16" else torch.float32
     why = dict.fromkeys(m.slow_path(device.type, dtype) for m in model.modules() if isinstance(m, Experts))
     lines += [f"warning: slow path: grouped GEMM: {w}; the experts run one matmul per expert" for w in why if w]
+    # Kernels "auto" could not take (Kernel.slow: e.g. fla-core not installed for the Mamba-2 / GDN layers).
+    kernels = dict.fromkeys(k.slow for m in model.modules() for k in vars(m).values() if isinstance(k, Kernel))
+    lines += [f"warning: slow path: {w}" for w in kernels if w]
     return lines
 
 

@@ -1,6 +1,7 @@
 """How the Triton kernel tests run, and the tolerance rule they share.
 
-The kernel test files (test_flash_attention.py, test_selective_scan.py, test_permute.py) run in one of two modes:
+The kernel test files (test_flash_attention.py, test_fla_ops.py, test_selective_scan.py, test_permute.py) run
+in one of two modes:
 - interpreter: TRITON_INTERPRET=1 on CPU tensors. Triton reads the variable when a kernel is decorated, i.e. when
   its module is first imported, so it must be set before the process imports any kernel module: a plain
   `python -m pytest` runs these files in fresh subprocesses (test_kernel_suites.py) instead of collecting them.
@@ -11,6 +12,7 @@ In a plain run this directory collects only test_kernel_choice.py (the "auto"/"t
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -20,7 +22,7 @@ import torch
 from moe_dist.layers.kernel_choice import triton_interpreting
 
 HERE = Path(__file__).resolve().parent
-KERNEL_TEST_FILES = ("test_flash_attention.py", "test_permute.py", "test_selective_scan.py")
+KERNEL_TEST_FILES = ("test_flash_attention.py", "test_fla_ops.py", "test_permute.py", "test_selective_scan.py")
 RUNNER, IMPL_TESTS = "test_kernel_suites.py", "test_kernel_choice.py"
 
 if os.environ.get("MOE_DIST_KERNEL_DEVICE") == "cuda":
@@ -75,7 +77,12 @@ def pytest_generate_tests(metafunc):
     """The runner's parameters: every kernel test file in every mode this machine offers."""
     if "kernel_test_file" in metafunc.fixturenames:
         modes = ["interpreter"] + (["cuda"] if torch.cuda.is_available() else [])
-        metafunc.parametrize("kernel_test_file", KERNEL_TEST_FILES)
+        no_fla = pytest.mark.skip(reason="fla-core (the optional extra `fla`) is not installed")
+        files = [
+            pytest.param(f, marks=no_fla) if f == "test_fla_ops.py" and importlib.util.find_spec("fla") is None else f
+            for f in KERNEL_TEST_FILES
+        ]
+        metafunc.parametrize("kernel_test_file", files)
         metafunc.parametrize("kernel_mode", modes)
 
 

@@ -286,3 +286,78 @@ def test_permutation_refs_by_explicit_loops():
     for r, a in enumerate(rows_R.tolist()):
         want[a % T] += weight_A[a] * y_RD[r]
     torch.testing.assert_close(unpermute_tokens_ref(y_RD, rows_R, weight_A, T), want, rtol=1e-14, atol=1e-14)
+
+
+# ------------------------------------------------------------------------------------------------ fla-core kernels
+
+
+@pytest.fixture(params=[True, False], ids=["fla", "no_fla"])
+def fla_installed(request, monkeypatch):
+    """Whether fla-core is importable, as kernel_choice's probe sees it (the loaders import fla only when called)."""
+    real_find_spec = impl.importlib.util.find_spec
+
+    def find_spec(name, *args):
+        if name == "fla":
+            return real_find_spec("moe_dist") if request.param else None
+        return real_find_spec(name, *args)
+
+    monkeypatch.setattr(impl.importlib.util, "find_spec", find_spec)
+    return request.param
+
+
+def _fla_layers():
+    from moe_dist.layers.fla_ops import fla_gated_delta_rule, fla_ssd_scan
+    from moe_dist.layers.gdn import delta_rule_kernel
+    from moe_dist.layers.mamba2 import scan_kernel as ssd_kernel
+
+    return [
+        ("model.mamba2.impl", "SSD scan", lambda i, d, n=16: ssd_kernel(i, d, d_state=n), fla_ssd_scan),
+        (
+            "model.gdn.impl",
+            "gated delta rule",
+            lambda i, d, n=16: delta_rule_kernel(i, d, head_k_dim=n),
+            fla_gated_delta_rule,
+        ),
+    ]
+
+
+def test_auto_takes_fla_on_cuda_where_it_is_installed(fla_installed, no_interpreter):
+    for key, what, build, kernel in _fla_layers():
+        cpu = build("auto", "cpu")
+        assert cpu.name == "torch" and cpu.slow is None and cpu.fn.func is build("torch", "cpu").fn.func
+        chosen = build("auto", "cuda")
+        if fla_installed:
+            assert chosen == impl.Kernel("triton", kernel) and build("triton", "cuda").fn is kernel
+            continue
+        why = "the fla-core package is not installed: pip install 'moe_dist[fla]'"
+        assert chosen.name == "torch" and chosen.slow == f"the {what} takes the PyTorch path ({why})"
+        with pytest.raises(ValueError) as err:
+            build("triton", "cuda")
+        assert str(err.value) == f"{key}='triton': the Triton {what} is not available: {why}"
+
+
+@pytest.mark.parametrize("fla_installed", [True], indirect=True)
+def test_key_sizes_fla_cannot_take(fla_installed, no_interpreter):
+    for key, what, build, _ in _fla_layers():
+        size_key = {"model.mamba2.impl": "model.mamba2.d_state", "model.gdn.impl": "model.gdn.head_k_dim"}[key]
+        why = f"{size_key}=512 is above 256, the largest the fla kernels take"
+        with pytest.raises(ValueError, match=rf"^{key}='triton': the Triton {what} is not available: {why}$"):
+            build("triton", "cuda", 512)
+        assert build("auto", "cuda", 512).slow == f"the {what} takes the PyTorch path ({why})"
+        assert build("auto", "cuda", 256).name == "triton"
+
+
+def test_the_decoder_reports_ssd_and_delta_rule_and_start_up_warns(fla_installed, no_interpreter):
+    from moe_dist.train.startup import slow_paths
+
+    cfg = load_config("configs/debug.json")
+    cfg.model.layers = ["attention+moe", "mamba2+moe", "gdn+mlp"]
+    cfg.model.n_layers = 3
+    model = build_model(cfg.model, "cuda")
+    choice = "triton" if fla_installed else "torch"
+    assert {k: v for k, v in model.implementations().items() if k in ("ssd", "delta_rule")} == {
+        "ssd": choice,
+        "delta_rule": choice,
+    }
+    warned = [line for line in slow_paths(cfg, model, torch.device("cuda")) if "PyTorch path" in line]
+    assert len(warned) == (0 if fla_installed else 2), warned

@@ -242,9 +242,9 @@ def test_bf16_forward_is_close_to_fp64():
 
 
 def test_impl_choice():
-    assert build(impl="auto").implementations == {"scan": "torch"}
+    assert build(impl="auto").implementations == {"ssd": "torch"}
     build(impl="torch")
-    with pytest.raises(ValueError, match=r"^model.mamba2.impl='triton': there is no Triton SSD scan kernel yet"):
+    with pytest.raises(ValueError, match=r"^model.mamba2.impl='triton': the Triton SSD scan is not available: "):
         Mamba2(D_MODEL, Mamba2Config(**SHAPE, impl="triton"), norm_eps=EPS, init_std=0.02)
 
 

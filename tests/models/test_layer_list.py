@@ -58,7 +58,7 @@ def test_single_sublayer_layers_have_only_their_sublayer():
     assert {"1.mixer_norm", "1.mixer"} <= names and not {"1.ffn", "1.ffn_norm"} & names
     assert {"3.ffn_norm", "3.ffn"} <= names and not {"3.mixer", "3.mixer_norm"} & names
     assert isinstance(model.blocks[1], Block) and model.blocks[1].ffn is None and model.blocks[3].mixer is None
-    assert set(model.implementations()) >= {"attention", "scan", "delta_rule", "experts"}
+    assert set(model.implementations()) >= {"attention", "ssd", "delta_rule", "experts"}
 
 
 def test_cached_greedy_generation_equals_recomputation_on_a_hybrid():
