@@ -356,7 +356,7 @@ def test_layout_that_does_not_divide_fails_before_start_up(tmp_path, monkeypatch
         (["train.keep_last=-1"], "train.keep_last: must be >= 0, got -1"),
         (["train.save_timeout_s=0"], "train.save_timeout_s: must be > 0, got 0.0"),
         (["train.save_staging_mb=0"], "train.save_staging_mb: must be >= 1/1024 (1 KiB), got 0.0"),
-        (["train.profile_steps=[0, 99]"], "train.profile_steps: [0, 99] outside the run's optimizer steps 1..100"),
+        (["train.profile_steps=[0, 101]"], "train.profile_steps: [0, 101] outside the run's optimizer steps 1..100"),
         (['data.mixture=[{"paths": ["a.json"]}]'], "data.mixture: only the 'memmap' source takes a mixture"),
         (["data.source=text"], "data.paths: required when data.source is 'text'"),
         (

@@ -18,8 +18,8 @@ import sys
 import numpy as np
 import pytest
 import torch
-
 from moe_dist.kernels.reference import gated_delta_rule_ref, ssd_scan_ref
+
 from moe_dist.layers.kernel_choice import triton_interpreting
 
 pytest.importorskip("fla", reason="fla-core (the optional extra `fla`) is not installed")
