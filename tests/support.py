@@ -74,6 +74,10 @@ def load_script(path: Path):
     return module
 
 
+# fla-core installed apart (`pip install --no-deps --target .fla fla-core==0.6.0`, the README's test command): only
+# the fresh process that runs kernels/test_fla_ops.py gets it on its path. Installed into the environment,
+# transformers' Qwen3-Next would run fla's Triton kernels on CPU tensors in every other test that builds one.
+FLA_SITE = Path(__file__).resolve().parents[1] / ".fla"
 DEBUG_CONFIG = "configs/debug.json"  # the small job most end-to-end tests train (6 steps, 2 MoE layers)
 # One torch thread per process: at these sizes a second thread only adds hand-offs (a single process on 2 busy
 # cores ran 6 debug steps 5x slower with the default, cores / local processes = 2). Multi-process runs on 2

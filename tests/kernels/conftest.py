@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support import FLA_SITE
 
 from moe_dist.layers.kernel_choice import triton_interpreting
 
@@ -77,10 +78,10 @@ def pytest_generate_tests(metafunc):
     """The runner's parameters: every kernel test file in every mode this machine offers."""
     if "kernel_test_file" in metafunc.fixturenames:
         modes = ["interpreter"] + (["cuda"] if torch.cuda.is_available() else [])
-        no_fla = pytest.mark.skip(reason="fla-core (the optional extra `fla`) is not installed")
+        no_fla = pytest.mark.skip(reason="fla-core (the optional extra `fla`) is not installed, nor in .fla/")
+        has_fla = importlib.util.find_spec("fla") is not None or (FLA_SITE / "fla").is_dir()
         files = [
-            pytest.param(f, marks=no_fla) if f == "test_fla_ops.py" and importlib.util.find_spec("fla") is None else f
-            for f in KERNEL_TEST_FILES
+            pytest.param(f, marks=no_fla) if f == "test_fla_ops.py" and not has_fla else f for f in KERNEL_TEST_FILES
         ]
         metafunc.parametrize("kernel_test_file", files)
         metafunc.parametrize("kernel_mode", modes)

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from support import FLA_SITE
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 MODE_ENV = {"interpreter": {"TRITON_INTERPRET": "1"}, "cuda": {"MOE_DIST_KERNEL_DEVICE": "cuda"}}
@@ -14,6 +16,8 @@ MODE_ENV = {"interpreter": {"TRITON_INTERPRET": "1"}, "cuda": {"MOE_DIST_KERNEL_
 def test_kernel_file(kernel_test_file, kernel_mode):
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "MOE_DIST_KERNEL_DEVICE")}
     env.update(MODE_ENV[kernel_mode])
+    if kernel_test_file == "test_fla_ops.py" and (FLA_SITE / "fla").is_dir():
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(FLA_SITE), env.get("PYTHONPATH")]))
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE / kernel_test_file)]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=540)
     out = proc.stdout + proc.stderr
