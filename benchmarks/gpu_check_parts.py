@@ -336,6 +336,7 @@ def part_dispatch(args, budget, figures):
 
 KERNEL_TESTS = (
     "tests/kernels/test_flash_attention.py",
+    "tests/kernels/test_fla_ops.py",
     "tests/kernels/test_permute.py",
     "tests/kernels/test_selective_scan.py",
 )

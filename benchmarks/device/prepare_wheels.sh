@@ -34,6 +34,7 @@ for name in hjson pydantic pydantic-core annotated-types typing-inspection; do
     [ -n "$v" ] || { echo "prepare_wheels: $name is not installed here (pip show $name)" >&2; exit 2; }
     deps+=("$name==$v")
 done
+deps+=("fla-core==0.6.0")  # the Mamba-2 / Gated DeltaNet GPU kernels (pyproject extra `fla`), pure Python
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d "$OUT" "${deps[@]}"
