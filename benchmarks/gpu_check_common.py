@@ -39,7 +39,14 @@ class _Alarm:
     def __init__(self, budget: Budget):
         self.budget = budget
 
-    def _fire(self, *_):
+    def _fire(self, _signum, frame):
+        # Never inside an import: a module left half-initialized (sympy, imported lazily by autograd) breaks every
+        # later part of the run. Try again a moment later, once the import is done.
+        while frame is not None:
+            if frame.f_code.co_filename.startswith("<frozen importlib"):
+                signal.setitimer(signal.ITIMER_REAL, 0.05)
+                return
+            frame = frame.f_back
         raise BudgetSpent(f"budget of {self.budget.seconds:.0f} s spent")
 
     def __enter__(self):

@@ -73,6 +73,18 @@ def test_a_spent_budget_ends_processes_and_interrupts_work(tmp_path):
     assert time.monotonic() - tic < 5
 
 
+def test_the_budget_alarm_waits_for_an_import_to_finish(tmp_path, monkeypatch):
+    """An alarm inside an import would leave a half-initialized module behind for every later part (it did, with
+    sympy, which autograd imports lazily): the alarm waits for the import, then interrupts."""
+    (tmp_path / "slow_module_for_budget.py").write_text("import time\ntime.sleep(0.6)\nDONE = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(common.BudgetSpent), common.Budget("syncs", 0.1).interrupting():
+        import slow_module_for_budget  # noqa: F401
+
+        time.sleep(30)
+    assert sys.modules["slow_module_for_budget"].DONE
+
+
 def test_the_kernel_suites_get_what_the_total_leaves(tmp_path):
     # --total 0.1 (x10 on --dry-run) is spent before the suites start: they are not run, and that is no failure
     assert gpu_check.main(["--dry-run", "--only", "kernels", "--total", "0.1", "--out", str(tmp_path)]) == 0
