@@ -1,6 +1,7 @@
 """gpu_check's `bench` part: each Triton kernel against its PyTorch path at training-like sizes in bf16, in the same
 interleaved rounds: flash attention vs SDPA (TFLOP/s, also with document masks, where SDPA has no fused kernel),
-the selective scan vs the chunked PyTorch scan and the token permutation vs index ops (GB/s moved). On --dry-run
+the selective scan, the Mamba-2 SSD and the gated delta rule (fla's kernels) vs their chunked PyTorch paths and
+the token permutation vs index ops (GB/s moved). On --dry-run
 the same plumbing runs on the CPU at tiny sizes with the PyTorch path on both sides."""
 
 from __future__ import annotations
@@ -83,6 +84,46 @@ def scan_cases(impls, dev, tiny):
     )
 
 
+def recurrence_cases(impls, dev, tiny):
+    """The Mamba-2 SSD and the gated delta rule: fla's chunked Triton kernels against our chunked PyTorch paths
+    (bytes: each input read, the output and the final state written; bf16 activations, fp32 decays and state)."""
+    from moe_dist.layers.gdn import delta_rule_kernel
+    from moe_dist.layers.mamba2 import scan_kernel as ssd_kernel
+
+    b, L, H, P, G, N = (1, 64, 2, 16, 1, 16) if tiny else (2, 4096, 64, 64, 8, 128)  # Nemotron-H-like heads
+    ssds = [ssd_kernel(i, dev, d_state=N) for i in impls]
+    x = torch.randn(b, L, H, P, device=dev, dtype=BF16)
+    dt = torch.nn.functional.softplus(torch.randn(b, L, H, device=dev)) * 0.1
+    A = -torch.rand(H, device=dev) - 0.5
+    B, C = (torch.randn(b, L, G, N, device=dev, dtype=BF16) for _ in range(2))
+    D = torch.randn(H, device=dev)
+    state = b * H * P * N * 4
+    ssd_bytes = 2 * x.numel() * 2 + 2 * B.numel() * 2 + dt.numel() * 4 + state
+    shape = f"B{b} L{L} H{H} P{P} G{G} N{N}"
+    yield Case("ssd fwd vs chunked torch", shape, ssd_bytes, *[_fwd(f, x, dt, A, B, C, D) for f in ssds])
+    yield Case(
+        "ssd fwd+bwd vs chunked torch",
+        shape,
+        2 * ssd_bytes,
+        *[_fwd_bwd(lambda *t, f=f: f(*t)[0], [x, dt, A, B, C, D], torch.randn_like(x)) for f in ssds],
+    )
+    H, K, V = (2, 16, 16) if tiny else (32, 128, 128)  # Qwen3-Next's value heads and head sizes
+    rules = [delta_rule_kernel(i, dev, head_k_dim=K) for i in impls]
+    q, k = (torch.nn.functional.normalize(torch.randn(b, L, H, K, device=dev), dim=-1).to(BF16) for _ in range(2))
+    v = torch.randn(b, L, H, V, device=dev, dtype=BF16)
+    g = -torch.nn.functional.softplus(torch.randn(b, L, H, device=dev)) * 0.1
+    beta = torch.rand(b, L, H, device=dev).to(BF16)
+    gdn_bytes = (q.numel() + k.numel() + 2 * v.numel() + beta.numel()) * 2 + g.numel() * 4 + b * H * K * V * 4
+    shape = f"B{b} L{L} H{H} K{K} V{V}"
+    yield Case("gdn fwd vs chunked torch", shape, gdn_bytes, *[_fwd(f, q, k, v, g, beta) for f in rules])
+    yield Case(
+        "gdn fwd+bwd vs chunked torch",
+        shape,
+        2 * gdn_bytes,
+        *[_fwd_bwd(lambda *t, f=f: f(*t)[0], [q, k, v, g, beta], torch.randn_like(v)) for f in rules],
+    )
+
+
 def permutation_cases(impls, dev, tiny):
     from moe_dist.layers.permutation import Permutation
 
@@ -135,7 +176,7 @@ def part_bench(args, budget, figures) -> tuple[str, str]:
     print(f"bf16 matmul peak ({size}³, measured): {peak:.1f} TFLOP/s")
     print(f"{'benchmark':<32} {'shape':<34} {'triton':>8} {'torch':>8} {'unit':<8} {'ratio':>7}")
     ratios, failed, short = figures.setdefault("ratios", {}), [], []
-    for family in (attention_cases, scan_cases, permutation_cases):
+    for family in (attention_cases, scan_cases, recurrence_cases, permutation_cases):
         for case in family(impls, dev, tiny):
             try:
                 budget.check(case.name)

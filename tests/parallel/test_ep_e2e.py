@@ -27,6 +27,8 @@ LAYOUTS = {  # (world, ep, mode, zero stage, parallel.a2a_chunks): launcher
     (4, 4, "dropless", 1, 1): "torchrun",
     # support.E2E_MODES: sigmoid, bias, global-batch aux, groups = EP ranks, shared
     (2, 2, "recipes", 1, 1): "torchrun",
+    # the Mamba-2 / Gated DeltaNet hybrid of test_tp_e2e.py (tp = 2, (2, 2, 2)) under expert parallelism alone
+    (2, 2, "hybrid", 1, 1): "torchrun",
     # the chunked, overlapped dispatch (parallel.a2a_chunks): 64 tokens per micro-batch in 2 or 3 (22, 21, 21) chunks
     (4, 4, "dropless", 1, 2): "torchrun",
     (4, 2, "capacity", 2, 3): "torchrun",
