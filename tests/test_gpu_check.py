@@ -138,7 +138,7 @@ def test_dry_run_in_process_parts_and_a_budget_stop(tmp_path):
     # the all-to-all and dedup dispatchers move their counts to the host once per layer (the CPU test's pin)
     assert [v["syncs"] for v in dispatch.values()] == [0, 1, 1, 1, 1, 1, 1, 1]
     assert all(v["max_abs_diff"] <= 1e-6 for v in dispatch.values())
-    assert len(parts["bench"]["figures"]["ratios"]) == 14  # 4 attention (causal, documents), 2 scan, 2 ssd, 2 gdn, 4 permutation
+    assert len(parts["bench"]["figures"]["ratios"]) == 14  # attention 4, scan 2, ssd 2, gdn 2, permutation 4
     assert (tmp_path / "x" / "summary.md").read_text().startswith("| part | status |")
     with tarfile.open(tmp_path / "x" / "logs.tar.gz") as tar:
         assert tar.getnames() == []  # in-process parts only: no subprocess logs
