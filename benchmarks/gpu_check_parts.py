@@ -11,12 +11,15 @@ GPU; what only a GPU can measure is then left out of the figures.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
 
 import torch
 from gpu_check_common import REPO, Budget, BudgetSpent, finish, start, tail
+
+FLA_SITE = REPO / ".fla"  # as tests/support.py: fla-core installed apart from the environment
 
 DEBUG = "configs/debug.json"
 MIXTRAL = "configs/mixtral_8x7b.json"
@@ -342,16 +345,35 @@ KERNEL_TESTS = (
 )
 
 
+def _fla_path() -> str | None:
+    """Where the fla kernels' test process finds fla-core: "" where this Python imports it (the device's carried
+    wheels), the repository's .fla/ (the README's test command installs it there), else None (not installed)."""
+    import importlib.util
+
+    if importlib.util.find_spec("fla") is not None:
+        return ""
+    return str(FLA_SITE) if (FLA_SITE / "fla").is_dir() else None
+
+
 def part_kernels(args, budget, figures):
     """The kernel suites on the GPU (MOE_DIST_KERNEL_DEVICE=cuda), one process per file in parallel. --dry-run
-    only collects them under the Triton interpreter (running them there takes minutes)."""
+    only collects them under the Triton interpreter (running them there takes minutes). Without fla-core its
+    kernels' file is not run, and the summary says so."""
     env = {"TRITON_INTERPRET": "1"} if args.dry_run else {"MOE_DIST_KERNEL_DEVICE": "cuda"}
     extra = ["--collect-only"] if args.dry_run else []
-    logs = {f: args.out / "logs" / f"{Path(f).stem}.log" for f in KERNEL_TESTS}
+    fla = _fla_path()
+    files = [f for f in KERNEL_TESTS if fla is not None or "test_fla_ops" not in f]
+    logs = {f: args.out / "logs" / f"{Path(f).stem}.log" for f in files}
     print(f"$ {' '.join(f'{k}={v}' for k, v in env.items())} python -m pytest -q {' '.join(extra)} FILE, in parallel")
+
+    def env_of(f: str) -> dict:
+        if "test_fla_ops" in f and fla:
+            return {**env, "PYTHONPATH": os.pathsep.join(filter(None, [fla, os.environ.get("PYTHONPATH")]))}
+        return env
+
     procs = {
-        f: start([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *extra, f], logs[f], env)
-        for f in KERNEL_TESTS
+        f: start([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *extra, f], logs[f], env_of(f))
+        for f in files
     }
     try:
         codes = finish(procs, budget)
@@ -365,6 +387,8 @@ def part_kernels(args, budget, figures):
         lines.append(f"{Path(f).stem.removeprefix('test_')}: {'' if code == 0 else f'FAILED (exit {code}) '}{last}")
         if code:
             print(tail(logs[f]))
+    if fla is None:
+        lines.append("fla_ops: not run (fla-core not installed: benchmarks/device/prepare_wheels.sh carries it)")
     return ("ok" if not any(codes.values()) else "FAILED"), "; ".join(lines)
 
 

@@ -15,7 +15,10 @@ REPO = Path(__file__).resolve().parents[2]
 BUFFER_MB = 16
 SIZE = ["model.d_model=512", "model.d_ff=1024", "model.n_layers=4", "model.vocab_size=256"]  # 0.65 GB checkpoint
 LARGEST_MB = 8 * 512 * 2 * 1024 * 4 / 2**20  # one MoE layer's stacked w13 (E, D, 2F), fp32: 32 MB
-SLACK_MB = 48  # what glibc's allocator keeps of freed tensors (measured ~30 MB here), the writer thread, JSON
+# what glibc's allocator keeps of freed tensors, the writer thread, JSON: the peak growth of this save measured
+# 70-130 MB (buffer and largest tensor included) over 9 runs of this tree and of the one before (0422cd4) on one
+# day, so up to ~82 MB of slack; holding the whole state instead would be 667 MB
+SLACK_MB = 96
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
