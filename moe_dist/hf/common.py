@@ -27,20 +27,14 @@ class Family:
     to_hf: Callable[[ModelConfig, dict], None]  # write this family's keys into a config.json dict
     names: Callable[[str, int], list[str]]  # our parameter name → its Hugging Face name(s) (one per expert)
     supports: frozenset = frozenset()  # of FEATURES, what this family expresses beyond the common form
-    # Tensors not stored one-to-one (fused or stacked in the format): load_tensor(our name, get) → our tensor from
-    # `get(hf name)`, save_tensor(our name, tensor, stored(our name) → tensor) → {hf name: tensor}; None = `names`.
-    load_tensor: Optional[Callable[[str, Callable[[str], torch.Tensor]], Optional[torch.Tensor]]] = None
-    save_tensor: Optional[Callable[[str, torch.Tensor, dict], Optional[dict]]] = None
-    # A non-expert tensor with several Hugging Face names (a fused projection stored in parts): `join(our name,
-    # their tensors, cfg)` builds ours, `split(our name, ours, cfg)` gives theirs in `names` order (exact inverses).
-    join: Optional[Callable[[str, list[torch.Tensor], ModelConfig], torch.Tensor]] = None
-    split: Optional[Callable[[str, torch.Tensor, ModelConfig], list[torch.Tensor]]] = None
+    # Tensors the format does not store one-to-one under `names` (fused, stacked or split there; the one home of
+    # that concept): load_tensor(our name, get(hf name), has(hf name), cfg) → our tensor, save_tensor(our name,
+    # tensor, stored(our name), cfg) → {hf name: tensor}; no hook, or None from it, = the rule of `names`.
+    load_tensor: Optional[Callable[..., Optional[torch.Tensor]]] = None
+    save_tensor: Optional[Callable[..., Optional[dict]]] = None
     # (tensor-name prefix, what they are) of checkpoint tensors import drops with one warning line per prefix
     # (multi-token-prediction heads, a vision tower): parts of the checkpoint our model has no place for.
     dropped: tuple[tuple[str, str], ...] = ()
-    # Our stacked experts' name → the name of the same experts stored fused as transformers 5 holds them (w13:
-    # gate_up_proj (E, 2F, D) with rows [gate; up], w2: down_proj (E, D, F)), read where per-expert ones are absent.
-    fused_experts: Optional[Callable[[str], str]] = None
     export_as: Optional[str] = None  # an import-only layout (a vision-language wrapper): the family its export takes
 
 

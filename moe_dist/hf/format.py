@@ -149,15 +149,12 @@ def load_hf_model(path: str | Path, dtype: Optional[torch.dtype] = torch.float32
     family = FAMILIES[hf["model_type"]]
 
     def read(name: str) -> torch.Tensor:
-        special = None if family.load_tensor is None else family.load_tensor(name, get)
+        special = None if family.load_tensor is None else family.load_tensor(name, get, index.__contains__, cfg)
         if special is not None:
             return special
         names = family.names(name, cfg.moe.num_experts)
         if not is_experts(name):
-            return get(names[0]) if len(names) == 1 else family.join(name, [get(n) for n in names], cfg)
-        fused = family.fused_experts(name) if family.fused_experts else None
-        if fused is not None and names[0] not in index and fused in index:
-            return get(fused).transpose(1, 2)  # (E, 2F, D) → (E, D, 2F) = [gate | up]; (E, D, F) → (E, F, D)
+            return get(names[0])
         E = cfg.moe.num_experts
         parts = [torch.stack([get(n).t() for n in names[i : i + E]]) for i in range(0, len(names), E)]
         return torch.cat(parts, dim=2)  # w13: [gate | up]
@@ -205,7 +202,7 @@ def save_hf_model(
 
     for name, _ in ours:
         t = stored(name)
-        special = None if family.save_tensor is None else family.save_tensor(name, t, stored)
+        special = None if family.save_tensor is None else family.save_tensor(name, t, stored, cfg)
         if special is not None:
             tensors.update({n: w.contiguous() for n, w in special.items()})
             continue
@@ -218,8 +215,6 @@ def save_hf_model(
                 )
             halves = t.chunk(len(names) // t.shape[0], dim=2)  # w13: [gate | up]; w2: itself
             tensors.update({n: w.t().contiguous() for n, w in zip(names, (w for h in halves for w in h.unbind(0)))})
-        elif len(names) > 1:
-            tensors.update({n: w.contiguous() for n, w in zip(names, family.split(name, t, cfg))})
         else:
             tensors[names[0]] = t.contiguous()
     hf["torch_dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.")

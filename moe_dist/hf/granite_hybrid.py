@@ -192,7 +192,7 @@ def _split(name: str) -> tuple[str, str]:
     return f"model.layers.{layer}.", rest
 
 
-def load_tensor(name: str, get_hf: Callable[[str], torch.Tensor]) -> Optional[torch.Tensor]:
+def load_tensor(name: str, get_hf: Callable[[str], torch.Tensor], *_) -> Optional[torch.Tensor]:
     if not name.startswith("blocks."):
         return None
     prefix, rest = _split(name)
@@ -204,7 +204,7 @@ def load_tensor(name: str, get_hf: Callable[[str], torch.Tensor]) -> Optional[to
     return t.transpose(1, 2) if what == "stacked" else t.chunk(2, dim=0)[part]
 
 
-def save_tensor(name: str, t: torch.Tensor, stored: Callable[[str], torch.Tensor]) -> Optional[dict]:
+def save_tensor(name: str, t: torch.Tensor, stored: Callable[[str], torch.Tensor], *_) -> Optional[dict]:
     if not name.startswith("blocks."):
         return None
     prefix, rest = _split(name)

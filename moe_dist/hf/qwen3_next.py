@@ -236,6 +236,28 @@ def split(name: str, ours: torch.Tensor, cfg: ModelConfig) -> list[torch.Tensor]
     return blocks
 
 
+def stored_apart(prefix: str = "model."):
+    """Qwen3.5's (load_tensor, save_tensor) hooks (common.Family): its split GDN projections joined into ours and
+    split back, and experts read fused (gate_up_proj, down_proj) where the per-expert tensors are absent."""
+
+    def load(name: str, get, has, cfg: ModelConfig):
+        theirs = names(name, cfg.moe.num_experts, True, prefix)
+        if ".ffn.experts." in name:
+            fused = fused_experts(name, prefix)
+            if not has(theirs[0]) and has(fused):
+                return get(fused).transpose(1, 2)  # (E, 2F, D) → (E, D, 2F) = [gate | up]; (E, D, F) → (E, F, D)
+            return None
+        return join(name, [get(n) for n in theirs], cfg) if len(theirs) > 1 else None
+
+    def save(name: str, t: torch.Tensor, stored, cfg: ModelConfig):
+        theirs = names(name, cfg.moe.num_experts, True, prefix)
+        if ".ffn.experts." in name or len(theirs) == 1:
+            return None
+        return dict(zip(theirs, split(name, t, cfg), strict=True))
+
+    return {"load_tensor": load, "save_tensor": save}
+
+
 _SUPPORTS = frozenset({"output_gate", "partial_rope", "zero_centered_norm"})
 QWEN3_NEXT = Family(
     "qwen3_next",
@@ -254,11 +276,9 @@ QWEN3_5_MOE_TEXT = Family(
     lambda cfg: unfit(cfg, True),
     lambda cfg, out: to_hf(cfg, out, True),
     lambda name, e: names(name, e, True),
-    join=join,
-    split=split,
+    **stored_apart(),
     supports=_SUPPORTS,
     dropped=(_MTP, ("model.visual.", "vision-tower")),
-    fused_experts=fused_experts,
 )
 QWEN3_5_MOE = Family(
     "qwen3_5_moe",
@@ -267,10 +287,8 @@ QWEN3_5_MOE = Family(
     lambda cfg: ["import only (vision-language): its export is the text model, qwen3_5_moe_text"],
     lambda cfg, out: None,
     lambda name, e: names(name, e, True, "model.language_model."),
-    join=join,
-    split=split,
+    **stored_apart("model.language_model."),
     supports=_SUPPORTS,
     dropped=(_MTP, ("model.visual.", "vision-tower")),
-    fused_experts=lambda name: fused_experts(name, "model.language_model."),
     export_as="qwen3_5_moe_text",
 )
