@@ -78,7 +78,7 @@ def attention_kernels(impl: str, device: torch.device | str, head_dim: int) -> d
     `_sdpa`'s signature."""
     choice = attention_choice(impl, device, head_dim, why_no_triton(device))
     ours = attention_kernel("triton", device) if any(p.name == "triton" for p in choice.values()) else None
-    return {kind: ours if path.name == "triton" else Kernel("torch", _sdpa) for kind, path in choice.items()}
+    return {kind: ours if path.name == "triton" else Kernel("torch", _sdpa, path.slow) for kind, path in choice.items()}
 
 
 def _triton_attention():

@@ -1,7 +1,7 @@
 """What start-up prints (rank 0, once, before the first step): one line of versions, one line of the kernels the
 model chose for its device (`Decoder.implementations`), and a warning line for each slow path this run will take
-on CUDA: attention with a mask no fast kernel takes (`attention_choice`), experts whose GEMMs torch's grouped GEMM
-cannot take (`grouped_mm_unfit`). Tested in tests/train/test_startup_report.py."""
+on CUDA: attention with a mask no fast kernel takes (the layers' own `attention_kernels`), experts whose GEMMs
+torch's grouped GEMM cannot take (`grouped_mm_unfit`). Tested in tests/train/test_startup_report.py."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from torch import nn
 from moe_dist.config import JobConfig
 from moe_dist.layers.attention import Attention
 from moe_dist.layers.experts import Experts
-from moe_dist.layers.kernel_choice import Kernel, attention_choice, attention_mask_kind, why_no_triton
+from moe_dist.layers.kernel_choice import Kernel, attention_mask_kind
 
 
 def _version(package: str) -> str:
@@ -50,11 +50,9 @@ def slow_paths(cfg: JobConfig, model: nn.Module, device: torch.device) -> list[s
     documents = cfg.data.document_masking
     window = a.sliding_window is not None and t.seq_len > a.sliding_window
     kind = attention_mask_kind(documents, documents and a.mask == "prefix", window)
-    heads = {m.head_dim for m in model.modules() if isinstance(m, Attention)}
-    for head_dim in sorted(heads):
-        path = attention_choice(a.impl, device, head_dim, why_no_triton(device))[kind]
-        if path.slow:
-            lines.append(f"warning: slow path: {path.slow}")
+    # what each layer chose for this run's mask kind when it was built (attention_kernels), not chosen again here
+    attention = dict.fromkeys(m.kernels[kind].slow for m in model.modules() if isinstance(m, Attention))
+    lines += [f"warning: slow path: {w}" for w in attention if w]
     dtype = torch.bfloat16 if t.dtype == "bf16" else torch.float32
     why = dict.fromkeys(m.slow_path(device.type, dtype) for m in model.modules() if isinstance(m, Experts))
     lines += [f"warning: slow path: grouped GEMM: {w}; the experts run one matmul per expert" for w in why if w]
