@@ -239,7 +239,8 @@ class MetricsLogger:
                     step,
                 )
             self.layout_written = True
-        self.history.observe(layers, step)
+        if self.image_every:  # the history is only ever drawn into images
+            self.history.observe(layers, step)
         for i, layer in enumerate(layers):
             tag = f"moe/layer{i}"
             tpe = torch.tensor(layer["tokens_per_expert"], dtype=torch.float64)
