@@ -256,7 +256,10 @@ class TrainConfig:
         default_factory=list
     )  # for selective: attention, mamba, mamba2, gdn, moe_experts, mlp
     grad_accum_dtype: Literal["fp32", "bf16"] = (
-        "fp32"  # with dtype bf16: gradients accumulate over micro-batches and are reduced in this dtype
+        "fp32"  # with dtype bf16: gradients accumulate over micro-batches in this dtype
+    )
+    grad_reduce_dtype: Literal["fp32", "bf16"] = (
+        "fp32"  # with dtype bf16: gradients travel in this dtype when reduced over the data-parallel ranks
     )
     async_save: bool = False  # checkpoint: snapshot to host memory, write in the background while training goes on
     save_buffer_mb: int = 256  # checkpoint: host memory for tensors gathered and not yet written (synchronous save)

@@ -86,6 +86,6 @@ def deepspeed_config(cfg: JobConfig, dp: int) -> dict:
         # gradient over the data-parallel ranks in fp32 and adds it into an fp32 partition. (DeepSpeed routes
         # ZeRO 1 with fp32 accumulation to another optimizer class, BF16_Optimizer: config/checks.py requires stage 2.)
         ds["data_types"] = {"grad_accum_dtype": t.grad_accum_dtype}
-        ds["communication_data_type"] = t.grad_accum_dtype
+        ds["communication_data_type"] = t.grad_reduce_dtype
     ds.update(cfg.deepspeed.extra)
     return ds
