@@ -89,6 +89,7 @@ def validate(cfg: JobConfig) -> None:
     )
     _check_moe_recipes(moe)
     _check(cfg.parallel.tp >= 1 and cfg.parallel.ep >= 1, "parallel.tp and parallel.ep must be >= 1")
+    _check_context_parallel(cfg)
     etp = cfg.parallel.etp
     _check(
         etp is None or etp in (1, cfg.parallel.tp),
@@ -138,6 +139,32 @@ def validate(cfg: JobConfig) -> None:
     _check_data(cfg.data)
     _check_gdn(cfg.model.gdn)
     _check_plan(cfg.plan)
+
+
+def _check_context_parallel(cfg: JobConfig) -> None:
+    """`parallel.cp`: the sequence splits into 2·cp equal pieces, and what CP does not support is refused. (Whether
+    every mixer of the model has a shard-aware forward is checked where the layers are known:
+    parallel/context_parallel.check_mixers.)"""
+    cp, t = cfg.parallel.cp, cfg.train
+    _check(cp >= 1, f"parallel.cp: must be >= 1, got {cp}")
+    if cp == 1:
+        return
+    _check(
+        t.seq_len % (2 * cp) == 0,
+        f"parallel.cp: train.seq_len={t.seq_len} must be divisible by 2·cp = {2 * cp} (a head and a tail piece "
+        f"per rank)",
+    )
+    _check(
+        not cfg.parallel.sequence_parallel,
+        "parallel.sequence_parallel: not supported with parallel.cp > 1 (the TP sequence split of CP pieces is "
+        "untested)",
+    )
+    _check(
+        cfg.model.moe.drop_policy != "probability" or cfg.model.moe.capacity_factor is None,
+        "model.moe.drop_policy: 'probability' is not supported with parallel.cp > 1 (drops in global score order "
+        "would need every piece's scores); use 'position' or capacity_factor=null",
+    )
+    _check(not t.compile, "train.compile: not supported with parallel.cp > 1 (CP exchanges run inside the mixers)")
 
 
 def _check_plan(p: PlanConfig) -> None:
@@ -312,14 +339,18 @@ def _check_mamba2_tp(d_model: int, mb: Mamba2Config, tp: int) -> None:
 def check_layout(cfg: JobConfig, world_size: int) -> int:
     """Validate the parallel layout against the world size; return the data-parallel degree. Each error is one
     line naming the key, its value and the world size (the launcher's WORLD_SIZE, checked before start-up)."""
-    tp, ep, etp = cfg.parallel.tp, cfg.parallel.ep, cfg.parallel.expert_tp
+    tp, ep, etp, cp = cfg.parallel.tp, cfg.parallel.ep, cfg.parallel.expert_tp, cfg.parallel.cp
     _check(world_size % tp == 0, f"parallel.tp: {tp} does not divide the world size {world_size}")
-    dp = world_size // tp
-    if etp == tp:
+    _check(
+        (world_size // tp) % cp == 0,
+        f"parallel.cp: {cp} does not divide world size / parallel.tp = {world_size} / {tp} = {world_size // tp}",
+    )
+    dp = world_size // (tp * cp)
+    if etp == tp:  # expert parallelism spans the ranks holding the same weights: dp × cp of them per tp_rank
         _check(
-            dp % ep == 0,
-            f"parallel.ep: {ep} must divide the data-parallel degree {dp} (world {world_size} / tp {tp}; "
-            f"parallel.etp=1 lets it divide dp × tp)",
+            (dp * cp) % ep == 0,
+            f"parallel.ep: {ep} must divide the data-parallel degree {dp * cp} (world {world_size} / tp {tp}"
+            f"{', dp × cp with parallel.cp' if cp > 1 else ''}; parallel.etp=1 lets it divide dp × tp)",
         )
     else:
         _check(
@@ -335,7 +366,8 @@ def check_layout(cfg: JobConfig, world_size: int) -> int:
             f"parallel.a2a_dedup: {cfg.parallel.a2a_dedup!r} needs whole experts: parallel.tp=1 or parallel.etp=1 "
             f"(got tp {tp}, etp {cfg.parallel.etp})",
         )
-    ranks = f"{dp} data-parallel ranks (world size {world_size} / parallel.tp={tp})"
+    cp_part = f" / parallel.cp={cp}" if cp > 1 else ""
+    ranks = f"{dp} data-parallel ranks (world size {world_size} / parallel.tp={tp}{cp_part})"
     # The engine's, checked here (at start-up) rather than in validate(): tools that build no engine (bench) take it.
     _check(
         cfg.train.dtype == "fp32" or cfg.train.grad_accum_dtype == "bf16" or cfg.deepspeed.zero_stage == 2,

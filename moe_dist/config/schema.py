@@ -185,6 +185,7 @@ def split_layer(entry: str) -> tuple[Optional[str], Optional[str]]:
 @dataclass
 class ParallelConfig:
     tp: int = 1  # tensor-parallel degree
+    cp: int = 1  # context-parallel degree: each sequence split over cp ranks (a head and a tail piece each)
     ep: int = 1  # expert-parallel degree (divides dp; with etp = 1 it divides dp × tp)
     etp: Optional[int] = None  # expert tensor-parallel size: tp (null, experts split over TP) or 1 (whole experts)
     sequence_parallel: bool = False  # with tp > 1: norms and residuals hold 1/tp of the sequence (less memory)

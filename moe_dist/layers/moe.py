@@ -16,7 +16,7 @@ experts (it is handed them) so that one may pipeline the three steps over chunks
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable, Optional, Protocol
 
 import torch
 from torch import nn
@@ -26,6 +26,7 @@ from moe_dist.layers.experts import Experts
 from moe_dist.layers.mlp import SharedExperts
 from moe_dist.layers.permutation import Permutation
 from moe_dist.layers.router import Router, Routing, RoutingStats
+from moe_dist.parallel.context_parallel import SeqShard
 
 
 @dataclass
@@ -106,9 +107,11 @@ class MoE(nn.Module):
         if self.shared is not None:
             self.shared.init_weights()
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, RoutingStats]:
+    def forward(self, x: torch.Tensor, shard: Optional[SeqShard] = None) -> tuple[torch.Tensor, RoutingStats]:
+        """x (B, S, D) or (T, D); `shard`: x holds this rank's pieces of each sequence (context parallelism), and
+        routing statistics, capacity and drops are those of the whole micro-batch (router.py)."""
         x_TD = x.reshape(-1, x.shape[-1])
-        routing, stats = self.router(x_TD, x.shape[-2] if x.ndim >= 3 else None)
+        routing, stats = self.router(x_TD, x.shape[-2] if x.ndim >= 3 else None, shard)
         out_TD, stats.sent_bytes = self.dispatcher.run(x_TD, routing, self.experts)
         if self.shared is not None:
             out_TD = out_TD + self.shared(x_TD)

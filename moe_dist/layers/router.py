@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_dist.config import MoEConfig
+from moe_dist.parallel.context_parallel import SeqShard, piece_chunks
 
 
 def expert_capacity(cfg: MoEConfig, tokens: int) -> Optional[int]:
@@ -38,6 +39,7 @@ class RoutingStats:
     z_loss: torch.Tensor  # mean_t logsumexp(logits_t)² (scalar, differentiable)
     entropy: torch.Tensor  # mean router entropy over tokens (scalar)
     sent_bytes: int = 0  # bytes this rank sent to other ranks in the dispatch all-to-all (0 without EP)
+    dropped_E: Optional[torch.Tensor] = None  # assignments dropped per expert (int64; None: not recorded)
 
 
 @dataclass
@@ -112,6 +114,30 @@ def sorted_by_expert(expert_A: torch.Tensor, priority_A: Optional[torch.Tensor])
         return torch.argsort(expert_A, stable=True)
     by_priority = torch.argsort(priority_A, stable=True)
     return by_priority[torch.argsort(expert_A[by_priority], stable=True)]
+
+
+def earlier_in_other_pieces(expert_A: torch.Tensor, num_tokens: int, top_k: int, E: int, shard: SeqShard):
+    """Context parallelism's drop order: (A,) for each of this rank's assignments (slot-major over its T local
+    tokens, B sequences of S / cp local positions), how many assignments to the same expert come before it in the
+    WHOLE micro-batch's slot-major order (slot, sequence, global position) and sit in other ranks' pieces. Added to
+    its rank within its expert in local order, that is its rank in the global order, which a capacity compares
+    (position priority exactly as one process). One all-gather of per-piece per-expert counts (2·K·B·E integers)
+    over the CP group: the local pieces of a sequence are in global order (head chunk before tail chunk), so the
+    local slot-major order is the global one restricted to this rank."""
+    T, K, cp, chunk = num_tokens, top_k, shard.size, shard.chunk
+    s_local = shard.seq_len // cp
+    B = T // s_local
+    a_A = torch.arange(K * T, device=expert_A.device)
+    t_A = a_A % T
+    group_A = ((a_A // T) * B + t_A // s_local) * 2 + (t_A % s_local) // chunk  # (slot, sequence, piece), local
+    counts_KBPE = count_per_expert(group_A * E + expert_A, K * B * 2 * E).view(K, B, 2, E)
+    whole_CKBE = shard.gather_pieces(counts_KBPE.permute(2, 0, 1, 3).contiguous())  # (2·cp, K, B, E) global chunks
+    whole_NE = whole_CKBE.permute(1, 2, 0, 3).reshape(-1, E)  # (slot, sequence, chunk): the global order
+    before_KBCE = (torch.cumsum(whole_NE, 0) - whole_NE).view(K, B, 2 * cp, E)
+    mine_KBPE = before_KBCE[:, :, list(piece_chunks(cp, shard.rank))]
+    local_NE = counts_KBPE.view(-1, E)
+    before_local_KBPE = (torch.cumsum(local_NE, 0) - local_NE).view(K, B, 2, E)
+    return (mine_KBPE - before_local_KBPE).view(-1, E)[group_A, expert_A]
 
 
 def top_k_lower_index_first(choice_TE: torch.Tensor, k: int) -> torch.Tensor:
@@ -202,7 +228,9 @@ class Router(nn.Module):
         if self.cfg.global_batch_load == "previous_step":
             self.set_load(load_E)
 
-    def aux_loss(self, p_TE: torch.Tensor, expert_TK: torch.Tensor, seq_len: int) -> torch.Tensor:
+    def aux_loss(
+        self, p_TE: torch.Tensor, expert_TK: torch.Tensor, seq_len: int, shard: Optional[SeqShard] = None
+    ) -> torch.Tensor:
         """Switch/GShard balance loss E · Σ_i f_i · P_i; P_i = mean over tokens of the normalized score p_ti,
         f_i = fraction of assignments (before drops) to expert i, over the scope `aux_loss_scope`:
           micro_batch  this micro-batch on this rank (T tokens);
@@ -222,25 +250,41 @@ class Router(nn.Module):
                                         `route_step_ahead`: one extra forward per micro-batch, `set_load`);
                          previous_step  the previous optimizer step's (`end_step`, no extra forward, one step
                                         stale); step 1 uses uniform f, whose gradient is zero for softmax scores.
-        Zero, not NaN, for a micro-batch without tokens."""
+        Zero, not NaN, for a micro-batch without tokens.
+
+        Context parallelism (`shard`: this rank holds S / cp positions of each of the micro-batch's sequences,
+        `seq_len` of them): f is the whole micro-batch's (sequence's) from the counts summed over the CP group, P
+        this rank's tokens' mean. The loss is then cp × this rank's share of the whole micro-batch's loss (the
+        pieces are of equal size), the form of every loss under CP (train/loop.py): summed over the group it is cp
+        times the loss one process computes, and the gradient averaged over dp × cp ranks that of one process."""
         T, E = p_TE.shape
         K = expert_TK.shape[1]
+        cp = 1 if shard is None else shard.size
+        total = (lambda counts: counts) if cp == 1 else shard.sum
         if T == 0:
             return p_TE.sum() * 0.0  # keeps the graph (every rank's backward reaches the router weight)
         if self.cfg.aux_loss_scope == "sequence":
             B = T // seq_len
             seq_TK = torch.arange(T, device=p_TE.device).div(seq_len, rounding_mode="floor")[:, None]
-            counts_BE = count_per_expert(seq_TK * E + expert_TK, B * E).view(B, E)
-            f_BE = counts_BE.float() / (K * seq_len)
+            counts_BE = total(count_per_expert(seq_TK * E + expert_TK, B * E)).view(B, E)
+            f_BE = counts_BE.float() / (K * seq_len * cp)
             return E * (f_BE * p_TE.view(B, seq_len, E).mean(dim=1)).sum(-1).mean()
         if self.cfg.aux_loss_scope == "global_batch":
             f_E = self.load_E.float()
         else:
-            f_E = count_per_expert(expert_TK, E).float() / (K * T)
+            f_E = total(count_per_expert(expert_TK, E)).float() / (K * T * cp)
         return E * torch.sum(f_E * p_TE.mean(dim=0))
 
-    def forward(self, x_TD: torch.Tensor, seq_len: Optional[int] = None) -> tuple[Routing, RoutingStats]:
+    def forward(
+        self, x_TD: torch.Tensor, seq_len: Optional[int] = None, shard: Optional[SeqShard] = None
+    ) -> tuple[Routing, RoutingStats]:
+        """x_TD: the micro-batch's tokens, sequences of `seq_len`. With `shard` (context parallelism) they are this
+        rank's S / cp positions of each sequence: the capacity is the whole micro-batch's, an assignment's place in
+        the drop order its place in the whole micro-batch (`earlier_in_other_pieces`), the aux loss's f the whole
+        micro-batch's; the statistics count this rank's tokens (summed over ranks they are the micro-batch's),
+        and the z loss and entropy are this rank's means (cp × its share, see `aux_loss`)."""
         cfg, T = self.cfg, x_TD.shape[0]
+        cp = 1 if shard is None else shard.size
         E, K = cfg.num_experts, cfg.top_k
         logits_TE = F.linear(x_TD.float(), self.weight.float())  # router math in fp32 (docs/moe_recipes.md)
         if cfg.score == "softmax":
@@ -277,20 +321,26 @@ class Router(nn.Module):
         # slot-major assignment order itself.
         priority_A = -top_s_TK.t().reshape(-1).detach() if cfg.drop_policy == "probability" else None
         order_A = sorted_by_expert(expert_A, priority_A)
-        cap = expert_capacity(cfg, T)
+        cap = expert_capacity(cfg, T * cp)
         if cap is None:
             kept_A, kept_E = None, counts_E
         else:  # an assignment's rank within its expert, from fixed-size index math (no mask indexing: no sync)
             starts_E = torch.cumsum(counts_E, 0) - counts_E
-            kept_A = torch.arange(K * T, device=x_TD.device) - starts_E[expert_A[order_A]] < cap
-            kept_E = counts_E.clamp(max=cap)
+            rank_A = torch.arange(K * T, device=x_TD.device) - starts_E[expert_A[order_A]]
+            if cp == 1:
+                kept_A = rank_A < cap
+                kept_E = counts_E.clamp(max=cap)
+            else:  # the rank in the whole micro-batch; kept ones stay a prefix of each expert's (rank grows)
+                kept_A = rank_A + earlier_in_other_pieces(expert_A, T, K, E, shard)[order_A] < cap
+                kept_E = torch.zeros_like(counts_E).scatter_add_(0, expert_A[order_A], kept_A.long())
 
         n = max(T, 1)  # a micro-batch without tokens: zero losses and entropy, no division by zero
         stats = RoutingStats(
             tokens_per_expert_E=counts_E.float(),
             dropped=(K * T - kept_E.sum()).float(),
+            dropped_E=counts_E - kept_E,
             assignments=K * T,
-            aux_loss=self.aux_loss(p_TE, expert_TK, seq_len or T),
+            aux_loss=self.aux_loss(p_TE, expert_TK, seq_len or T, shard),
             z_loss=lse_T.square().sum() / n,
             entropy=entropy_T.sum() / n,
         )

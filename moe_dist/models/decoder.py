@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe_dist.config import ModelConfig
+from moe_dist.config import ConfigError, ModelConfig
 from moe_dist.data.batches import IGNORE
 from moe_dist.layers.attention import Attention, KVCache
 from moe_dist.layers.gdn import GatedDeltaNet, GDNState
@@ -29,6 +29,7 @@ from moe_dist.layers.mlp import SwiGLU
 from moe_dist.layers.moe import MoE
 from moe_dist.layers.norm import RMSNorm
 from moe_dist.layers.router import RoutingStats
+from moe_dist.parallel.context_parallel import SeqShard, takes_shard
 
 
 def layer_kinds(cfg: ModelConfig) -> list[tuple[Optional[str], Optional[str]]]:
@@ -37,6 +38,20 @@ def layer_kinds(cfg: ModelConfig) -> list[tuple[Optional[str], Optional[str]]]:
 
 
 MixerState = Union[KVCache, MambaState, Mamba2State, GDNState]
+MIXER_CLASSES = {"attention": Attention, "mamba1": Mamba, "mamba2": Mamba2, "gdn": GatedDeltaNet}
+
+
+def check_context_parallel(cfg: ModelConfig, cp: int) -> None:
+    """`parallel.cp` > 1 needs a shard-aware forward in every mixer kind of the model (one line naming the key)."""
+    if cp == 1:
+        return
+    kinds = sorted({m for m, _ in cfg.layer_kinds() if m is not None})
+    missing = [k for k in kinds if not takes_shard(MIXER_CLASSES[k])]
+    if missing:
+        raise ConfigError(
+            f"parallel.cp: {cp} needs context-parallel support in every mixer of the model; "
+            f"{', '.join(missing)} has none yet (use parallel.cp=1)"
+        )
 
 
 def _mixer(cfg: ModelConfig, kind: str, device: torch.device | str) -> nn.Module:
@@ -88,15 +103,19 @@ class Block(nn.Module):
         return self.mixer.new_state(batch, device, dtype)
 
     def forward(
-        self, x: torch.Tensor, cache: Optional[MixerState] = None, **documents
+        self, x: torch.Tensor, cache: Optional[MixerState] = None, shard: Optional[SeqShard] = None, **documents
     ) -> tuple[torch.Tensor, RoutingStats | None]:
+        """`shard` (context parallelism): x holds this rank's pieces of each sequence; the mixer and an MoE FFN get
+        it (the mixer's exchanges, the router's per-micro-batch statistics); a dense FFN is per token."""
         m = self.residual_multiplier
         if self.mixer is not None:
-            h = self.mixer(self.mixer_norm(x), cache, **documents)
+            cp = {} if shard is None else {"shard": shard}
+            h = self.mixer(self.mixer_norm(x), cache, **documents, **cp)
             x = x + (h if m == 1.0 else h * m)
         if self.ffn is None:
             return x, None
-        h, stats = self.ffn(self.ffn_norm(x)), None
+        moe_shard = {"shard": shard} if shard is not None and isinstance(self.ffn, MoE) else {}
+        h, stats = self.ffn(self.ffn_norm(x), **moe_shard), None
         if isinstance(h, tuple):
             h, stats = h
         return x + (h if m == 1.0 else h * m), stats
@@ -171,12 +190,28 @@ class Decoder(nn.Module):
         cache: Optional[InferenceCache] = None,
         document_ids: Optional[torch.Tensor] = None,
         prefix: Optional[torch.Tensor] = None,
+        shard: Optional[SeqShard] = None,
     ) -> DecoderOutput:
         """tokens (B, S) → logits (B, S, V). With a cache, tokens continue the sequences it holds (inference).
         Packed documents (training): `document_ids` (B, S) int, equal within a document, keep documents apart
         in attention (mask, RoPE positions) and the recurrent mixers (conv, state); `prefix` (B, S) bool marks
-        prompt tokens that attention layers let see each other (prefix-LM)."""
+        prompt tokens that attention layers let see each other (prefix-LM).
+
+        Context parallelism (`shard`, parallel/context_parallel.py): tokens are this rank's S / cp positions of
+        each sequence (`shard.local`), logits likewise, while `document_ids` and `prefix` stay the WHOLE (B, S)
+        sequences'. Every mixer must be shard-aware (a ValueError otherwise: run on its local pieces alone it
+        would be silently wrong); no inference cache."""
+        if shard is not None:
+            if cache is not None:
+                raise ValueError("context parallelism: no inference cache (generate runs with parallel.cp=1)")
+            if tokens.shape[1] * shard.size != shard.seq_len:
+                raise ValueError(f"context parallelism: {tokens.shape[1]} local positions, expected S / cp")
+            for block in self.blocks:
+                if block.mixer is not None and not takes_shard(type(block.mixer)):
+                    raise ValueError(f"context parallelism: {type(block.mixer).__name__} has no shard-aware forward")
         documents = {} if document_ids is None else {"document_ids": document_ids, "prefix": prefix}
+        if shard is not None:
+            documents["shard"] = shard
         x = self.embed(tokens)  # (B, S, D)
         if self.cfg.embedding_multiplier != 1.0:
             x = x * self.cfg.embedding_multiplier
@@ -234,13 +269,14 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
     return {"params_total": total, "params_active": total - inactive}
 
 
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor, n_targets: Optional[float] = None) -> torch.Tensor:
     """Mean next-token cross-entropy in fp32 over the targets that are not IGNORE (prompt tokens, document starts);
-    logits (B, S, V), targets (B, S). A micro-batch without any target has loss 0 (not NaN)."""
+    logits (B, S, V), targets (B, S). A micro-batch without any target has loss 0 (not NaN). `n_targets`: the
+    divisor instead of the count of these targets (context parallelism: the whole micro-batch's count / cp)."""
     per_token = F.cross_entropy(
         logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="none"
     )  # 0 at IGNORE
-    return per_token.sum() / (targets != IGNORE).sum().clamp(min=1)
+    return per_token.sum() / (n_targets if n_targets is not None else (targets != IGNORE).sum().clamp(min=1))
 
 
 def sample_next(

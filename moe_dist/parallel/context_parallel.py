@@ -12,12 +12,19 @@ collective.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from moe_dist.parallel.comm import gather_sequence
+from moe_dist.parallel.comm import all_reduce_sum, gather_sequence
+
+
+def takes_shard(module_class: type) -> bool:
+    """Whether a mixer class's forward is shard-aware (takes `shard=`): only those may run under CP; any other would
+    silently mix its local pieces as if they were one sequence."""
+    return "shard" in inspect.signature(module_class.forward).parameters
 
 
 def piece_chunks(cp: int, cp_rank: int) -> tuple[int, int]:
@@ -88,3 +95,8 @@ class SeqShard:
         order = self.global_order()
         inverse = sorted(range(len(order)), key=order.__getitem__)
         return gathered.index_select(0, torch.tensor(inverse, device=summary.device))
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over the group of a per-rank tensor without gradient (counts: every rank gets the whole
+        micro-batch's); x is left as it is."""
+        return x if self.size == 1 else all_reduce_sum(x.detach().clone(), self.group)

@@ -1,12 +1,16 @@
-"""Process start-up and the parallel layout: world = dp × tp, with ep dividing dp, or dp × tp when the experts are
-whole (`parallel.etp` = 1).
+"""Process start-up and the parallel layout: world = dp × cp × tp, with ep dividing dp × cp, or dp × cp × tp when
+the experts are whole (`parallel.etp` = 1).
 
-Invariants: ranks are tp-innermost, rank = dp_rank · tp + tp_rank (a TP group is `tp` neighbouring ranks); dense
-parameters always keep the (dp, tp) layout; with etp = tp the EP groups are blocks of `ep` consecutive dp ranks
-inside one tp_rank, with etp = 1 blocks of `ep` consecutive global ranks (ep_rank = rank mod ep), and the EDP
-groups stride across them. Every group is created here, in the same order on every rank, the expert groups
-registered under DeepSpeed's names through private_api.py; the handles live in the Mesh object, never in module
-globals. Layouts with examples: docs/parallelism.md, sections "The mesh" and "Expert parallelism folded across TP".
+Invariants: ranks are tp-innermost, then cp, then dp: rank = (dp_rank · cp + cp_rank) · tp + tp_rank (a TP group is
+`tp` neighbouring ranks, a CP group the `cp` ranks of one dp_rank and tp_rank, inside a node while cp · tp ≤ its
+GPUs). CP ranks hold the same weights and see the same micro-batches (each its pieces of every sequence), so
+for everything weights-related they are data-parallel replicas: dense parameters keep the (replica, tp) layout
+with dp × cp replicas (`Mesh.replicas`, the ZeRO group), and with etp = tp the EP groups are blocks of `ep`
+consecutive replicas inside one tp_rank, with etp = 1 blocks of `ep` consecutive global ranks (ep_rank = rank
+mod ep), and the EDP groups stride across them. Every group is created here, in the same order on every rank,
+the expert groups registered under DeepSpeed's names through private_api.py; the handles live in the Mesh object,
+never in module globals. Layouts with examples: docs/parallelism.md, sections "The mesh", "Expert parallelism
+folded across TP" and "Context parallelism".
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch.distributed as dist
 from moe_dist.config import ConfigError, JobConfig
 from moe_dist.config.checks import check_layout
 from moe_dist.parallel import private_api
+from moe_dist.parallel.context_parallel import SeqShard
 
 
 @dataclass(frozen=True)
@@ -60,6 +65,23 @@ class Mesh:
     dp_group: dist.ProcessGroup | None = None  # ranks with this tp_rank (None when tp == 1: the world)
     etp: int | None = None  # expert tensor-parallel size: tp (None too: experts split over TP) or 1 (whole)
     ep_dedup: DedupGroups | None = None  # the deduplicated dispatch's groups (None: one row per assignment)
+    cp: int = 1  # context-parallel degree: each sequence split over `cp` ranks
+    cp_rank: int = 0  # which pieces of every sequence this rank holds (context_parallel.piece_chunks)
+    cp_group: dist.ProcessGroup | None = None  # the `cp` ranks of this dp_rank and tp_rank (None when cp == 1)
+
+    @property
+    def replicas(self) -> int:
+        """Ranks per tp_rank holding the same weights, dp × cp: the ZeRO and expert layouts' data-parallel size."""
+        return self.dp * self.cp
+
+    @property
+    def replica_rank(self) -> int:
+        """This rank's index among them, dp_rank · cp + cp_rank."""
+        return self.dp_rank * self.cp + self.cp_rank
+
+    def seq_shard(self, seq_len: int) -> SeqShard | None:
+        """This rank's pieces of a micro-batch's sequences of `seq_len` positions; None without CP."""
+        return None if self.cp == 1 else SeqShard(self.cp_group, self.cp, self.cp_rank, seq_len)
 
     @property
     def experts_split(self) -> bool:
@@ -68,7 +90,8 @@ class Mesh:
 
     @property
     def mpu(self) -> "ModelParallelUnit | None":
-        """What deepspeed.initialize needs to see the TP layout (its data-parallel group excludes TP peers)."""
+        """What deepspeed.initialize needs to see the TP layout (its data-parallel group excludes TP peers; it
+        holds the dp × cp replicas). Without TP the replicas are the world, DeepSpeed's default group."""
         return ModelParallelUnit(self) if self.tp > 1 else None
 
 
@@ -95,10 +118,10 @@ class ModelParallelUnit:
     get_tensor_model_parallel_group = get_model_parallel_group
 
     def get_data_parallel_rank(self) -> int:
-        return self.mesh.dp_rank
+        return self.mesh.replica_rank
 
     def get_data_parallel_world_size(self) -> int:
-        return self.mesh.dp
+        return self.mesh.replicas
 
     def get_data_parallel_group(self) -> dist.ProcessGroup:
         return self.mesh.dp_group
@@ -111,12 +134,16 @@ def ep_layout(dp: int, ep: int) -> tuple[list[list[int]], list[list[int]]]:
     return ep_groups, edp_groups
 
 
-def layout_groups(dp: int, ep: int, tp: int, etp: int | None = None) -> dict[str, list[list[int]]]:
-    """Every group of the layout as lists of global ranks (rank = dp_rank · tp + tp_rank); pure index math.
-    etp (default tp): experts split over TP, EP inside each tp_rank's DP group; 1: EP over consecutive ranks."""
+def layout_groups(dp: int, ep: int, tp: int, etp: int | None = None, cp: int = 1) -> dict[str, list[list[int]]]:
+    """Every group of the layout as lists of global ranks (rank = (dp_rank · cp + cp_rank) · tp + tp_rank); pure
+    index math. "dp" is the replica group of each tp_rank (dp × cp ranks: ZeRO's), "cp" the CP groups.
+    etp (default tp): experts split over TP, EP inside each tp_rank's replicas; 1: EP over consecutive ranks."""
+    cp_groups = [[(d * cp + c) * tp + t for c in range(cp)] for d in range(dp) for t in range(tp)]
+    dp = dp * cp  # from here on: replicas, indexed by dp_rank · cp + cp_rank
     groups = {
         "tp": [[d * tp + t for t in range(tp)] for d in range(dp)],
         "dp": [[d * tp + t for d in range(dp)] for t in range(tp)],
+        "cp": cp_groups,
     }
     if etp == 1 and tp > 1:
         groups["ep"], groups["edp"] = ep_layout(dp * tp, ep)
@@ -340,14 +367,16 @@ def init_distributed(cfg: JobConfig, timeout_s: float | None = None) -> Mesh:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     _unlink_deepspeed_shm(rank, world_size)
     dp = check_layout(cfg, world_size)
-    ep, tp, etp = cfg.parallel.ep, cfg.parallel.tp, cfg.parallel.expert_tp
-    dp_rank = rank // tp
+    ep, tp, etp, cp = cfg.parallel.ep, cfg.parallel.tp, cfg.parallel.expert_tp, cfg.parallel.cp
+    dp_rank = rank // (tp * cp)
     name = f"ep_size_{ep}" if etp == tp else f"ep_size_{ep}_etp_{etp}"
-    layout = layout_groups(dp, ep, tp, etp)
-    tp_group = dp_group = ep_group = edp_group = None
+    layout = layout_groups(dp, ep, tp, etp, cp)
+    tp_group = dp_group = ep_group = edp_group = cp_group = None
     if tp > 1:
         tp_group, _ = _new_groups(layout["tp"], rank)
         dp_group, _ = _new_groups(layout["dp"], rank)
+    if cp > 1:
+        cp_group, _ = _new_groups(layout["cp"], rank)
     if ep > 1:
         if private_api.expert_groups(name) is None:
             private_api.register_expert_groups(name, _new_groups(layout["ep"], rank), _new_groups(layout["edp"], rank))
@@ -377,4 +406,7 @@ def init_distributed(cfg: JobConfig, timeout_s: float | None = None) -> Mesh:
         dp_group=dp_group,
         etp=etp,
         ep_dedup=dedup,
+        cp=cp,
+        cp_rank=(rank // tp) % cp,
+        cp_group=cp_group,
     )

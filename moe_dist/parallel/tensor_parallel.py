@@ -382,9 +382,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return g * grad[:, None], None, None, None
 
 
-def vocab_parallel_lm_loss(logits: torch.Tensor, targets: torch.Tensor, mesh: Mesh) -> torch.Tensor:
-    """`lm_loss` for vocabulary-sharded logits (B, S, V/tp): mean next-token cross-entropy, replicated on TP."""
+def vocab_parallel_lm_loss(
+    logits: torch.Tensor, targets: torch.Tensor, mesh: Mesh, n_targets: float | None = None
+) -> torch.Tensor:
+    """`lm_loss` for vocabulary-sharded logits (B, S, V/tp): mean next-token cross-entropy, replicated on TP
+    (`n_targets`: the divisor instead of the count of targets, as `lm_loss`'s)."""
     start = mesh.tp_rank * logits.shape[-1]
     per_token = _VocabParallelCrossEntropy.apply(logits.float().flatten(0, 1), targets.flatten(), start, mesh.tp_group)
     valid = targets.flatten() != IGNORE  # no loss at these positions (lm_loss's rule)
-    return (per_token * valid).sum() / valid.sum().clamp(min=1)
+    return (per_token * valid).sum() / (n_targets if n_targets is not None else valid.sum().clamp(min=1))

@@ -21,13 +21,13 @@ from tqdm import tqdm
 
 from moe_dist.config import JobConfig, config_to_dict
 from moe_dist.config.checks import check_layout
-from moe_dist.data.batches import Batch, TokenDataset
+from moe_dist.data.batches import IGNORE, Batch, TokenDataset
 from moe_dist.data.sources import load_tokens
 from moe_dist.data.tokenizer import copy_tokenizer, tokenizer_identity
 from moe_dist.layers.moe import moe_routers
 from moe_dist.models.activation_checkpointing import apply_activation_checkpointing
 from moe_dist.models.compile import maybe_compile
-from moe_dist.models.decoder import build_model, lm_loss
+from moe_dist.models.decoder import build_model, check_context_parallel, lm_loss
 from moe_dist.parallel.comm import agree_on_error, all_reduce_sum, barrier
 from moe_dist.parallel.mesh import Mesh, init_distributed
 from moe_dist.parallel.parallelize import parallelize
@@ -75,19 +75,35 @@ def _to_device(t: torch.Tensor, mesh: Mesh) -> torch.Tensor:
 
 
 def _forward(ctx: StepContext, batch: Batch):
-    """The model's forward of one micro-batch (DecoderOutput)."""
+    """The model's forward of one micro-batch (DecoderOutput). Under context parallelism every CP rank of a dp
+    rank has the same micro-batch and gives the model its pieces of the tokens (`shard.local`) with the WHOLE
+    sequences' document ids and prefix (parallel/context_parallel.py)."""
     mesh = ctx.mesh
+    shard = mesh.seq_shard(batch.tokens.shape[1] - 1)
     extra = {} if batch.document_ids is None else {"document_ids": _to_device(batch.document_ids[:, :-1], mesh)}
     if ctx.cfg.model.attention.mask == "prefix" and batch.loss_mask is not None:
         extra["prefix"] = _to_device(batch.prefix(), mesh)
-    return ctx.engine(_to_device(batch.tokens[:, :-1], mesh), **extra)
+    tokens = batch.tokens[:, :-1]
+    if shard is not None:
+        tokens, extra["shard"] = shard.local(tokens), shard
+    return ctx.engine(_to_device(tokens, mesh), **extra)
 
 
 def _forward_loss(ctx: StepContext, batch: Batch):
+    """(loss, LM loss, model output) of one micro-batch. Under context parallelism each CP rank's losses are cp ×
+    its share of the whole micro-batch's (the LM loss: its targets' cross-entropy sum over the whole micro-batch's
+    target count / cp): the CP group's sum is cp × one process's loss, so the gradient averaged over the dp × cp
+    ranks, and the metrics averaged over every rank's micro-batches, are one process's."""
     mesh = ctx.mesh
-    targets = _to_device(batch.targets(), mesh)
+    whole = batch.targets()
+    shard = mesh.seq_shard(whole.shape[1])
+    n_targets = None if shard is None else (whole != IGNORE).sum().clamp(min=1).item() / shard.size
+    targets = _to_device(whole if shard is None else shard.local(whole), mesh)
     out = _forward(ctx, batch)
-    lm = lm_loss(out.logits, targets) if mesh.tp == 1 else vocab_parallel_lm_loss(out.logits, targets, mesh)
+    if mesh.tp == 1:
+        lm = lm_loss(out.logits, targets, n_targets)
+    else:
+        lm = vocab_parallel_lm_loss(out.logits, targets, mesh, n_targets)
     moe = ctx.cfg.model.moe
     return lm + moe.aux_loss_coef * out.aux_loss + moe.z_loss_coef * out.z_loss, lm, out
 
@@ -240,6 +256,7 @@ def train(cfg: JobConfig, run_dir: Path, resume: bool = False) -> list[dict]:
     ones; start fresh when there is none. So one command line serves the first start and every restart."""
     # The layout against the launcher's world size before anything is read, joined or written (one line, exit 2).
     check_layout(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    check_context_parallel(cfg.model, cfg.parallel.cp)
     t = cfg.train
     # The data fits the model's vocabulary and names the run's tokenizer (checked from the sidecars).
     train_tokens, val_tokens, weights = load_tokens(cfg.data, t.seq_len, cfg.model.vocab_size)
@@ -290,7 +307,7 @@ def train(cfg: JobConfig, run_dir: Path, resume: bool = False) -> list[dict]:
             model=model,
             optimizer=optimizer,
             lr_scheduler=scheduler,
-            config=deepspeed_config(cfg, mesh.dp),
+            config=deepspeed_config(cfg, mesh.dp, mesh.cp),
             mpu=mesh.mpu,
         )
     checkpointer = Checkpointer(  # collective: its own process group, timeout train.save_timeout_s

@@ -73,7 +73,10 @@ class StepAccumulator:
         dev += [out.aux_loss.detach().reshape(1), out.z_loss.detach().reshape(1)]
         for s in out.moe_stats:
             counts, dropped = s.tokens_per_expert_E.detach().double(), s.dropped.detach().double()
-            dev += [counts, dropped_per_expert(counts, dropped), dropped.reshape(1)]
+            # per expert as the router counted them; recovered from the totals where it did not (one capacity for
+            # every expert of this micro-batch: not so for a CP rank's pieces, whose capacity is shared)
+            per_expert = dropped_per_expert(counts, dropped) if s.dropped_E is None else s.dropped_E.detach().double()
+            dev += [counts, per_expert, dropped.reshape(1)]
             dev += [dropped.new_zeros(1), s.entropy.detach().reshape(1), dropped.new_zeros(1)]
             host += [0.0] * (2 * self.E + 1) + [float(s.assignments), 0.0, float(s.sent_bytes)]
         vec = torch.cat([torch.zeros(1, dtype=torch.float64, device=loss.device), *(d.double() for d in dev)])

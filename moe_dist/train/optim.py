@@ -66,11 +66,14 @@ def build_optimizer(model: nn.Module, cfg: JobConfig):
     return opt, sched
 
 
-def deepspeed_config(cfg: JobConfig, dp: int) -> dict:
-    """The engine config. Batch sizes come from train.* only, so they cannot disagree with the data loader."""
+def deepspeed_config(cfg: JobConfig, dp: int, cp: int = 1) -> dict:
+    """The engine config. Batch sizes come from train.* only, so they cannot disagree with the data loader. Under
+    context parallelism DeepSpeed's data-parallel world is dp × cp ranks, each CP rank a replica that sees the
+    same micro-batches (each its pieces): its batch-size identity (batch = micro × accumulation × its world)
+    counts every sequence cp times."""
     t = cfg.train
     ds = {
-        "train_batch_size": t.global_batch_size,
+        "train_batch_size": t.global_batch_size * cp,
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": t.grad_accum_steps(dp),
         "gradient_clipping": t.grad_clip,

@@ -130,7 +130,7 @@ class Checkpointer:
         stored = stored_params(model, mesh)
         entries = [st.entry(mesh) for st in stored]
         if self._plan is None:
-            self._plan = plan_writers(entries, mesh.dp, mesh.ep, mesh.tp, mesh.etp)
+            self._plan = plan_writers(entries, mesh.replicas, mesh.ep, mesh.tp, mesh.etp)
         plan, rank = self._plan, mesh.rank
         specs = [(name, e.shape) for name, e, _ in tensors_in_order(entries) if plan[name] == rank]
         buffers = stored_buffers(model)
@@ -144,7 +144,7 @@ class Checkpointer:
             "step": step,
             "adam_step": adam_step(engine),
             "lr": scheduler.get_last_lr()[0],
-            "layout": {"dp": mesh.dp, "ep": mesh.ep, "tp": mesh.tp, "etp": mesh.etp},
+            "layout": {"dp": mesh.dp, "cp": mesh.cp, "ep": mesh.ep, "tp": mesh.tp, "etp": mesh.etp},
             **(extra_meta or {}),
         }
         if rank == 0:  # the index: a rank resuming opens only the files it reads (verify_checkpoint)

@@ -1,0 +1,107 @@
+"""Context parallelism end to end under DeepSpeed: a CP run equals one process step by step (losses, clipped-gradient
+norms, tokens and drops per expert, the aux loss) and at the end (parameters and Adam moments), with capacity drops
+and packed documents on and off; CP beside TP and beside EP (EP spanning the CP ranks); a cp = 2 checkpoint resumed
+by one process.
+
+The model is configs/debug.json with the mixers left out (two MoE and two dense FFN layers: tokens meet only in the
+router's per-micro-batch statistics, its capacity and drop order, and the loss normalisation), which is what CP
+must keep independent of the layout whatever the mixers do. The mixers' own CP paths are proved by their tests."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from support import E2E_BASE, E2E_CONFIG, E2E_SAVE, E2E_STEPS, train_records
+
+ATOL_OF_SCALE = 3e-4  # as test_ep_e2e.py: summation order differs between layouts
+FFN_ONLY = [
+    "model.mixer_pattern=A",
+    "model.ffn_pattern=E",
+    'model.layers=["moe","mlp","moe","mlp"]',
+]
+MODES = {  # capacity drops (debug.json's capacity_factor 1.25) in both; packed documents in one
+    "capacity": [],
+    "documents": ["data.document_masking=true", "model.moe.aux_loss_scope=sequence"],
+}
+LAYOUTS = {  # (world, cp, tp, ep, mode)
+    (2, 2, 1, 1, "documents"): "torchrun",
+    (4, 4, 1, 1, "capacity"): "torchrun",
+    (4, 2, 2, 1, "documents"): "torchrun",
+    (2, 2, 1, 2, "capacity"): "torchrun",  # dp = 1: the expert-parallel group is the CP group
+}
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
+
+
+def _args(run_dir, mode: str, cp: int, tp: int, ep: int, *extra: str) -> list[str]:
+    return [
+        "--config",
+        E2E_CONFIG,
+        "--run-dir",
+        str(run_dir),
+        *extra,
+        "--set",
+        *E2E_BASE,
+        *FFN_ONLY,
+        *MODES[mode],
+        f"parallel.cp={cp}",
+        f"parallel.tp={tp}",
+        f"parallel.ep={ep}",
+        "deepspeed.zero_stage=1",
+    ]
+
+
+@pytest.fixture(scope="module")
+def cp_runs(tmp_path_factory, run_train):
+    """One process per mode, then every layout once; the tests below compare them."""
+    root, out = tmp_path_factory.mktemp("cp"), {}
+    for mode in MODES:
+        out[mode] = d = root / f"ref_{mode}"
+        run_train("python", 1, _args(d, mode, 1, 1, 1))
+    for (world, cp, tp, ep, mode), launcher in LAYOUTS.items():
+        out[(world, cp, tp, ep, mode)] = d = root / f"w{world}_cp{cp}_tp{tp}_ep{ep}_{mode}"
+        run_train(launcher, world, _args(d, mode, cp, tp, ep))
+    return out
+
+
+def _same_drops(got: list[dict], ref: list[dict], first_step: int = 1) -> None:
+    """Drops per expert (the capacity and drop order are the whole micro-batch's) and the aux loss, every step."""
+    got, ref = train_records(got), [r for r in train_records(ref) if r["step"] >= first_step]
+    assert [r["step"] for r in got] == [r["step"] for r in ref]
+    for g, r in zip(got, ref):
+        assert g["aux_loss"] == pytest.approx(r["aux_loss"], rel=1e-5), g["step"]
+        assert g["z_loss"] == pytest.approx(r["z_loss"], rel=1e-5), g["step"]
+        assert g["lm_loss"] == pytest.approx(r["lm_loss"], rel=1e-5), g["step"]
+        for lg, lr in zip(g["moe"], r["moe"], strict=True):
+            assert lg["dropped_per_expert"] == lr["dropped_per_expert"], g["step"]
+            assert lg["router_entropy"] == pytest.approx(lr["router_entropy"], rel=1e-5), g["step"]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS), ids=lambda t: f"w{t[0]}-cp{t[1]}-tp{t[2]}-ep{t[3]}-{t[4]}")
+def test_cp_run_equals_one_process(cp_runs, metrics, same_trajectory, same_final_state, layout):
+    mode = layout[4]
+    got, ref = metrics(cp_runs[layout]), metrics(cp_runs[mode])
+    same_trajectory(got, ref)
+    _same_drops(got, ref)
+    assert any(sum(layer["dropped_per_expert"]) > 0 for r in train_records(ref) for layer in r["moe"])
+    same_final_state(cp_runs[layout], cp_runs[mode], ATOL_OF_SCALE)
+    meta = json.loads((cp_runs[layout] / f"checkpoints/step_{E2E_STEPS}/meta.json").read_text())
+    assert meta["layout"]["cp"] == layout[1] and meta["layout"]["dp"] * layout[1] * layout[2] == layout[0]
+
+
+def test_cp2_checkpoint_resumes_on_one_process(
+    tmp_path, cp_runs, run_train, metrics, same_trajectory, same_final_state
+):
+    """The cp = 2 run's step-3 checkpoint resumed by one process: steps 4-6 and the final state equal the
+    uninterrupted single-process run's (checkpoints do not depend on cp)."""
+    d = tmp_path / "run"
+    shutil.copytree(cp_runs[(2, 2, 1, 1, "documents")], d)
+    shutil.rmtree(d / f"checkpoints/step_{E2E_STEPS}")
+    proc = run_train("python", 1, _args(d, "documents", 1, 1, 1, "--resume"))
+    assert f"(step {E2E_SAVE})" in proc.stderr
+    got = [r for r in metrics(d) if r.get("step", 0) > E2E_SAVE]
+    same_trajectory(got, metrics(cp_runs["documents"]), first_step=E2E_SAVE + 1)
+    _same_drops(got, metrics(cp_runs["documents"]), first_step=E2E_SAVE + 1)
+    same_final_state(d, cp_runs["documents"], ATOL_OF_SCALE)
