@@ -75,8 +75,10 @@ def main(argv=None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
         lay, mem = plan["layout"], plan["memory_per_rank_gb"]
+        cp_part = f" x cp {lay['cp']}" if lay["cp"] > 1 else ""
         print(
-            f"layout: world {world} = dp {lay['dp']} x tp {lay['tp']}, ep {lay['ep']}, ZeRO {lay['zero_stage']}, "
+            f"layout: world {world} = dp {lay['dp']}{cp_part} x tp {lay['tp']}, "
+            f"ep {lay['ep']}, ZeRO {lay['zero_stage']}, "
             f"activation checkpointing {cfg.train.activation_checkpointing}"
         )
         print("per rank (GB): " + ", ".join(f"{k} {v:.2f}" for k, v in mem.items()))

@@ -76,11 +76,16 @@ def local_param_counts(cfg: JobConfig, tp: int, ep: int, etp: int | None = None)
     return dense, expert
 
 
-def activation_bytes(cfg: JobConfig, tp: int = 1) -> dict[str, float]:
-    """Bytes autograd keeps for one micro-batch on one rank, by part, and the largest transient buffers."""
+def activation_bytes(cfg: JobConfig, tp: int = 1, cp: int = 1) -> dict[str, float]:
+    """Bytes autograd keeps for one micro-batch on one rank, by part, and the largest transient buffers. Under
+    context parallelism (`cp`) a rank holds S / cp positions of each sequence, so every per-token term is of its
+    T / cp tokens, except what an attention layer gathers: the keys and values of the whole sequence (its KV heads),
+    kept for the backward, cp times the local K/V per local token. (The recurrent mixers' per-piece summaries are
+    O(state), not per token; the MoE capacity is the whole micro-batch's, cf · K · T / E per expert, of which a rank's
+    pieces take their share: planned at K·T/cp·cf rows, the balanced share.)"""
     m, t = cfg.model, cfg.train
     a = 2 if t.dtype == "bf16" else 4
-    T = t.micro_batch_size * t.seq_len
+    T = t.micro_batch_size * t.seq_len // cp
     parts = checkpointed_parts(t)
     sp = tp if cfg.parallel.sequence_parallel else 1
     D = m.d_model
@@ -123,7 +128,7 @@ def activation_bytes(cfg: JobConfig, tp: int = 1) -> dict[str, float]:
     largest = 0.0  # the largest one sublayer's interior: its backward's working set (and its recompute)
     for mixer, ffn in layer_kinds(m):
         if mixer == "attention":
-            inner = (2 * hq + 2 * hkv) * hd * a + 4 * hq
+            inner = (2 * hq + 2 * cp * hkv) * hd * a + 4 * hq  # under CP: the gathered K/V of the whole sequence
             if m.attention.output_gate:  # the gate and its sigmoid, for the product's backward
                 inner += 2 * hq * hd * a
             out["attention"] += norm_kept if "attention" in parts else norm_full + inner
@@ -179,15 +184,15 @@ def expert_rows_factor(cfg: JobConfig) -> float:
     return most if cfg.plan.expert_imbalance is None else min(cfg.plan.expert_imbalance, most)
 
 
-def runtime_bytes(device: str, world_size: int, dp: int, tp: int, ep: int, edp: int) -> float:
+def runtime_bytes(device: str, world_size: int, dp: int, tp: int, ep: int, edp: int, cp: int = 1) -> float:
     """The framework's memory on one rank of `device` ("cuda" or "cpu"): a constant per process on the CPU; on
-    CUDA the context plus NCCL's buffers for each process group that communicates (world, dp, tp, expert-data-
-    parallel: ring/tree collectives; ep: the all-to-all, per peer)."""
+    CUDA the context plus NCCL's buffers for each process group that communicates (world, dp (the dp × cp
+    replicas), tp, cp, expert-data-parallel: ring/tree collectives; ep: the all-to-all, per peer)."""
     if device == "cpu":
         return CPU_RUNTIME
     if device != "cuda":
         raise ValueError(f"memory plan: device must be 'cuda' or 'cpu', got {device!r}")
-    groups = [n for n in (world_size, dp if dp != world_size else 1, tp, edp) if n > 1]
+    groups = [n for n in (world_size, dp if dp != world_size else 1, tp, cp, edp) if n > 1]
     return CUDA_CONTEXT + NCCL_PER_GROUP * len(groups) + NCCL_ALL_TO_ALL_PER_PEER * (ep - 1)
 
 
@@ -197,13 +202,14 @@ def memory_plan(cfg: JobConfig, world_size: int, device: str = "cuda", capacity_
     On CUDA, `capacity` holds the total against one GPU's memory (`capacity_bytes`, else capacity.py's
     `planned_capacity`) less the fragmentation margin; None on the CPU (ranks share the host's memory)."""
     dp = check_layout(cfg, world_size)
-    tp, ep, etp = cfg.parallel.tp, cfg.parallel.ep, cfg.parallel.expert_tp
-    edp = dp * tp // (ep * etp)  # the ranks holding the same experts
-    runtime = runtime_bytes(device, world_size, dp, tp, ep, edp)
+    tp, ep, etp, cp = cfg.parallel.tp, cfg.parallel.ep, cfg.parallel.expert_tp, cfg.parallel.cp
+    replicas = dp * cp  # ranks of a tp_rank holding the same weights: ZeRO partitions over them
+    edp = replicas * tp // (ep * etp)  # the ranks holding the same experts
+    runtime = runtime_bytes(device, world_size, replicas, tp, ep, edp, cp)
     dense, expert = local_param_counts(cfg, tp, ep, etp)
     w = 2 if cfg.train.dtype == "bf16" else 4
     stage = cfg.deepspeed.zero_stage
-    shards = (dense / dp + expert / edp) if stage >= 1 else dense + expert
+    shards = (dense / replicas + expert / edp) if stage >= 1 else dense + expert
     params = (dense + expert) * w
     # Gradients held while micro-batches accumulate, and those that exist only at the accumulation boundary.
     if stage == 2:
@@ -213,7 +219,7 @@ def memory_plan(cfg: JobConfig, world_size: int, device: str = "cuda", capacity_
         at_boundary = shards * 4 if stage == 1 else 0.0  # stage 1: the reduced fp32 partition
     grads = accumulating + at_boundary
     optimizer = shards * 12 if stage >= 1 else (dense + expert) * 8  # ZeRO: fp32 master + m + v; 0: torch's m + v
-    act = activation_bytes(cfg, tp)
+    act = activation_bytes(cfg, tp, cp)
     transient = dict(act["transient"])
     # The bucket holds copies of gradients in the parameter dtype, plus their fp32 casts when bf16 is reduced in fp32.
     widen = 4 if w == 2 and cfg.train.grad_accum_dtype == "fp32" else 0
@@ -234,6 +240,7 @@ def memory_plan(cfg: JobConfig, world_size: int, device: str = "cuda", capacity_
         "layout": {
             "world_size": world_size,
             "dp": dp,
+            "cp": cp,
             "tp": tp,
             "ep": ep,
             "edp": edp,
