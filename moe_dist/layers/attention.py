@@ -9,7 +9,7 @@ PyTorch SDPA (which never materializes repeated k/v for grouped-query heads) or 
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -17,9 +17,9 @@ from torch import nn
 
 from moe_dist.config import AttentionConfig
 from moe_dist.layers.kernel_choice import (
-    ATTENTION_MASKS,
     Kernel,
     attention_choice,
+    attention_cp_choice,
     attention_mask_kind,
     resolve,
     why_no_triton,
@@ -151,8 +151,25 @@ def attention_kernels(impl: str, device: torch.device | str, head_dim: int) -> d
 
 
 def attention_cp_kernels(impl: str, device: torch.device | str, head_dim: int) -> dict[str, Kernel]:
-    """Mask kind → the kernel of the context-parallel path, with `_sdpa_offset`'s signature."""
-    return {kind: Kernel("torch", _sdpa_offset) for kind in ATTENTION_MASKS}
+    """Mask kind → the kernel the context-parallel path takes for it on `device` (`attention_cp_choice`), each
+    with `_sdpa_offset`'s signature: ours with a query offset, or SDPA one query block at a time."""
+    choice = attention_cp_choice(impl, device, head_dim, why_no_triton(device))
+    ours = attention_kernel("triton", device) if any(p.name == "triton" for p in choice.values()) else None
+    return {
+        kind: Kernel("triton", _flash_offset(ours.fn))
+        if path.name == "triton"
+        else Kernel("torch", _sdpa_offset, path.slow)
+        for kind, path in choice.items()
+    }
+
+
+def _flash_offset(flash_attention: Callable) -> Callable:
+    """Our Triton kernel with `_sdpa_offset`'s signature (it takes the query offset and longer keys itself)."""
+
+    def attend(q, k, v, q_offset, softmax_scale=None, document_ids=None, prefix=None, window=None):
+        return flash_attention(q, k, v, True, softmax_scale, document_ids, prefix, window, q_offset=q_offset)
+
+    return attend
 
 
 def _triton_attention():

@@ -5,6 +5,7 @@ query heads, documents with a boundary at a piece edge and a piece that is one w
 gradient. Single-process: the SDPA query-offset path (`_sdpa_offset`) of one piece against the whole-sequence
 SDPA with the dense mask."""
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -82,3 +83,22 @@ def test_sdpa_offset_matches_dense_mask(kind, monkeypatch):
     torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
     for a, b in zip(grads, ref_grads):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("case", ["causal_gqa", "window_gqa", "prefix_gqa", "window_prefix_gqa", "recipes_documents"])
+def test_one_rank_shard_matches_the_layer_without_cp(case):
+    """On a one-rank SeqShard the local sequence is the whole one in two pieces (the second's queries at offset
+    S/2 against all keys): the CP path (RoPE positions, piece offsets, masks) equals the layer without a shard."""
+    spec = importlib.util.spec_from_file_location("cp_attention_worker", WORKER)
+    w = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(w)
+    kwargs, docs, pfx = w.CASES[case]
+    layer = w.build(kwargs)
+    ids, prefix = w.documents()
+    masks = {"document_ids": ids if docs else None, "prefix": prefix if pfx else None}
+    g = torch.Generator().manual_seed(1)
+    x, cot = (torch.randn(w.B, w.S, w.D, generator=g, dtype=torch.float64) for _ in range(2))
+    shard = attention.SeqShard(None, 1, 0, w.S)
+    for got, want in zip(w.run(layer, x, cot, shard, **masks), w.run(layer, x, cot, **masks)):
+        for a, b in zip(*(t.values() if isinstance(t, dict) else [t] for t in (got, want))):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
