@@ -40,10 +40,9 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
             "flash_attention: expected 4-d (batch, heads, seq, head_dim) q, k, v, "
             f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
-    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
+    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
         raise ValueError(
-            f"flash_attention: q {tuple(q.shape)} and k/v {tuple(k.shape)}/{tuple(v.shape)} differ in batch, seq "
-            "or head_dim"
+            f"flash_attention: q {tuple(q.shape)} and k/v {tuple(k.shape)}/{tuple(v.shape)} differ in batch or head_dim"
         )
     if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
         raise ValueError(f"flash_attention: q_heads ({q.shape[1]}) must be a multiple of kv_heads ({k.shape[1]})")
@@ -101,9 +100,15 @@ def _document_tensors(document_ids, prefix, q: torch.Tensor) -> tuple:
     return doc, pfx, start.to(torch.int32).contiguous(), end.to(torch.int32).contiguous()
 
 
-def _flash_fwd(q, k, v, causal: bool, sm_scale: float, docs: tuple, has_docs: bool, prefix: bool):
-    """q (B, Hq, S, Dh), k/v (B, Hkv, S, Dh) → out (B, Hq, S, Dh) and base-2 log-sum-exp (B, Hq, S) fp32;
-    `docs` from `_document_tensors`."""
+def _seq_args(q, k, q_offset: int, docs: tuple) -> tuple[int, int, int, int]:
+    """(q_offset, seqlen_q, seqlen_k, doc_len): the kernels' sequence arguments (flash_attention_jit.py)."""
+    doc_len = docs[0].shape[1] if docs[0].dim() == 2 else max(q_offset + q.shape[2], k.shape[2])
+    return q_offset, q.shape[2], k.shape[2], doc_len
+
+
+def _flash_fwd(q, k, v, causal: bool, sm_scale: float, docs: tuple, has_docs: bool, prefix: bool, q_offset: int):
+    """q (B, Hq, M, Dh) at positions q_offset .., k/v (B, Hkv, N, Dh) → out (B, Hq, M, Dh) and base-2
+    log-sum-exp (B, Hq, M) fp32; `docs` from `_document_tensors`."""
     batch, n_q_heads, seqlen, head_dim = q.shape
     # Laid out (B, S, Hq, Dh) in memory: the caller's transpose(1, 2).reshape(B, S, Hq·Dh) is then free.
     out = torch.empty(batch, seqlen, n_q_heads, head_dim, device=q.device, dtype=q.dtype).transpose(1, 2)
@@ -131,7 +136,7 @@ def _flash_fwd(q, k, v, causal: bool, sm_scale: float, docs: tuple, has_docs: bo
         out.stride(2),
         n_q_heads,
         n_q_heads // k.shape[1],
-        seqlen,
+        *_seq_args(q, k, q_offset, docs),
         head_dim,
         sm_scale * LOG2E,
         CAUSAL=causal,
@@ -144,9 +149,12 @@ def _flash_fwd(q, k, v, causal: bool, sm_scale: float, docs: tuple, has_docs: bo
     return out, lse
 
 
-def _flash_bwd(do, q, k, v, out, lse, causal: bool, sm_scale: float, docs: tuple, has_docs: bool, prefix: bool):
+def _flash_bwd(
+    do, q, k, v, out, lse, causal: bool, sm_scale: float, docs: tuple, has_docs: bool, prefix: bool, q_offset: int
+):
     """Gradients (dq, dk, dv) in the input dtypes, recomputing probabilities from the saved log-sum-exp."""
     batch, n_q_heads, seqlen, head_dim = q.shape
+    seq_args = _seq_args(q, k, q_offset, docs)
     n_kv_heads = k.shape[1]
     group = n_q_heads // n_kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))
@@ -173,7 +181,7 @@ def _flash_bwd(do, q, k, v, out, lse, causal: bool, sm_scale: float, docs: tuple
 
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     kv_cfg, q_cfg = _bwd_config(q.dtype)
-    _attn_bwd_dkdv_kernel[(triton.cdiv(seqlen, kv_cfg["BLOCK_N"]), batch * n_kv_heads)](
+    _attn_bwd_dkdv_kernel[(triton.cdiv(k.shape[2], kv_cfg["BLOCK_N"]), batch * n_kv_heads)](
         q,
         k,
         v,
@@ -204,7 +212,7 @@ def _flash_bwd(do, q, k, v, out, lse, causal: bool, sm_scale: float, docs: tuple
         n_q_heads,
         n_kv_heads,
         group,
-        seqlen,
+        *seq_args,
         head_dim,
         sm_scale * LOG2E,
         sm_scale,
@@ -241,7 +249,7 @@ def _flash_bwd(do, q, k, v, out, lse, causal: bool, sm_scale: float, docs: tuple
         dq.stride(2),
         n_q_heads,
         group,
-        seqlen,
+        *seq_args,
         head_dim,
         sm_scale * LOG2E,
         sm_scale,
@@ -260,22 +268,34 @@ def _flash_bwd(do, q, k, v, out, lse, causal: bool, sm_scale: float, docs: tuple
 
 class _FlashAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal: bool, sm_scale: float, document_ids=None, prefix=None):
+    def forward(ctx, q, k, v, causal: bool, sm_scale: float, document_ids=None, prefix=None, q_offset: int = 0):
         q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
         docs = _document_tensors(document_ids, prefix, q)
         has_docs, has_prefix = document_ids is not None, prefix is not None
-        out, lse = _flash_fwd(q, k, v, causal, sm_scale, docs, has_docs, has_prefix)
+        out, lse = _flash_fwd(q, k, v, causal, sm_scale, docs, has_docs, has_prefix, q_offset)
         ctx.save_for_backward(q, k, v, out, lse, *docs)
         ctx.causal, ctx.sm_scale, ctx.has_docs, ctx.has_prefix = causal, sm_scale, has_docs, has_prefix
+        ctx.q_offset = q_offset
         return out
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, out, lse, *docs = ctx.saved_tensors
         dq, dk, dv = _flash_bwd(
-            _unit_last_stride(do), q, k, v, out, lse, ctx.causal, ctx.sm_scale, docs, ctx.has_docs, ctx.has_prefix
+            _unit_last_stride(do),
+            q,
+            k,
+            v,
+            out,
+            lse,
+            ctx.causal,
+            ctx.sm_scale,
+            docs,
+            ctx.has_docs,
+            ctx.has_prefix,
+            ctx.q_offset,
         )
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 # ------------------------------------------------------------------------------------------------ public
@@ -290,11 +310,16 @@ def flash_attention(
     document_ids: Optional[torch.Tensor] = None,
     prefix: Optional[torch.Tensor] = None,
     window: Optional[int] = None,
+    q_offset: int = 0,
 ) -> torch.Tensor:
     """Softmax attention, tiled with an online softmax; differentiable in q, k and v.
 
     Shapes: q (batch, q_heads, seq, head_dim); k, v (batch, kv_heads, seq, head_dim) with q_heads a multiple of
     kv_heads (query head h reads kv head h // (q_heads // kv_heads); k/v are never repeated in memory).
+    A slice of queries (context parallelism): q (batch, q_heads, M, head_dim) holds the queries at positions
+    q_offset .. q_offset + M − 1 of a sequence whose keys k, v (batch, kv_heads, N, head_dim) are at positions
+    0 .. N − 1; masks are in those positions, and `document_ids` / `prefix` then cover the whole sequence
+    (batch, L), L ≥ max(q_offset + M, N).
     head_dim 16..128 (any value; padded to a power of two inside), any seq. Dtypes: fp16, bf16 or fp32, all three
     the same; accumulation in fp32. `softmax_scale` defaults to 1/sqrt(head_dim); `causal` lets query i see keys
     j <= i. Packed documents: `document_ids` (batch, seq) int, contiguous runs per document, restrict each query to
@@ -307,13 +332,23 @@ def flash_attention(
     _check_inputs(q, k, v)
     if window is not None:
         raise ValueError(f"flash_attention: no sliding window (got window={window}); SDPA takes one")
-    if document_ids is not None and document_ids.shape != (q.shape[0], q.shape[2]):
+    if q_offset < 0:
+        raise ValueError(f"flash_attention: q_offset must be >= 0, got {q_offset}")
+    seq = max(q_offset + q.shape[2], k.shape[2])  # positions the masks read
+    if document_ids is not None and not (
+        document_ids.dim() == 2 and document_ids.shape[0] == q.shape[0] and document_ids.shape[1] >= seq
+    ):
         raise ValueError(
-            f"flash_attention: document_ids must be (batch, seq) {tuple(q.shape[::2])}, got {tuple(document_ids.shape)}"
+            f"flash_attention: document_ids must be (batch, seq) {(q.shape[0], seq)} or longer, "
+            f"got {tuple(document_ids.shape)}"
+        )
+    if prefix is not None and document_ids is not None and prefix.shape != document_ids.shape:
+        raise ValueError(
+            f"flash_attention: prefix {tuple(prefix.shape)} must have document_ids' shape {tuple(document_ids.shape)}"
         )
     if prefix is not None and document_ids is None:
         raise ValueError("flash_attention: prefix needs document_ids")
     sm_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    if q.numel() == 0:  # an empty batch or sequence: nothing to launch
+    if q.numel() == 0 or k.shape[2] == 0:  # an empty batch or sequence: nothing to launch
         return q * 0
-    return _FlashAttention.apply(q, k, v, bool(causal), float(sm_scale), document_ids, prefix)
+    return _FlashAttention.apply(q, k, v, bool(causal), float(sm_scale), document_ids, prefix, int(q_offset))

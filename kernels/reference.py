@@ -87,7 +87,9 @@ def selective_scan_ref(
     delta_bias: Optional[torch.Tensor] = None,
     delta_softplus: bool = False,
     reset: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
+    initial_state: Optional[torch.Tensor] = None,
+    return_final_state: bool = False,
+):
     """Mamba-1 selective scan, one timestep at a time (argument layout of mamba_ssm's `selective_scan_fn`).
 
     Shapes: u, delta, z: (batch, dim, seqlen); A: (dim, state); B, C: (batch, state, seqlen);
@@ -96,6 +98,8 @@ def selective_scan_ref(
     With Δ = softplus(delta + delta_bias) (each step optional), per channel d and state n:
         h_t = exp(Δ_t A) h_{t-1} + Δ_t B_t u_t,   y_t = <h_t, C_t> + D u_t,   y_t *= silu(z_t).
     `reset` (batch, seqlen) bool: where True, h_{t-1} is taken as 0 (a packed document starts at t).
+    `initial_state` (batch, dim, state) or None (zeros): h_{-1} (a reset at t = 0 drops it too). With
+    `return_final_state`, returns (y, h_{L-1} (batch, dim, state) in the compute dtype).
     Math runs in fp32, or fp64 when the inputs are fp64 (so tests can compare tightly).
     """
     out_dtype = u.dtype
@@ -110,7 +114,7 @@ def selective_scan_ref(
     deltaA = torch.exp(delta.unsqueeze(-1) * A[:, None, :])  # (B, D, L, N)
     deltaB_u = (delta * u).unsqueeze(-1) * B.transpose(1, 2).unsqueeze(1)  # (B, D, L, N)
 
-    h = u.new_zeros(batch, dim, A.shape[1])  # (B, D, N)
+    h = u.new_zeros(batch, dim, A.shape[1]) if initial_state is None else initial_state.to(compute)  # (B, D, N)
     ys = []
     for t in range(seqlen):
         if reset is not None:
@@ -123,7 +127,7 @@ def selective_scan_ref(
         y = y + D.to(compute)[:, None] * u
     if z is not None:
         y = y * F.silu(z.to(compute))
-    return y.to(out_dtype)
+    return (y.to(out_dtype), h) if return_final_state else y.to(out_dtype)
 
 
 def ssd_scan_ref(

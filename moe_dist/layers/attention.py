@@ -9,16 +9,24 @@ PyTorch SDPA (which never materializes repeated k/v for grouped-query heads) or 
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from moe_dist.config import AttentionConfig
-from moe_dist.layers.kernel_choice import Kernel, attention_choice, attention_mask_kind, resolve, why_no_triton
+from moe_dist.layers.kernel_choice import (
+    Kernel,
+    attention_choice,
+    attention_cp_choice,
+    attention_mask_kind,
+    resolve,
+    why_no_triton,
+)
 from moe_dist.layers.norm import RMSNorm
 from moe_dist.layers.rope import apply_rope, document_positions, rope_cos_sin
+from moe_dist.parallel.context_parallel import SeqShard
 
 
 def document_mask(
@@ -67,6 +75,67 @@ def _window_mask(q_len: int, k_len: int, offset: int, window: Optional[int], dev
     return allowed if window is None else allowed & (k_pos > q_pos - window)
 
 
+# Scores of one query block of the CP path on SDPA stay under this many elements (64 MB in fp32), whatever S.
+BLOCK_SCORES = 1 << 24
+
+
+def _allowed(q_pos, k_pos, document_ids=None, prefix=None, window=None) -> torch.Tensor:
+    """The mask in global positions of queries at `q_pos` (M,) against keys at `k_pos` (N,): (M, N) bool, or
+    (B, 1, M, N) with whole-sequence `document_ids` (B, S) (and `prefix` (B, S) bool); the rule of
+    `document_mask` and `_window_mask`, for any subset of query and key positions."""
+    allowed = k_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        allowed = allowed & (k_pos[None, :] > q_pos[:, None] - window)
+    if document_ids is None:
+        return allowed
+    if prefix is not None:
+        allowed = allowed | (prefix[:, q_pos, None] & prefix[:, None, k_pos])
+    return (allowed & (document_ids[:, q_pos, None] == document_ids[:, None, k_pos]))[:, None]
+
+
+def _sdpa_offset(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_offset: int,
+    softmax_scale: Optional[float] = None,
+    document_ids: Optional[torch.Tensor] = None,
+    prefix: Optional[torch.Tensor] = None,
+    window: Optional[int] = None,
+) -> torch.Tensor:
+    """Causal attention of queries at global positions q_offset .. q_offset + M − 1 (q (B, Hq, M, Dh)) to the
+    keys at positions 0 .. N − 1 (k/v (B, Hkv, N, Dh), N ≥ q_offset + M): a context-parallel piece against the
+    gathered sequence. `document_ids` / `prefix` are the whole sequence's (B, ≥ N). → (B, Hq, M, Dh).
+
+    SDPA with an explicit mask, one query block at a time: a block's mask and scores stay under BLOCK_SCORES
+    elements, and each block reads only the keys its mask can let through (up to its last query without a
+    prefix; from its first query's window start with a window), so no (M × N) mask ever exists."""
+    B, Hq, M, _ = q.shape
+    N = k.shape[2]
+    gqa = Hq != k.shape[1]
+    bidirectional = prefix is not None and document_ids is not None  # prompt keys can lie after the query
+    block = max(1, min(M, BLOCK_SCORES // max(1, B * Hq * N)))
+    out = []
+    for b0 in range(0, M, block):
+        first, end = q_offset + b0, q_offset + min(M, b0 + block)  # global positions [first, end)
+        hi = N if bidirectional else end
+        lo = 0 if bidirectional or window is None else max(0, first - window + 1)
+        q_pos = torch.arange(first, end, device=q.device)
+        k_pos = torch.arange(lo, hi, device=q.device)
+        mask = _allowed(q_pos, k_pos, document_ids, prefix if bidirectional else None, window)
+        out.append(
+            F.scaled_dot_product_attention(
+                q[:, :, b0 : b0 + block],
+                k[:, :, lo:hi],
+                v[:, :, lo:hi],
+                attn_mask=mask,
+                scale=softmax_scale,
+                enable_gqa=gqa,
+            )
+        )
+    return torch.cat(out, dim=2)
+
+
 def attention_kernel(impl: str, device: torch.device | str = "cpu") -> Kernel:
     """`model.attention.impl` for a layer built for `device`, with `flash_attention`'s signature: SDPA ("torch",
     which "auto" takes everywhere: its flash / cuDNN backends on CUDA) or our Triton kernel ("triton")."""
@@ -79,6 +148,28 @@ def attention_kernels(impl: str, device: torch.device | str, head_dim: int) -> d
     choice = attention_choice(impl, device, head_dim, why_no_triton(device))
     ours = attention_kernel("triton", device) if any(p.name == "triton" for p in choice.values()) else None
     return {kind: ours if path.name == "triton" else Kernel("torch", _sdpa, path.slow) for kind, path in choice.items()}
+
+
+def attention_cp_kernels(impl: str, device: torch.device | str, head_dim: int) -> dict[str, Kernel]:
+    """Mask kind → the kernel the context-parallel path takes for it on `device` (`attention_cp_choice`), each
+    with `_sdpa_offset`'s signature: ours with a query offset, or SDPA one query block at a time."""
+    choice = attention_cp_choice(impl, device, head_dim, why_no_triton(device))
+    ours = attention_kernel("triton", device) if any(p.name == "triton" for p in choice.values()) else None
+    return {
+        kind: Kernel("triton", _flash_offset(ours.fn))
+        if path.name == "triton"
+        else Kernel("torch", _sdpa_offset, path.slow)
+        for kind, path in choice.items()
+    }
+
+
+def _flash_offset(flash_attention: Callable) -> Callable:
+    """Our Triton kernel with `_sdpa_offset`'s signature (it takes the query offset and longer keys itself)."""
+
+    def attend(q, k, v, q_offset, softmax_scale=None, document_ids=None, prefix=None, window=None):
+        return flash_attention(q, k, v, True, softmax_scale, document_ids, prefix, window, q_offset=q_offset)
+
+    return attend
 
 
 def _triton_attention():
@@ -141,6 +232,7 @@ class Attention(nn.Module):
         # softmax_scale (Granite's attention multiplier) in place of the kernels' 1/sqrt(Dh): q is pre-scaled
         self.q_scale = None if cfg.softmax_scale is None else cfg.softmax_scale * math.sqrt(self.head_dim)
         self.kernels = attention_kernels(cfg.impl, device, self.head_dim)  # mask kind → Kernel
+        self.cp_kernels = attention_cp_kernels(cfg.impl, device, self.head_dim)  # the same, for query offsets
         self.mask = cfg.mask  # "causal" | "prefix": whether prefix-LM calls can come
         self.init_std = init_std
         self.out_std = init_std / math.sqrt(2 * n_layers)
@@ -163,6 +255,44 @@ class Attention(nn.Module):
         masks = {} if kind == "causal" else {"document_ids": document_ids, "prefix": prefix, "window": window}
         return self.kernels[kind](q, k, v, causal=True, **masks)
 
+    def _attend_shard(self, q, k, v, shard: SeqShard, document_ids=None, prefix=None) -> torch.Tensor:
+        """Context parallelism: this rank's queries q (B, Hq, S/cp, Dh) (before RoPE) against the whole
+        sequence's keys and values, gathered from the CP group; every position, mask and RoPE angle is global.
+
+        All-gather, not a ring: with packed documents, prefix-LM and windows, which key pieces a query piece needs
+        depends on the data, so a ring's fixed schedule would send and mask whole pieces for nothing, while one
+        all-gather of K/V (only the KV heads: small under grouped-query attention) is a single collective whose
+        backward (a reduce-scatter) returns each K/V gradient to the rank that owns the position. Llama 3 trains
+        its long-context stage with the same all-gather context parallelism, for document masks."""
+        S = shard.seq_len
+        if document_ids is not None and document_ids.shape != (q.shape[0], S):
+            raise ValueError(
+                f"attention: under context parallelism document_ids are the whole sequence's (B, S) = "
+                f"{(q.shape[0], S)}, got {tuple(document_ids.shape)}"
+            )
+        prefix = prefix if document_ids is not None else None  # as without CP: prefix-LM is per document
+        if self.rope:
+            cos, sin = rope_cos_sin(S, self.rotary_dim, self.rope_theta, q.device)
+            pos = shard.positions(q.device)  # (S/cp,) global position of each local one
+            if document_ids is not None:
+                pos = document_positions(document_ids)[:, pos]  # (B, S/cp): RoPE restarts at each document
+                cos, sin = cos[pos][:, None], sin[pos][:, None]  # (B, 1, S/cp, R)
+            else:
+                cos, sin = cos[pos], sin[pos]  # (S/cp, R)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k, v = shard.gather(k, dim=2), shard.gather(v, dim=2)  # (B, Hkv, S, Dh), global order
+        window = self.sliding_window if self.sliding_window is not None and S > self.sliding_window else None
+        kind = attention_mask_kind(document_ids is not None, prefix is not None, window is not None)
+        kernel = self.cp_kernels[kind]
+        out, local = [], 0
+        for start, n in shard.pieces:  # each piece's queries sit at global positions start .. start + n − 1
+            keys = S if prefix is not None else start + n  # causal: no key after the piece's last query
+            piece = q[:, :, local : local + n]
+            masks = {"document_ids": document_ids, "prefix": prefix, "window": window}
+            out.append(kernel(piece, k[:, :, :keys], v[:, :, :keys], start, **masks))
+            local += n
+        return torch.cat(out, dim=2)
+
     @torch.no_grad()
     def init_weights(self) -> None:
         for lin in (self.wq, self.wk, self.wv):
@@ -184,10 +314,15 @@ class Attention(nn.Module):
         cache: Optional[KVCache] = None,
         document_ids: Optional[torch.Tensor] = None,
         prefix: Optional[torch.Tensor] = None,
+        shard: Optional[SeqShard] = None,
     ) -> torch.Tensor:
         """x (B, S, D) → (B, S, D). With a cache (inference), x holds the S positions after the cached ones.
         `document_ids` (B, S) int (packed documents, training): a query sees only keys of its own document and
-        RoPE positions restart at each document; `prefix` (B, S) bool with them: prompt tokens see each other."""
+        RoPE positions restart at each document; `prefix` (B, S) bool with them: prompt tokens see each other.
+        With a `shard` (context parallelism), x holds this rank's S / cp positions of the sequence (its pieces, in
+        local order) while `document_ids` and `prefix` are the whole sequence's (B, shard.seq_len)."""
+        if shard is not None and cache is not None:
+            raise ValueError("attention: context parallelism (a SeqShard) is for training, without a KV cache")
         B, S, _ = x.shape
         pos = 0 if cache is None else cache.length
         q, k = self.wq(x), self.wk(x)  # (B, S, Hq·Dh) (Hq·2Dh with the output gate), (B, S, Hkv·Dh)
@@ -204,6 +339,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.q_scale is not None:
             q = q * self.q_scale
+        if shard is not None:
+            return self._output(self._attend_shard(q, k, v, shard, document_ids, prefix), gate)
         if document_ids is not None:
             if cache is not None:
                 raise ValueError("attention: document_ids are for training, without a KV cache")

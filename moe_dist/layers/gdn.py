@@ -19,6 +19,8 @@ from torch import nn
 from moe_dist.config import GDNConfig
 from moe_dist.layers.delta_rule import chunk_gated_delta_rule
 from moe_dist.layers.kernel_choice import Kernel, resolve, why_no_fla
+from moe_dist.parallel import state_passing as sp
+from moe_dist.parallel.context_parallel import SeqShard
 
 # Initial step size range, sampled log-uniformly per value head (fla's GatedDeltaNet, as Mamba-2), and the
 # range of A = exp(A_log) (Qwen3-Next: U(0.01, 16), kept away from 0 so log A is finite).
@@ -157,7 +159,17 @@ class GatedDeltaNet(nn.Module):
 
     def _mix(self, qkv, z, b, a, initial_state=None, reset=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Conv output qkv (B, conv_dim, L) after SiLU → (out (B, L, d_model), final state)."""
-        batch, seqlen = z.shape[:2]
+        q, k, v, g, beta = self._rule_inputs(qkv, b, a)
+        o, state = self.rule(q, k, v, g, beta, initial_state=initial_state, reset=reset)  # (B, L, Hv, dv)
+        return self._output(o, z), state
+
+    def _output(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """The rule's output o (B, L, Hv, dv) → gated norm with z → out_proj: (B, L, d_model)."""
+        return self.out_proj(self.norm(o, z).reshape(*o.shape[:2], self.value_dim))
+
+    def _rule_inputs(self, qkv, b, a):
+        """Conv output qkv (B, conv_dim, L) after SiLU, b and a (B, L, Hv) → the rule's q, k, v, g, β."""
+        batch, seqlen = b.shape[:2]
         q, k, v = qkv.transpose(1, 2).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         r = self.n_v_heads // self.n_k_heads
         q, k = (_l2norm(t.reshape(batch, seqlen, self.n_k_heads, self.head_k_dim)) for t in (q, k))
@@ -168,16 +180,24 @@ class GatedDeltaNet(nn.Module):
         compute = torch.promote_types(a.dtype, torch.float32)
         beta = torch.sigmoid(b.to(compute))  # (B, L, Hv)
         g = -torch.exp(self.A_log.to(compute)) * F.softplus(a.to(compute) + self.dt_bias.to(compute))
-        o, state = self.rule(q, k, v, g, beta, initial_state=initial_state, reset=reset)  # (B, L, Hv, dv)
-        o = self.norm(o, z).reshape(batch, seqlen, self.value_dim)
-        return self.out_proj(o), state
+        return q, k, v, g, beta
 
     def forward(
-        self, x: torch.Tensor, cache: Optional[GDNState] = None, document_ids: Optional[torch.Tensor] = None, **_
+        self,
+        x: torch.Tensor,
+        cache: Optional[GDNState] = None,
+        document_ids: Optional[torch.Tensor] = None,
+        shard: Optional[SeqShard] = None,
+        **_,
     ) -> torch.Tensor:
         """x (B, L, d_model) → (B, L, d_model). With a state (inference), x continues the sequence it holds.
         `document_ids` (B, L) int (packed documents): the conv window and the delta-rule state restart at each
-        document start. Other keywords (attention's prefix mask) do not apply: the layer stays causal."""
+        document start. With a `shard` (context parallelism), x is this rank's local pieces and document_ids the
+        WHOLE sequence's. Other keywords (attention's prefix mask) do not apply: the layer stays causal."""
+        if shard is not None:
+            if cache is not None:
+                raise ValueError("GatedDeltaNet: a context-parallel shard and an inference cache do not combine")
+            return self._forward_cp(x, shard, document_ids)
         if cache is not None:
             return self._forward_cached(x, cache)
         seqlen = x.shape[1]
@@ -191,6 +211,33 @@ class GatedDeltaNet(nn.Module):
             reset[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
         out, _ = self._mix(F.silu(qkv), z, b, a, reset=reset)
         return out
+
+    def _forward_cp(self, x: torch.Tensor, shard: SeqShard, document_ids: Optional[torch.Tensor]) -> torch.Tensor:
+        """Context parallelism by state passing (moe_dist/parallel/state_passing.py). The rule is linear in (v, S0):
+        o = o(v, 0) + o(0, S0) and S_end = F + T S0, T = Π α_t (I − β_t k_t k_tᵀ) (dk × dk, zero once a document
+        starts). One pass per piece computes all of it: v widened by dk zero columns and the state started at
+        [0 | I], so the extra columns carry T (final state) and qᵀ T_{≤t} (output) at the cost of dk more value
+        channels. The summaries [F | T] cross the CP group in one all-gather; each piece's true initial state S0
+        adds (qᵀ T_{≤t}) S0 to its outputs."""
+        K = self.conv1d.kernel_size[0]
+        qkv, z, b, a = self._project(sp.to_pieces(x))  # (2B, conv_dim, c), ...
+        window, window_ids = sp.conv_window(shard, qkv, K - 1, document_ids)
+        if window_ids is None:
+            qkv = F.conv1d(window, self.conv1d.weight, groups=self.conv_dim)
+        else:
+            qkv = _document_conv(window, self.conv1d.weight[:, 0], window_ids)[..., K - 1 :]
+        q, k, v, g, beta = self._rule_inputs(F.silu(qkv), b, a)
+        batch, seqlen, heads, dv = v.shape
+        dk = k.shape[-1]
+        compute = torch.promote_types(v.dtype, torch.float32)
+        eye = torch.eye(dk, dtype=compute, device=v.device).expand(batch, heads, dk, dk)
+        start = torch.cat([eye.new_zeros(batch, heads, dk, dv), eye], dim=-1)  # [0 | I]
+        wide = torch.cat([v, v.new_zeros(batch, seqlen, heads, dk)], dim=-1)
+        o, final = self.rule(q, k, wide, g, beta, initial_state=start, reset=sp.piece_resets(shard, document_ids))
+        o, qT = o.split([dv, dk], dim=-1)  # (2B, c, Hv, dv), (2B, c, Hv, dk)
+        S0 = sp.initial_states(shard, *sp.exchange(shard, *final.split([dv, dk], dim=-1)), sp.matrix)
+        o = o + torch.einsum("bthk,bhkv->bthv", qT.to(compute), S0).to(o.dtype)
+        return sp.from_pieces(self._output(o, z))
 
     def _forward_cached(self, x: torch.Tensor, state: GDNState) -> torch.Tensor:
         """The inference path: the conv continues from `state.conv`, the rule from `state.recurrent` (any number

@@ -142,6 +142,11 @@ FLASH_HEAD_DIMS = (16, 128)  # the head sizes our Triton kernel takes (kernels/f
 # mask carries the reason, which start-up prints as a warning. varlen and FlexAttention stay out: neither is
 # testable on CPU against SDPA, and a third implementation has to earn its place on hardware we can measure.
 # Off CUDA, "auto" is SDPA for every kind; "triton" is ours wherever it can run, and SDPA for windows.
+#
+# Under context parallelism (`attention_cp_choice`) each rank's queries are pieces of the sequence at a global
+# offset, attending to the gathered keys: SDPA's flash / cuDNN kernels take no query offset, so causal pieces take
+# what documents take (ours with `q_offset`, else SDPA with an explicit mask one query block at a time, never a
+# (S/cp x S) mask); the other kinds take what they take without CP.
 
 
 @dataclass(frozen=True)
@@ -165,6 +170,20 @@ def attention_choice(
     """Mask kind → the path `model.attention.impl` = `impl` takes for a layer built for `device` with heads of
     `head_dim`; a pure function of its arguments, `why_no_triton` being the probe's answer for that device
     (`why_no_triton(device)`). "triton" where ours cannot run is a one-line ValueError naming the key."""
+    return _attention_paths(impl, device, head_dim, why_no_triton, cp=False)
+
+
+def attention_cp_choice(
+    impl: str, device: torch.device | str, head_dim: int, why_no_triton: Optional[str]
+) -> dict[str, AttentionPath]:
+    """`attention_choice` for the context-parallel path (query pieces at a global offset against the gathered
+    keys): causal pieces take what documents take, since SDPA's own causal kernels take no query offset."""
+    return _attention_paths(impl, device, head_dim, why_no_triton, cp=True)
+
+
+def _attention_paths(
+    impl: str, device: torch.device | str, head_dim: int, why_no_triton: Optional[str], cp: bool
+) -> dict[str, AttentionPath]:
     _check_impl(impl, ATTENTION_KEY)
     device = torch.device(device)
     lo, hi = FLASH_HEAD_DIMS
@@ -174,19 +193,20 @@ def attention_choice(
             f"{ATTENTION_KEY}='triton': the Triton flash-attention kernel is not available: {why_not_ours}"
         )
     cuda = device.type == "cuda"
+    under = " under context parallelism" if cp else ""
 
     def sdpa(kind: str, why: str) -> AttentionPath:  # a masked kind on SDPA: slow on CUDA
-        slow = f"attention with {kind} takes SDPA with an explicit mask ({why})"
+        slow = f"attention with {kind}{under} takes SDPA with an explicit mask ({why})"
         return AttentionPath("sdpa", slow if cuda else None)
 
     window = sdpa("a sliding window shorter than the sequence", "no fast kernel here takes a sliding window")
     if impl == "triton" or (impl == "auto" and cuda and why_not_ours is None):
         ours = AttentionPath("triton")
-        causal = ours if impl == "triton" else AttentionPath("sdpa")
+        causal = ours if impl == "triton" or cp else AttentionPath("sdpa")
         return {"causal": causal, "documents": ours, "prefix": ours, "window": window}
     why = f"{ATTENTION_KEY}='torch'" if impl == "torch" else f"the Triton kernel cannot run: {why_not_ours}"
     return {
-        "causal": AttentionPath("sdpa"),
+        "causal": sdpa("a causal mask", why) if cp else AttentionPath("sdpa"),
         "documents": sdpa("documents", why),
         "prefix": sdpa("prefix-LM", why),
         "window": window,

@@ -14,11 +14,14 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from moe_dist.config import MambaConfig
 from moe_dist.layers.kernel_choice import Kernel, resolve
 from moe_dist.layers.norm import RMSNorm
 from moe_dist.layers.scan import selective_scan
+from moe_dist.parallel import state_passing as sp
+from moe_dist.parallel.context_parallel import SeqShard
 
 # Initial step size Δ range, sampled log-uniformly per channel (mamba_ssm: dt_min, dt_max, dt_init_floor).
 _DT_MIN, _DT_MAX, _DT_FLOOR = 1e-3, 1e-1, 1e-4
@@ -136,13 +139,23 @@ class Mamba(nn.Module):
         )
 
     def forward(
-        self, x: torch.Tensor, cache: Optional[MambaState] = None, document_ids: Optional[torch.Tensor] = None, **_
+        self,
+        x: torch.Tensor,
+        cache: Optional[MambaState] = None,
+        document_ids: Optional[torch.Tensor] = None,
+        shard: Optional[SeqShard] = None,
+        **_,
     ) -> torch.Tensor:
         """x (B, L, d_model) → (B, L, d_model). With a state (inference), x continues the sequence it holds.
         `document_ids` (B, L) int (packed documents): the conv and the SSM state restart at each document start.
+        With a `shard` (context parallelism), x is this rank's local pieces and document_ids the WHOLE sequence's.
         Other keywords (attention's prefix mask) do not apply: Mamba stays causal."""
         if cache is not None:
+            if shard is not None:
+                raise ValueError("Mamba: a context-parallel shard and an inference cache do not combine")
             return self._forward_recurrent(x, cache)
+        if shard is not None:
+            return self._forward_cp(x, shard, document_ids)
         seqlen = x.shape[1]
         x, z = self.in_proj(x).chunk(2, dim=-1)  # (B, L, Di) each
         reset = None
@@ -168,6 +181,48 @@ class Mamba(nn.Module):
             **({} if reset is None else {"reset": reset}),
         )  # (B, Di, L)
         return self.out_proj(y.transpose(1, 2))  # (B, L, d_model)
+
+    def _forward_cp(self, x: torch.Tensor, shard: SeqShard, document_ids: Optional[torch.Tensor]) -> torch.Tensor:
+        """Context parallelism by state passing (moe_dist/parallel/state_passing.py): both local pieces run from a
+        zero state, batched; their summaries (final state, decay product exp(A Σ Δ), zero once a document starts)
+        cross the CP group in one all-gather; each piece's true initial state h0 then adds C_t · (exp(A Σ_{s≤t} Δ_s)
+        ⊙ h0) to y_t up to the piece's first document start (the scan is linear in its initial state)."""
+        K = self.conv1d.kernel_size[0]
+        x, z = self.in_proj(sp.to_pieces(x)).chunk(2, dim=-1)  # (2B, c, Di) each
+        window, window_ids = sp.conv_window(shard, x.transpose(1, 2), K - 1, document_ids)
+        if window_ids is None:
+            x = F.conv1d(window, self.conv1d.weight, self.conv1d.bias, groups=self.d_inner)  # (2B, Di, c)
+        else:
+            x = self._document_conv(window, window_ids)[..., K - 1 :]
+        x = F.silu(x)
+        reset = sp.piece_resets(shard, document_ids)  # (2B, c) or None
+
+        dt, B, C, A = self._ssm_inputs(x.transpose(1, 2))
+        y, final = self.scan(
+            x,
+            dt.transpose(1, 2),
+            A,
+            B.transpose(1, 2),
+            C.transpose(1, 2),
+            D=self.D,
+            z=z.transpose(1, 2),
+            delta_bias=self.dt_proj.bias,
+            delta_softplus=True,
+            return_final_state=True,
+            **({} if reset is None else {"reset": reset}),
+        )  # (2B, Di, c), (2B, Di, N) fp32
+        compute = final.dtype
+        delta_sum = F.softplus(dt.to(compute) + self.dt_proj.bias.to(compute)).cumsum(1)  # (2B, c, Di): Σ_{s≤t} Δ_s
+        keep = None if reset is None else (reset.cumsum(1) == 0).to(compute)  # (2B, c): before the first start
+        decay = torch.exp(delta_sum[:, -1, :, None] * A)  # (2B, Di, N)
+        if keep is not None:
+            decay = decay * keep[:, -1, None, None]
+        h0 = sp.initial_states(shard, *sp.exchange(shard, final, decay), sp.diagonal)  # (2B, Di, N)
+        correction = _initial_state_outputs(C.to(compute), delta_sum, A, h0)  # (2B, c, Di)
+        if keep is not None:
+            correction = correction * keep[..., None]
+        y = y.transpose(1, 2) + (correction * F.silu(z.to(compute))).to(y.dtype)  # (2B, c, Di)
+        return sp.from_pieces(self.out_proj(y))  # (B, L, d_model)
 
     def _document_conv(self, x: torch.Tensor, document_ids: torch.Tensor) -> torch.Tensor:
         """The causal depthwise conv of x (B, Di, L) where tap j (input t - j) counts only when t - j is in t's
@@ -200,3 +255,20 @@ class Mamba(nn.Module):
         state.ssm = h
         y = (torch.stack(ys, dim=1) + self.D.to(compute) * u) * F.silu(z.to(compute))  # (B, L, Di)
         return self.out_proj(y.to(x.dtype))  # (B, L, d_model)
+
+
+def _initial_state_outputs(C: torch.Tensor, delta_sum: torch.Tensor, A: torch.Tensor, h0: torch.Tensor, block=64):
+    """The part of y_t an initial state h0 (B, Di, N) contributes: Σ_n C_tn exp(A_dn Σ_{s≤t} Δ_sd) h0_dn, (B, L, Di),
+    from C (B, L, N) and the running sums of Δ (B, L, Di). Computed over blocks of `block` steps, each recomputed
+    in backward (checkpoint), so that no (B, L, Di, N) tensor is kept: only the scan's size of work at a time."""
+
+    def part(C_b, delta_b):
+        return torch.einsum("bldn,bln->bld", torch.exp(delta_b[..., None] * A) * h0[:, None], C_b)
+
+    return torch.cat(
+        [
+            checkpoint(part, C_b, delta_b, use_reentrant=False)
+            for C_b, delta_b in zip(C.split(block, 1), delta_sum.split(block, 1))
+        ],
+        dim=1,
+    )

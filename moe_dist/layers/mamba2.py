@@ -21,6 +21,8 @@ from torch import nn
 from moe_dist.config import Mamba2Config, check_mamba2
 from moe_dist.layers.kernel_choice import Kernel, resolve, why_no_fla
 from moe_dist.layers.ssd import ssd_scan
+from moe_dist.parallel import state_passing as sp
+from moe_dist.parallel.context_parallel import SeqShard
 
 
 def scan_kernel(impl: str, device: torch.device | str = "cpu", chunk_size: int = 64, d_state: int = 128) -> Kernel:
@@ -147,11 +149,21 @@ class Mamba2(nn.Module):
         )
 
     def forward(
-        self, x: torch.Tensor, cache: Optional[Mamba2State] = None, document_ids: Optional[torch.Tensor] = None, **_
+        self,
+        x: torch.Tensor,
+        cache: Optional[Mamba2State] = None,
+        document_ids: Optional[torch.Tensor] = None,
+        shard: Optional[SeqShard] = None,
+        **_,
     ) -> torch.Tensor:
         """x (B, L, d_model) → (B, L, d_model). With a state (inference), x continues the sequence it holds and the
         state is updated. `document_ids` (B, L) int (packed documents, training): the conv window and the SSM
-        state restart at each document start. Other keywords (attention's prefix mask) do not apply."""
+        state restart at each document start. With a `shard` (context parallelism), x is this rank's local pieces
+        and document_ids the WHOLE sequence's. Other keywords (attention's prefix mask) do not apply."""
+        if shard is not None:
+            if cache is not None:
+                raise ValueError("Mamba2: a context-parallel shard and an inference cache do not combine")
+            return self._forward_cp(x, shard, document_ids)
         batch, seqlen, _ = x.shape
         z, xBC, dt = self.in_proj(x).split([self.d_inner, self.conv_dim, self.n_heads], dim=-1)
         xBC = xBC.transpose(1, 2)  # (B, conv_dim, L)
@@ -166,25 +178,50 @@ class Mamba2(nn.Module):
             xBC = _document_conv(xBC, self.conv1d.weight, self.conv1d.bias, document_ids)
             reset = torch.zeros_like(document_ids, dtype=torch.bool)  # (B, L): True at a document start
             reset[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
-        bc = (self.conv_dim - self.d_inner) // 2  # n_groups · d_state (under TP: this rank's part of it)
-        xs, B, C = F.silu(xBC).transpose(1, 2).split([self.d_inner, bc, bc], dim=-1)
-
-        # dt and A in at least fp32: under bf16 parameters the decays exp(dt A) would lose their spacing.
-        compute = torch.promote_types(x.dtype, torch.float32)
-        dt = F.softplus(dt.to(compute) + self.dt_bias.to(compute))  # (B, L, H)
-        if self.dt_limit is not None:
-            dt = dt.clamp(*self.dt_limit)
-        A = -torch.exp(self.A_log.to(compute))  # (H,)
+        xs, dt, A, B, C = self._ssm_inputs(xBC, dt)
         y, state = self.scan(
-            xs.unflatten(-1, (self.n_heads, self.head_dim)),
-            dt,
-            A,
-            B.unflatten(-1, (self.n_groups, -1)),
-            C.unflatten(-1, (self.n_groups, -1)),
-            D=self.D,
-            initial_state=None if cache is None else cache.ssm,
-            reset=reset,
+            xs, dt, A, B, C, D=self.D, initial_state=None if cache is None else cache.ssm, reset=reset
         )  # (B, L, H, P), (B, H, P, N)
         if cache is not None:
             cache.ssm = state
         return self.out_proj(self.norm(y.flatten(-2), z))  # (B, L, d_model)
+
+    def _ssm_inputs(self, xBC: torch.Tensor, dt: torch.Tensor):
+        """Conv output xBC (B, conv_dim, L) and dt (B, L, H) before its bias → the scan's x (B, L, H, P),
+        dt (B, L, H), A (H,), B and C (B, L, G, N)."""
+        bc = (self.conv_dim - self.d_inner) // 2  # n_groups · d_state (under TP: this rank's part of it)
+        xs, B, C = F.silu(xBC).transpose(1, 2).split([self.d_inner, bc, bc], dim=-1)
+        # dt and A in at least fp32: under bf16 parameters the decays exp(dt A) would lose their spacing.
+        compute = torch.promote_types(dt.dtype, torch.float32)
+        dt = F.softplus(dt.to(compute) + self.dt_bias.to(compute))  # (B, L, H)
+        if self.dt_limit is not None:
+            dt = dt.clamp(*self.dt_limit)
+        A = -torch.exp(self.A_log.to(compute))  # (H,)
+        groups = (self.n_groups, -1)
+        return xs.unflatten(-1, (self.n_heads, self.head_dim)), dt, A, B.unflatten(-1, groups), C.unflatten(-1, groups)
+
+    def _forward_cp(self, x: torch.Tensor, shard: SeqShard, document_ids: Optional[torch.Tensor]) -> torch.Tensor:
+        """Context parallelism by state passing (moe_dist/parallel/state_passing.py): both local pieces run from a
+        zero state, batched; their summaries (final state, per-head decay product exp(A Σ dt), zero once a document
+        starts) cross the CP group in one all-gather; each piece's true initial state h0 then adds
+        exp(A Σ_{s≤t} dt_s) · C_t h0 to y_t up to the piece's first document start (the scan is linear in h0)."""
+        K = self.conv1d.kernel_size[0]
+        z, xBC, dt = self.in_proj(sp.to_pieces(x)).split([self.d_inner, self.conv_dim, self.n_heads], dim=-1)
+        window, window_ids = sp.conv_window(shard, xBC.transpose(1, 2), K - 1, document_ids)
+        if window_ids is None:
+            xBC = F.conv1d(window, self.conv1d.weight, self.conv1d.bias, groups=self.conv_dim)  # (2B, conv_dim, c)
+        else:
+            xBC = _document_conv(window, self.conv1d.weight, self.conv1d.bias, window_ids)[..., K - 1 :]
+        reset = sp.piece_resets(shard, document_ids)  # (2B, c) or None
+        xs, dt, A, B, C = self._ssm_inputs(xBC, dt)
+        y, final = self.scan(xs, dt, A, B, C, D=self.D, reset=reset)  # (2B, c, H, P), (2B, H, P, N)
+        if C.shape[-1] != self.d_state:  # TP with n_groups < tp: this rank holds a slice of its heads' group's C
+            raise ValueError("context parallelism: under tensor parallelism, model.mamba2.n_groups must be >= tp")
+        compute = final.dtype
+        into = torch.exp((dt * A).cumsum(1))  # (2B, c, H): decay from the piece's entering state to step t
+        if reset is not None:
+            into = into * (reset.cumsum(1) == 0)[..., None]
+        h0 = sp.initial_states(shard, *sp.exchange(shard, final, into[:, -1, :, None, None]), sp.diagonal)
+        C_h = C.to(compute).repeat_interleave(self.n_heads // self.n_groups, dim=2)  # (2B, c, H, N)
+        y = y + (torch.einsum("bthn,bhpn->bthp", C_h, h0) * into[..., None]).to(y.dtype)
+        return sp.from_pieces(self.out_proj(self.norm(y.flatten(-2), z)))  # (B, L, d_model)

@@ -73,16 +73,22 @@ class _SelectiveScan(torch.autograd.Function):
     runs along contiguous rows of D, and reductions over dim are (1, D) @ (D, N) matrix products.
     exp(ΔA) is computed as 2^(Δ · A log2 e): torch's CPU exp2 is about 3x faster than exp, and this
     exponential is the costliest op of the scan.
+
+    `h_init` (B, N, D) or None: the state before the first step (it enters like any h_{t-1}: decayed by a_0, so a
+    document start at t = 0 drops it). Outputs y and the final state h_{L-1} (B, N, D); the final state's gradient
+    seeds λ at the last step, and the initial state's gradient is a_0 λ_0 (what λ passes to h_{-1}).
     """
 
     @staticmethod
-    def forward(ctx, u, delta, A, B, C, D, chunk_size: int, keep=None):
+    def forward(ctx, u, delta, A, B, C, D, chunk_size: int, keep=None, h_init=None):
         (batch, length, dim), state = u.shape, A.shape[1]
         T = max(1, min(chunk_size, length))
         A2 = A.t() * math.log2(math.e)  # (N, D)
         du = delta * u  # (B, L, D)
         y = u.new_empty(batch, length, dim)
-        h0 = u.new_zeros(-(-length // T), batch, state, dim)  # state entering each chunk: all backward keeps
+        h0 = u.new_zeros(max(1, -(-length // T)), batch, state, dim)  # state entering each chunk: all backward keeps
+        if h_init is not None:
+            h0[0].copy_(h_init)
         a_buf, h_buf = (u.new_empty(batch * T * state * dim) for _ in range(2))
         work = {}  # chunk length → buffer views and the scan's steps on them
         for n in {T, length % T or T}:
@@ -104,15 +110,17 @@ class _SelectiveScan(torch.autograd.Function):
             if c + 1 < len(h0):
                 h0[c + 1].copy_(h[:, -1])
             torch.matmul(C_c, h, out=y_c)
+        final = h[:, -1].clone() if chunks else h0[0].clone()
         if D is not None:
             y.addcmul_(u, D)
         ctx.save_for_backward(u, delta, du, A, B, C, D, h0, keep)
         ctx.chunk_size = T
-        return y
+        ctx.has_init = h_init is not None
+        return y, final
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, dy):
+    def backward(ctx, dy, d_final):
         u, delta, du, A, B, C, D, h0, keep = ctx.saved_tensors
         (batch, length, dim), state, T = u.shape, A.shape[1], ctx.chunk_size
         A_t = A.t().contiguous()  # (N, D)
@@ -129,7 +137,8 @@ class _SelectiveScan(torch.autograd.Function):
             a_ext = _chunk_views(a_buf, batch, n + 1, state, dim)
             x, s = (_chunk_views(buf, batch, n, state, dim) for buf in (x_buf, s_buf))
             work[n] = a_ext[:, :n], x, s, _scan_steps(a_ext[:, :n], x, False, s), _scan_steps(a_ext[:, 1:], x, True)
-        lam_in = u.new_zeros(batch, state, dim)  # a_{t1} λ_{t1} flowing back from the chunk after this one
+        # a_{t1} λ_{t1} flowing back from the chunk after this one; past the last chunk, the final state's gradient
+        lam_in = u.new_zeros(batch, state, dim) if d_final is None else d_final.clone()
         d_u, d_delta, dB, dC = (torch.empty_like(t) for t in (u, u, B, C))
         dA_t = torch.zeros_like(A_t)
         chunks = _chunks(T, u, delta, du, B, C, dy, d_u, d_delta, dB, dC, _keep_views(keep, u))
@@ -165,7 +174,9 @@ class _SelectiveScan(torch.autograd.Function):
         if D is not None:
             d_u.addcmul_(dy, D)
             dD = torch.mul(dy, u).sum((0, 1))
-        return d_u, d_delta, dA_t.t(), dB, dC, dD, None, None
+        # After chunk 0, lam_in = a_0 λ_0: the gradient of h_{-1}, the initial state (d_final itself if L = 0).
+        d_init = lam_in if ctx.has_init else None
+        return d_u, d_delta, dA_t.t(), dB, dC, dD, None, None, d_init
 
 
 def _keep_views(keep: Optional[torch.Tensor], u: torch.Tensor) -> torch.Tensor:
@@ -188,7 +199,9 @@ def selective_scan(
     delta_softplus: bool = False,
     chunk_size: int = 64,
     reset: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
+    initial_state: Optional[torch.Tensor] = None,
+    return_final_state: bool = False,
+):
     """Mamba-1 selective scan with the semantics and argument layout of `selective_scan_ref`.
 
     Shapes: u, delta, z: (batch, dim, seqlen); A: (dim, state); B, C: (batch, state, seqlen);
@@ -196,7 +209,9 @@ def selective_scan(
     `chunk_size` is the number of timesteps per chunk; it sets the size of the (batch, chunk, state, dim)
     buffers, and with it the trade between cache misses (large chunks) and Python overhead (many chunks).
     The result does not depend on it; any seqlen works. `reset` (batch, seqlen) bool: the state is zeroed before
-    the steps where it is True (document starts of packed sequences).
+    the steps where it is True (document starts of packed sequences). `initial_state` (batch, dim, state) or None
+    (zeros): h before the first step. With `return_final_state`, returns (y, final state (batch, dim, state) in the
+    compute dtype); gradients reach both the initial state and through the final state.
     """
     if chunk_size < 1:
         raise ValueError(f"selective_scan: chunk_size must be positive, got {chunk_size}")
@@ -216,7 +231,9 @@ def selective_scan(
     D = D.to(compute) if D is not None else None
     z_t = None if z is None else z.transpose(1, 2).to(compute)  # (B, L, D)
     keep = None if reset is None else (~reset).to(compute).contiguous()  # (B, L)
-    y = _SelectiveScan.apply(u_t, delta_t, A.contiguous(), B_t, C_t, D, chunk_size, keep)  # (B, L, D)
+    h_init = None if initial_state is None else initial_state.to(compute).transpose(1, 2)  # (B, N, D)
+    y, final = _SelectiveScan.apply(u_t, delta_t, A.contiguous(), B_t, C_t, D, chunk_size, keep, h_init)
     if z_t is not None:
         y = y * F.silu(z_t)
-    return y.transpose(1, 2).to(out_dtype)
+    y = y.transpose(1, 2).to(out_dtype)  # (B, D, L)
+    return (y, final.transpose(1, 2)) if return_final_state else y

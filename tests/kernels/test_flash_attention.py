@@ -15,7 +15,8 @@ from moe_dist.kernels.reference import flash_attention_ref
 
 from moe_dist.config import AttentionConfig
 from moe_dist.layers.attention import Attention, _sdpa, attention_kernels
-from moe_dist.layers.kernel_choice import ATTENTION_MASKS, attention_choice
+from moe_dist.layers.kernel_choice import ATTENTION_MASKS, attention_choice, attention_cp_choice
+from moe_dist.parallel.context_parallel import SeqShard
 
 ON_CUDA = os.environ.get("MOE_DIST_KERNEL_DEVICE") == "cuda"
 F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
@@ -220,3 +221,79 @@ def test_what_auto_takes_on_cuda_equals_sdpa_for_each_mask_kind(kind, device):
     )
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
         torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-5, msg=f"{kind} {name}")
+
+
+# A slice of queries (context parallelism): (q_offset, queries, keys) of a 100-position sequence: a head piece, a
+# middle piece starting and ending inside tiles, a tail piece; keys up to the slice's end (all of them with prefix).
+SLICES = [(0, 25, 25), (37, 45, 82), (75, 25, 100)]
+
+
+@pytest.mark.parametrize("kind", ["causal", "documents", "prefix"])
+@pytest.mark.parametrize("q_offset, m, n", SLICES, ids=str)
+def test_query_slice_matches_sdpa_with_dense_mask(q_offset, m, n, kind, device):
+    """Queries at positions q_offset .. q_offset + m − 1 against keys 0 .. n − 1, document ids over the whole
+    sequence (no dense mask): output and gradients equal those rows of the whole-sequence SDPA with the dense mask
+    written out (fp32, grouped heads; documents cross the slice's edges and tiles)."""
+    S = 100
+    q, k, v, grad = inputs((1, 4, 2, S, 16), F32, device, seed=5)
+    docs, prefix = _packed(1, S, seed=2)
+    if kind == "prefix":
+        n = S  # a prompt can see prompt keys after it
+    masks = {"causal": {}, "documents": dict(document_ids=docs), "prefix": dict(document_ids=docs, prefix=prefix)}
+    masks = {name: t.to(device) for name, t in masks[kind].items()}
+    rows = slice(q_offset, q_offset + m)
+    allowed = torch.ones(S, S, dtype=torch.bool).tril()
+    if kind != "causal":
+        allowed = _allowed(docs, prefix if kind == "prefix" else torch.zeros_like(prefix), None)
+    allowed = allowed.to(device)
+
+    def dense(q, k, v):  # whole sequence, dense mask; gradients reach only through the slice's rows
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
+        return out[:, :, rows]
+
+    def sliced(q, k, v):
+        return flash_attention(q[:, :, rows], k[:, :, :n], v[:, :, :n], q_offset=q_offset, **masks)
+
+    got = run(sliced, q, k, v, grad[:, :, rows])
+    want = run(dense, q, k, v, grad[:, :, rows])
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-5, msg=f"{kind} {name}")
+
+
+def test_query_slice_inputs_raise(device):
+    q, kv = torch.zeros(1, 2, 5, 16, device=device), torch.zeros(1, 2, 9, 16, device=device)
+    with pytest.raises(ValueError, match="document_ids must be"):  # shorter than the keys
+        flash_attention(q, kv, kv, q_offset=4, document_ids=torch.zeros(1, 8, dtype=torch.long, device=device))
+    with pytest.raises(ValueError, match="q_offset must be"):
+        flash_attention(q, kv, kv, q_offset=-1)
+
+
+@pytest.mark.parametrize("kind", ATTENTION_MASKS)
+def test_what_auto_takes_on_cuda_under_cp_equals_the_whole_sequence(kind, device):
+    """The context-parallel path as "auto" builds it on CUDA (`attention_cp_choice`: ours with a query offset, or
+    SDPA by query blocks for windows), on a one-rank SeqShard (two pieces: the second's queries at offset S/2
+    against all keys): output and gradients equal the layer without CP on SDPA (fp32, grouped heads, documents)."""
+    choice = attention_cp_choice("auto", "cuda", 16, None)[kind]
+    cfg = dict(n_heads=4, n_kv_heads=2, head_dim=16, mask="prefix", sliding_window=6 if kind == "window" else None)
+    torch.manual_seed(0)
+    ref = Attention(32, AttentionConfig(**cfg, impl="torch"), init_std=0.5, n_layers=2).to(device)
+    layer = Attention(32, AttentionConfig(**cfg, impl="triton" if choice.name == "triton" else "torch"), 0.5, 2)
+    layer = layer.to(device)
+    layer.load_state_dict(ref.state_dict())
+    assert layer.cp_kernels[kind].name == ("triton" if choice.name == "triton" else "torch")
+    S = 48
+    docs = torch.tensor([[0] * 5 + [1] * 17 + [2] * 2 + [3] * 24, [0] * 30 + [1] * 18], device=device)
+    prefix = torch.zeros_like(docs, dtype=torch.bool)
+    prefix[0, :3], prefix[0, 5:12], prefix[1, :10], prefix[1, 30:31] = True, True, True, True
+    masks = {} if kind in ("causal", "window") else {"document_ids": docs}
+    if kind == "prefix":
+        masks["prefix"] = prefix
+    x = torch.randn(2, S, 32, device=device)
+    got, want = [], []
+    for model, shard, out in ((layer, SeqShard(None, 1, 0, S), got), (ref, None, want)):
+        xs = x.clone().requires_grad_(True)
+        y = model(xs, shard=shard, **masks)
+        y.square().sum().backward()
+        out += [y, xs.grad, *(p.grad for p in model.parameters())]
+    for i, (a, b) in enumerate(zip(got, want)):
+        torch.testing.assert_close(a, b, rtol=5e-5, atol=5e-5, msg=f"{kind} tensor {i}")

@@ -13,7 +13,7 @@ from moe_dist.kernels.reference import flash_attention_ref, permute_tokens_ref, 
 
 import moe_dist.layers.kernel_choice as impl
 from moe_dist.config import AttentionConfig, load_config
-from moe_dist.layers.attention import Attention, _sdpa, attention_kernel
+from moe_dist.layers.attention import Attention, _sdpa, _sdpa_offset, attention_kernel
 from moe_dist.layers.experts import grouped_mm_unfit
 from moe_dist.layers.mamba import scan_kernel
 from moe_dist.layers.permutation import Permutation, permute_rows, unpermute_rows
@@ -219,6 +219,33 @@ def test_ours_is_never_chosen_where_it_cannot_take_the_mask(impl_name, device, w
         assert why_no_triton is None and 16 <= head_dim <= 128
 
 
+def test_what_context_parallel_attention_takes_for_each_mask_kind():
+    """Under CP, causal pieces (queries at an offset) take what documents take: ours on CUDA with "auto" where it
+    runs, else SDPA with an explicit mask, slow on CUDA with its reason; the other kinds are as without CP."""
+    auto = impl.attention_cp_choice("auto", "cuda", 64, None)
+    assert auto == {"causal": OURS, "documents": OURS, "prefix": OURS, "window": auto["window"]}
+    assert auto["window"].name == "sdpa" and "under context parallelism" in auto["window"].slow
+    assert impl.attention_cp_choice("triton", "cpu", 64, None) == {
+        "causal": OURS,
+        "documents": OURS,
+        "prefix": OURS,
+        "window": SDPA,
+    }
+    for why, head_dim in ((NO_TRITON, 64), (None, 256)):
+        slow = impl.attention_cp_choice("auto", "cuda", head_dim, why)
+        assert {p.name for p in slow.values()} == {"sdpa"} and set(slow_kinds(slow)) == set(impl.ATTENTION_MASKS)
+        assert slow["causal"].slow.startswith(
+            "attention with a causal mask under context parallelism takes SDPA with an explicit mask (the Triton"
+        )
+    torch_cuda = impl.attention_cp_choice("torch", "cuda", 64, None)
+    assert "(model.attention.impl='torch')" in torch_cuda["causal"].slow
+    for device in ("cpu", "meta"):
+        for impl_name in ("auto", "torch"):
+            assert impl.attention_cp_choice(impl_name, device, 64, None) == dict.fromkeys(impl.ATTENTION_MASKS, SDPA)
+    with pytest.raises(ValueError, match="model.attention.impl='triton': the Triton flash-attention kernel is not"):
+        impl.attention_cp_choice("triton", "cuda", 256, None)
+
+
 def test_the_layer_takes_the_kernel_of_each_mask_kind(no_interpreter):
     """The Attention layer built for CUDA: ours for documents and prefix-LM, SDPA for causal and windows."""
     from moe_dist.kernels.flash_attention import flash_attention
@@ -234,6 +261,15 @@ def test_the_layer_takes_the_kernel_of_each_mask_kind(no_interpreter):
     }
     cpu = Attention(64, cfg, init_std=0.02, n_layers=2, device="cpu")
     assert {k.fn for k in cpu.kernels.values()} == {_sdpa} and cpu.implementations == {"attention": "sdpa"}
+    # the context-parallel path: ours (with a query offset) for causal, documents and prefix; SDPA for windows
+    assert {kind: k.name for kind, k in layer.cp_kernels.items()} == {
+        "causal": "triton",
+        "documents": "triton",
+        "prefix": "triton",
+        "window": "torch",
+    }
+    assert layer.cp_kernels["window"].fn is _sdpa_offset
+    assert {k.fn for k in cpu.cp_kernels.values()} == {_sdpa_offset}
 
 
 def test_grouped_gemm_fallbacks_on_cuda():

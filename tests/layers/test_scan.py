@@ -205,3 +205,51 @@ def test_fp32_gradients_match_fp64_reference():
         torch.testing.assert_close(
             g.double(), g_ref, rtol=1e-4, atol=1e-5 * scale, msg=lambda m, name=name: f"grad of {name}: {m}"
         )
+
+
+@pytest.mark.parametrize(
+    "seqlen, chunk_size, with_reset", [(1, 16, False), (23, 5, False), (40, 16, False), (23, 5, True), (40, 16, True)]
+)
+def test_initial_and_final_state_match_reference(seqlen, chunk_size, with_reset):
+    """initial_state / return_final_state: outputs, final state and every gradient (the initial state's included,
+    and gradients through the final state) equal the sequential oracle's; a reset at t = 0 drops the initial state."""
+    inputs = make_inputs(seqlen, seed=7)
+    g = torch.Generator().manual_seed(8)
+    inputs["initial_state"] = torch.randn(BATCH, DIM, STATE, generator=g, dtype=torch.float64)
+    if with_reset:
+        reset = torch.rand(BATCH, seqlen, generator=g) < 0.2
+        reset[:, 0] = torch.tensor([True, False])  # batch row 0 drops its initial state, row 1 keeps it
+        inputs["reset"] = reset
+    leaves = {k: v.requires_grad_() for k, v in inputs.items() if k != "reset"}
+    grad_y = torch.randn(BATCH, DIM, seqlen, generator=g, dtype=torch.float64)
+    grad_h = torch.randn(BATCH, DIM, STATE, generator=g, dtype=torch.float64)
+    outs = {}
+    for name, scan, kw in (("ref", selective_scan_ref, {}), ("torch", selective_scan, {"chunk_size": chunk_size})):
+        y, h = scan(**inputs, delta_softplus=True, return_final_state=True, **kw)
+        assert h.shape == (BATCH, DIM, STATE)
+        grads = torch.autograd.grad((y, h), list(leaves.values()), (grad_y, grad_h))
+        outs[name] = (y, h, *grads)
+    for name, got, want in zip(("y", "final", *leaves), outs["torch"], outs["ref"]):
+        assert want.abs().sum() > 0, name
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10, msg=lambda m, name=name: f"{name}: {m}")
+    if with_reset:
+        assert outs["ref"][2 + list(leaves).index("initial_state")][0].abs().max() == 0  # reset at t = 0
+
+
+def test_split_run_composes_into_whole_run():
+    """A run split in two, the second half started from the first half's final state, equals the whole run:
+    outputs and every gradient (the final state's gradient reaching the first half through the initial state)."""
+    inputs = make_inputs(37, seed=9)
+    leaves = [v.requires_grad_() for v in inputs.values()]
+    grad_y = torch.randn(BATCH, DIM, 37, dtype=torch.float64)
+    y = selective_scan(**inputs, delta_softplus=True, chunk_size=8)
+    whole = torch.autograd.grad(y, leaves, grad_y)
+    cut = 15
+    first = {k: (v[..., :cut] if v.dim() == 3 and k != "A" else v) for k, v in inputs.items()}
+    second = {k: (v[..., cut:] if v.dim() == 3 and k != "A" else v) for k, v in inputs.items()}
+    y1, h1 = selective_scan(**first, delta_softplus=True, chunk_size=8, return_final_state=True)
+    y2 = selective_scan(**second, delta_softplus=True, chunk_size=8, initial_state=h1)
+    torch.testing.assert_close(torch.cat([y1, y2], dim=-1), y, rtol=1e-12, atol=1e-12)
+    split = torch.autograd.grad(torch.cat([y1, y2], dim=-1), leaves, grad_y)
+    for name, g, g_ref in zip(INPUT_NAMES, split, whole):
+        torch.testing.assert_close(g, g_ref, rtol=1e-10, atol=1e-11, msg=lambda m, name=name: f"grad of {name}: {m}")

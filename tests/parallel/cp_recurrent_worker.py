@@ -1,0 +1,87 @@
+"""Worker for test_cp_recurrent.py, run as `torchrun --nproc_per_node 4 cp_recurrent_worker.py OUT_DIR`.
+
+Every rank builds the same tiny recurrent mixer (Mamba-1, Mamba-2, Gated DeltaNet; fp64), runs the whole sequence
+in one process (the reference: the mixer without a shard), then its local pieces with a SeqShard over a CP group
+of 2 (ranks {0, 1} and {2, 3}) or 4, and compares outputs, the input's gradient and every parameter's gradient
+(summed over the CP group) with the reference. Documents off and on; the document ids put a boundary exactly at a
+piece edge, make a piece one whole document, and start a document inside a piece; with cp = 4 the pieces (2 or 1
+positions) are shorter than d_conv − 1 = 3. Each rank writes OUT_DIR/rank<R>.json: {case: [max output error,
+max input-gradient error, max parameter-gradient error, max reference magnitude]}. One world runs every case.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from moe_dist.config import GDNConfig, Mamba2Config, MambaConfig
+from moe_dist.layers.gdn import GatedDeltaNet
+from moe_dist.layers.mamba import Mamba
+from moe_dist.layers.mamba2 import Mamba2
+from moe_dist.parallel.context_parallel import SeqShard
+
+D_MODEL, BATCH = 8, 2
+# Document starts: row 0 at 4, 8, 13; row 1 at 6 (cut to the sequence length).
+DOCS = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 2, 3, 3, 3], [0] * 6 + [1] * 10])
+
+
+def build(kind: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if kind == "mamba":
+        layer = Mamba(D_MODEL, MambaConfig(d_state=4, chunk_size=4, impl="torch"), 1e-5, 0.3)
+    elif kind == "mamba2":
+        cfg = Mamba2Config(d_state=4, head_dim=4, n_groups=2, chunk_size=4, impl="torch")
+        layer = Mamba2(D_MODEL, cfg, 1e-5, 0.3)
+    else:
+        cfg = GDNConfig(n_k_heads=2, n_v_heads=4, head_k_dim=4, head_v_dim=4, chunk_size=4, impl="torch")
+        layer = GatedDeltaNet(D_MODEL, cfg, 1e-5, 0.3)
+    layer.init_weights()
+    with torch.no_grad():  # larger steps than the init's, so states decay visibly within a piece
+        for name, p in layer.named_parameters():
+            if "bias" in name and ("dt" in name):
+                p.add_(2.0)
+    return layer.double()
+
+
+def run(layer, x, weight, **kw):
+    """Forward, loss Σ out · weight, backward: output, input gradient, parameter gradients."""
+    layer.zero_grad()
+    x = x.detach().requires_grad_()
+    out = layer(x, **kw)
+    (out * weight).sum().backward()
+    return out.detach(), x.grad, {n: p.grad.clone() for n, p in layer.named_parameters()}
+
+
+def main(out_dir: Path) -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    groups = {2: [dist.new_group([0, 1]), dist.new_group([2, 3])], 4: [dist.new_group([0, 1, 2, 3])]}
+    results = {}
+    for kind in ("mamba", "mamba2", "gdn"):
+        layer = build(kind)
+        for cp, seqlen in ((2, 16), (4, 16), (4, 8)):
+            group = groups[cp][rank // cp]
+            shard = SeqShard(group, cp, rank % cp, seqlen)
+            g = torch.Generator().manual_seed(seqlen)
+            x = torch.randn(BATCH, seqlen, D_MODEL, generator=g, dtype=torch.float64)
+            weight = torch.randn(BATCH, seqlen, D_MODEL, generator=g, dtype=torch.float64)
+            for docs in (None, DOCS[:, :seqlen]):
+                ref_out, ref_dx, ref_grads = run(layer, x, weight, document_ids=docs)
+                out, dx, grads = run(layer, shard.local(x), shard.local(weight), document_ids=docs, shard=shard)
+                for grad in grads.values():
+                    dist.all_reduce(grad, group=group)
+                param_err = max((grads[n] - ref_grads[n]).abs().max().item() for n in ref_grads)
+                results[f"{kind}_cp{cp}_s{seqlen}_{'docs' if docs is not None else 'nodocs'}"] = [
+                    (out - shard.local(ref_out)).abs().max().item(),
+                    (dx - shard.local(ref_dx)).abs().max().item(),
+                    param_err,
+                    ref_out.abs().max().item(),
+                ]
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
