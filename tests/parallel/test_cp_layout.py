@@ -104,6 +104,19 @@ def test_a_mixer_without_a_shard_aware_forward_is_refused(kind):
         model(torch.zeros(1, 4, dtype=torch.long), shard=SeqShard(None, 2, 0, 8))
 
 
+def test_the_model_refuses_a_cache_or_a_whole_sequence_under_cp():
+    """With a shard the model takes this rank's S / cp positions and no inference cache (refused before any
+    collective, so one process shows it)."""
+    cfg = _cfg("model.mixer_pattern=A", "model.ffn_pattern=E", 'model.layers=["moe","mlp"]', "model.n_layers=2")
+    model = Decoder(cfg.model)
+    model.to_empty(device="cpu")
+    shard = SeqShard(None, 2, 0, 8)
+    with pytest.raises(ValueError, match="4 local positions expected, got 8"):
+        model(torch.zeros(1, 8, dtype=torch.long), shard=shard)
+    with pytest.raises(ValueError, match="no inference cache"):
+        model(torch.zeros(1, 4, dtype=torch.long), model.new_cache(1, 8), shard=shard)
+
+
 def test_an_ffn_only_model_runs_under_cp():
     cfg = _cfg("model.mixer_pattern=A", "model.ffn_pattern=E", 'model.layers=["moe","mlp"]', "model.n_layers=2")
     check_context_parallel(cfg.model, 4)
