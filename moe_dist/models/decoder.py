@@ -205,9 +205,8 @@ class Decoder(nn.Module):
             if cache is not None:
                 raise ValueError("context parallelism: no inference cache (generate runs with parallel.cp=1)")
             if tokens.shape[1] * shard.size != shard.seq_len:
-                raise ValueError(
-                    f"context parallelism: {shard.seq_len // shard.size} local positions expected, got {tokens.shape[1]}"
-                )
+                expected = shard.seq_len // shard.size
+                raise ValueError(f"context parallelism: {expected} local positions expected, got {tokens.shape[1]}")
             for block in self.blocks:
                 if block.mixer is not None and not takes_shard(type(block.mixer)):
                     raise ValueError(f"context parallelism: {type(block.mixer).__name__} has no shard-aware forward")

@@ -1,11 +1,12 @@
 """Context parallelism end to end under DeepSpeed: a CP run equals one process step by step (losses, clipped-gradient
-norms, tokens and drops per expert, the aux loss) and at the end (parameters and Adam moments), with capacity drops
-and packed documents on and off; CP beside TP and beside EP (EP spanning the CP ranks); a cp = 2 checkpoint resumed
-by one process.
+norms, tokens and drops per expert, the LM, aux and z losses, router entropy) and at the end (parameters and Adam
+moments), on a hybrid of every mixer kind with capacity drops, packed documents on and off: cp = 2 and cp = 4,
+cp = 2 × tp = 2, cp = 2 × ep = 2 (dp = 1: EP spans the CP ranks), and a cp = 2 checkpoint resumed by one process.
 
-The model is configs/debug.json with the mixers left out (two MoE and two dense FFN layers: tokens meet only in the
-router's per-micro-batch statistics, its capacity and drop order, and the loss normalisation), which is what CP
-must keep independent of the layout whatever the mixers do. The mixers' own CP paths are proved by their tests."""
+The hybrid is configs/debug.json's sizes with one layer of each mixer (attention, Mamba-1, Mamba-2, Gated
+DeltaNet) and two MoE layers; sequences of 32 positions are pieces of 8 (cp = 2) or 4 (cp = 4). The mixers' layer
+tests (test_cp_attention.py, test_cp_recurrent.py) cover the adversarial document layouts (a boundary at a piece
+edge, a piece that is one whole document, pieces shorter than d_conv − 1); here the data's own documents."""
 
 from __future__ import annotations
 
@@ -16,10 +17,17 @@ import pytest
 from support import E2E_BASE, E2E_CONFIG, E2E_SAVE, E2E_STEPS, train_records
 
 ATOL_OF_SCALE = 3e-4  # as test_ep_e2e.py: summation order differs between layouts
-FFN_ONLY = [
+HYBRID = [  # support.E2E_MODES["hybrid"] with Mamba-1 too, and two Mamba-2 groups (CP × TP needs n_groups >= tp)
     "model.mixer_pattern=A",
     "model.ffn_pattern=E",
-    'model.layers=["moe","mlp","moe","mlp"]',
+    'model.layers=["attention+moe","mamba1+mlp","mamba2+moe","gdn+mlp"]',
+    "model.mamba2.head_dim=16",
+    "model.mamba2.d_state=16",
+    "model.mamba2.chunk_size=16",
+    "model.mamba2.n_groups=2",
+    "model.gdn.head_k_dim=16",
+    "model.gdn.head_v_dim=16",
+    "model.gdn.chunk_size=16",
 ]
 MODES = {  # capacity drops (debug.json's capacity_factor 1.25) in both; packed documents in one
     "capacity": [],
@@ -27,9 +35,10 @@ MODES = {  # capacity drops (debug.json's capacity_factor 1.25) in both; packed 
 }
 LAYOUTS = {  # (world, cp, tp, ep, mode)
     (2, 2, 1, 1, "documents"): "torchrun",
-    (4, 4, 1, 1, "capacity"): "torchrun",
-    (4, 2, 2, 1, "documents"): "torchrun",
     (2, 2, 1, 2, "capacity"): "torchrun",  # dp = 1: the expert-parallel group is the CP group
+    (4, 4, 1, 1, "capacity"): "torchrun",
+    (4, 4, 1, 1, "documents"): "torchrun",
+    (4, 2, 2, 1, "documents"): "torchrun",
 }
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
@@ -44,7 +53,7 @@ def _args(run_dir, mode: str, cp: int, tp: int, ep: int, *extra: str) -> list[st
         *extra,
         "--set",
         *E2E_BASE,
-        *FFN_ONLY,
+        *HYBRID,
         *MODES[mode],
         f"parallel.cp={cp}",
         f"parallel.tp={tp}",
