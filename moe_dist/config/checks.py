@@ -165,6 +165,12 @@ def _check_context_parallel(cfg: JobConfig) -> None:
         "would need every piece's scores); use 'position' or capacity_factor=null",
     )
     _check(not t.compile, "train.compile: not supported with parallel.cp > 1 (CP exchanges run inside the mixers)")
+    tp, m2 = cfg.parallel.tp, cfg.model.mamba2
+    _check(
+        tp == 1 or not cfg.model.has_kind("mamba2") or m2.n_groups >= tp,
+        f"model.mamba2.n_groups: {m2.n_groups} < parallel.tp={tp} is not supported with parallel.cp > 1 (a rank "
+        f"would hold part of a B/C group, whose state the pieces pass)",
+    )
 
 
 def _check_plan(p: PlanConfig) -> None:

@@ -77,6 +77,11 @@ def test_ep_may_span_dp_and_cp():
         (["parallel.cp=2", "model.moe.drop_policy=probability"], r"^model\.moe\.drop_policy: 'probability' is not"),
         (["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"], r"^parallel\.sequence_parallel: "),
         (["parallel.cp=2", "train.compile=true"], r"^train\.compile: not supported with parallel\.cp > 1"),
+        (
+            ["parallel.cp=2", "parallel.tp=2", 'model.layers=["mamba2+moe","moe"]', "model.n_layers=2"]
+            + ["model.mixer_pattern=A", "model.ffn_pattern=E", "model.mamba2.head_dim=16", "model.mamba2.n_groups=1"],
+            r"^model\.mamba2\.n_groups: 1 < parallel\.tp=2 is not supported with parallel\.cp > 1",
+        ),
     ],
 )
 def test_config_refusals(overrides, message):
