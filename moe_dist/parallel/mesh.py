@@ -136,14 +136,14 @@ def ep_layout(dp: int, ep: int) -> tuple[list[list[int]], list[list[int]]]:
 
 def layout_groups(dp: int, ep: int, tp: int, etp: int | None = None, cp: int = 1) -> dict[str, list[list[int]]]:
     """Every group of the layout as lists of global ranks (rank = (dp_rank · cp + cp_rank) · tp + tp_rank); pure
-    index math. "dp" is the replica group of each tp_rank (dp × cp ranks: ZeRO's), "cp" the CP groups.
+    index math. "dp" is the replica group of each tp_rank (dp × cp ranks: ZeRO's), "cp" the CP groups (cp > 1).
     etp (default tp): experts split over TP, EP inside each tp_rank's replicas; 1: EP over consecutive ranks."""
     cp_groups = [[(d * cp + c) * tp + t for c in range(cp)] for d in range(dp) for t in range(tp)]
     dp = dp * cp  # from here on: replicas, indexed by dp_rank · cp + cp_rank
     groups = {
         "tp": [[d * tp + t for t in range(tp)] for d in range(dp)],
         "dp": [[d * tp + t for d in range(dp)] for t in range(tp)],
-        "cp": cp_groups,
+        **({"cp": cp_groups} if cp > 1 else {}),
     }
     if etp == 1 and tp > 1:
         groups["ep"], groups["edp"] = ep_layout(dp * tp, ep)

@@ -38,8 +38,8 @@ def test_cp_groups_sit_between_tp_and_dp():
 
 
 def test_without_cp_the_layout_is_unchanged():
-    assert layout_groups(4, 2, 2) == {**layout_groups(4, 2, 2, None, cp=1)}
-    assert layout_groups(4, 2, 2)["cp"] == [[r] for r in range(8)]
+    g = layout_groups(4, 2, 2, None, cp=1)
+    assert "cp" not in g and g["dp"] == [[0, 2, 4, 6], [1, 3, 5, 7]] and g["ep"] == [[0, 2], [4, 6], [1, 3], [5, 7]]
 
 
 def _cfg(*overrides: str):
