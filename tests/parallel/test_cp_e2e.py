@@ -77,13 +77,16 @@ def cp_runs(tmp_path_factory, run_train):
 
 
 def _same_drops(got: list[dict], ref: list[dict], first_step: int = 1) -> None:
-    """Drops per expert (the capacity and drop order are the whole micro-batch's) and the aux loss, every step."""
+    """Drops per expert (the capacity and drop order are the whole micro-batch's), the LM, aux and z losses and the
+    router entropy, every step; the validation loss where it was computed."""
     got, ref = train_records(got), [r for r in train_records(ref) if r["step"] >= first_step]
     assert [r["step"] for r in got] == [r["step"] for r in ref]
     for g, r in zip(got, ref):
         assert g["aux_loss"] == pytest.approx(r["aux_loss"], rel=1e-5), g["step"]
         assert g["z_loss"] == pytest.approx(r["z_loss"], rel=1e-5), g["step"]
         assert g["lm_loss"] == pytest.approx(r["lm_loss"], rel=1e-5), g["step"]
+        if "eval_loss" in r:  # the last step's validation pass: its micro-batches split over the CP ranks too
+            assert g["eval_loss"] == pytest.approx(r["eval_loss"], rel=1e-5), g["step"]
         for lg, lr in zip(g["moe"], r["moe"], strict=True):
             assert lg["dropped_per_expert"] == lr["dropped_per_expert"], g["step"]
             assert lg["router_entropy"] == pytest.approx(lr["router_entropy"], rel=1e-5), g["step"]
@@ -97,6 +100,7 @@ def test_cp_run_equals_one_process(cp_runs, metrics, same_trajectory, same_final
     got, ref = metrics(cp_runs[layout]), metrics(cp_runs[mode])
     same_trajectory(got, ref)
     _same_drops(got, ref)
+    assert "eval_loss" in train_records(got)[-1]
     assert any(sum(layer["dropped_per_expert"]) > 0 for r in train_records(ref) for layer in r["moe"])
     same_final_state(cp_runs[layout], cp_runs[mode], ATOL_OF_SCALE)
     meta = json.loads((cp_runs[layout] / f"checkpoints/step_{E2E_STEPS}/meta.json").read_text())
