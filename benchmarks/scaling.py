@@ -357,6 +357,32 @@ def best_efficiency(cfg, hw, gpus: int, overlap_param_gather: bool = False) -> d
     return cluster.recommend(rows).get(gpus)
 
 
+def summary_lines(config: str, hw, rows: list[dict]) -> list[str]:
+    """Per GPU count, the fastest layout that fits: as configured, with the parameter all-gather behind the next
+    forward, and without activation checkpointing (the compute basis of a model that ignores the recompute)."""
+    from moe_dist.config import load_config
+    from moe_dist.planning import cluster
+
+    best = cluster.recommend(rows)
+    hidden = cluster.recommend(cluster.scaling_sweep(load_config(config, []), hw, overlap_param_gather=True))
+    plain = cluster.recommend(cluster.scaling_sweep(load_config(config, ["train.activation_checkpointing=none"]), hw))
+    lines = [
+        "| GPUs | fastest layout | tokens/s | efficiency | MFU | param all-gather hidden: efficiency | "
+        "no activation checkpointing: tokens/s, efficiency |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for n, r in best.items():
+        h, p = hidden.get(n), plain.get(n)
+        lines.append(
+            f"| {n} | {r['layout']} | {r['tokens_per_s']:,.0f} | {r['scaling_efficiency']:.2f} | {r['mfu']:.2f} | "
+            + (f"{h['scaling_efficiency']:.2f} ({h['layout']})" if h else "does not fit")
+            + " | "
+            + (f"{p['tokens_per_s']:,.0f}, {p['scaling_efficiency']:.2f} ({p['layout']})" if p else "does not fit")
+            + " |"
+        )
+    return lines
+
+
 def lever_lines(config: str, hw, gpu_counts=(64, 1024), target: float = 0.80) -> list[str]:
     """What moves the efficiency of the fastest layout that fits: each lever alone, against the config as it is;
     then the smallest global batch (a multiple of 256 sequences) at which the config as it is reaches `target`."""
@@ -437,7 +463,7 @@ def predict_table(config: str, mfu: float, levers: bool = False) -> str:
             f"{r['tokens_per_s']:,.0f} tokens/s, efficiency {r['scaling_efficiency']:.2f}, MFU {r['mfu']:.2f}"
         )
     if levers:
-        lines += ["", *lever_lines(config, hw)]
+        lines += ["", *summary_lines(config, hw, rows), "", *lever_lines(config, hw)]
     return "\n".join(lines)
 
 

@@ -35,6 +35,7 @@ def h200_cluster(mfu: float = 0.40) -> Hardware:
         inter=Link(alpha_s=8e-6, beta_Bps=0.9 * 50e9),
         memory_bytes=H200_MIB * MIB,
         peak_flops_per_s=H200_BF16_DENSE_PEAK,
+        tree_all_reduce=True,
     )
 
 
@@ -77,7 +78,7 @@ def memory_per_device(cfg: JobConfig, layout: Layout, cost: ModelCost | None = N
 def candidate_layouts(gpus: int, num_experts: int, global_batch: int, micro_batch: int) -> dict[str, Layout]:
     """The layout families compared in docs/perf_model.md, where they are valid at this GPU count."""
     families = {
-        "ZeRO-1 DP only": lambda n: Layout(n, 1, 1),
+        "DP only (ZeRO)": lambda n: Layout(n, 1, 1),
         "EP8 in node": lambda n: Layout(n, 8, 1),
         "EP4 x TP2 in node": lambda n: Layout(n // 2, 4, 2),
         "TP8 in node": lambda n: Layout(n // 8, 1, 8),

@@ -58,12 +58,13 @@ class Link:
 @dataclass(frozen=True)
 class Hardware:
     name: str
-    flops_per_s: float  # sustained throughput of one device (peak × MFU for a GPU; fitted for a CPU)
+    flops_per_s: float  # sustained rate on the FLOPs a device runs (peak × a share on a GPU; fitted on a CPU)
     ranks_per_node: int
     intra: Link  # inside a node (NVLink; loopback on one CPU machine)
     inter: Link  # across nodes (InfiniBand; the veth links between network namespaces)
     memory_bytes: float | None = None  # device memory, for the fit check of a layout
     peak_flops_per_s: float | None = None  # for reporting MFU
+    tree_all_reduce: bool = False  # tiny all-reduces take a tree's 2·⌈log2 n⌉ hops (NCCL picks it), not a ring's
 
 
 @dataclass(frozen=True)
@@ -120,7 +121,7 @@ class Call:
     payload_bytes: float
     count: float
     hides_behind: str | None = None  # LAST_BACKWARD / NEXT_FORWARD: asynchronous, overlaps that compute
-    tree: bool = False  # a latency-bound all-reduce of a few bytes: 2·⌈log2 n⌉ hops (NCCL's tree), not the ring's
+    tree: bool = False  # a latency-bound all-reduce of a few bytes: a tree where `Hardware.tree_all_reduce`
 
     @property
     def spans_nodes(self) -> bool:
@@ -130,7 +131,7 @@ class Call:
 def call_time(call: Call, hw: Hardware) -> float:
     """Seconds for one instance of `call`: α per hop plus the bytes over the slowest link they cross."""
     hops, wire = collective_terms(call.kind, call.group_size, call.payload_bytes)
-    if call.tree:
+    if call.tree and hw.tree_all_reduce:
         hops = min(hops, 2 * math.ceil(math.log2(call.group_size)))
     if not call.spans_nodes:
         return hw.intra.time(hops, wire)
@@ -312,23 +313,25 @@ def recompute_flops_per_rank(cfg: JobConfig, layout: Layout, cost: ModelCost | N
     return cost.recompute_flops_per_token * tokens / (layout.tp * layout.cp)
 
 
-def summary_bytes_per_piece(cfg: JobConfig, kind: str, tp: int) -> float:
-    """Bytes of one piece's summary a recurrent mixer exchanges under CP, per rank (its 1/tp of the channels) and
-    sequence: the piece's final state and its state transition in fp32 (a per-channel decay for the diagonal SSMs,
-    the dk × dk operator per value head for the delta rule) and the conv halo, its last d_conv − 1 inputs, in the
-    activation dtype. Independent of the sequence length."""
+def cp_piece_bytes(cfg: JobConfig, kind: str, tp: int, cp: int) -> tuple[float, float]:
+    """(summary, halo) bytes of one piece of one sequence that a recurrent mixer all-gathers under CP, per rank (its
+    1/tp of the channels), as parallel/state_passing.py sends them: the summary packs the piece's final state and its
+    transition in fp32 (a per-channel decay for Mamba-1, a per-head one for Mamba-2, the dk × dk operator per value
+    head for the delta rule); the conv halo is its last min(d_conv − 1, piece length) conv inputs, in the
+    activation dtype, in a second all-gather. Neither grows with the sequence once pieces are d_conv − 1 long."""
     m = cfg.model
     act = 2 if cfg.train.dtype == "bf16" else 4
+    piece = cfg.train.seq_len // (2 * cp)
     if kind == "mamba1":
         di, n = m.mamba.expand * m.d_model // tp, m.mamba.d_state
-        return 4.0 * 2 * di * n + act * (m.mamba.d_conv - 1) * di
+        return 4.0 * 2 * di * n, act * min(m.mamba.d_conv - 1, piece) * di
     if kind == "mamba2":
         m2 = m.mamba2
         heads, conv = m2.heads(m.d_model) // tp, (m2.d_inner(m.d_model) + 2 * m2.n_groups * m2.d_state) // tp
-        return 4.0 * heads * (m2.head_dim * m2.d_state + 1) + act * (m2.d_conv - 1) * conv
+        return 4.0 * heads * (m2.head_dim * m2.d_state + 1), act * min(m2.d_conv - 1, piece) * conv
     g = m.gdn  # gdn
     hv, conv = g.n_v_heads // tp, (2 * g.n_k_heads * g.head_k_dim + g.n_v_heads * g.head_v_dim) // tp
-    return 4.0 * hv * g.head_k_dim * (g.head_v_dim + g.head_k_dim) + act * (g.conv_size - 1) * conv
+    return 4.0 * hv * g.head_k_dim * (g.head_v_dim + g.head_k_dim), act * min(g.conv_size - 1, piece) * conv
 
 
 def step_calls(cfg: JobConfig, layout: Layout, ranks_per_node: int, cost: ModelCost | None = None) -> list[Call]:
@@ -378,7 +381,8 @@ def step_calls(cfg: JobConfig, layout: Layout, ranks_per_node: int, cost: ModelC
         add("all_gather", "tp_ssd_norm", "tp", norm, fwd("mamba2") * cost.n_mamba2_layers)
         add("reduce_scatter", "tp_ssd_norm", "tp", norm, micro * cost.n_mamba2_layers)
     # Context parallelism: attention all-gathers the whole sequence's K and V (this rank's KV heads), backward
-    # reduce-scatters their gradients to the owners; a recurrent layer gathers the 2·cp pieces' summaries.
+    # reduce-scatters their gradients to the owners; a recurrent layer gathers the 2·cp pieces' summaries and conv
+    # halos (parallel/state_passing.py); every gather's backward reduce-scatters its gradient.
     if cp > 1:
         head_dim = m.attention.head_dim or m.d_model // m.attention.n_heads
         kv = t.micro_batch_size * t.seq_len * (m.attention.n_kv_heads // tp) * head_dim * act  # K or V, whole
@@ -389,9 +393,10 @@ def step_calls(cfg: JobConfig, layout: Layout, ranks_per_node: int, cost: ModelC
             ("mamba2", cost.n_mamba2_layers),
             ("gdn", cost.n_gdn_layers),
         ):
-            summaries = 2 * cp * t.micro_batch_size * summary_bytes_per_piece(cfg, kind, tp)
-            add("all_gather", "cp_state", "cp", summaries, fwd(_MIXER_PART[kind]) * n_layers)
-            add("reduce_scatter", "cp_state", "cp", summaries, micro * n_layers)
+            for label, per_piece in zip(("cp_state", "cp_halo"), cp_piece_bytes(cfg, kind, tp, cp), strict=True):
+                payload = 2 * cp * t.micro_batch_size * per_piece  # every piece of the micro-batch's sequences
+                add("all_gather", label, "cp", payload, fwd(_MIXER_PART[kind]) * n_layers)
+                add("reduce_scatter", label, "cp", payload, micro * n_layers)
     # Data parallelism (dense over dp × cp, experts over the EDP group; docs/perf_model.md, "The reduction").
     dense_local = cost.dense_params / tp
     expert_local = cost.expert_params / (layout.ep * etp)

@@ -149,16 +149,29 @@ def test_context_parallel_collectives_and_placement():
     assert shapes["ep"] == (2, 2) and shapes["edp"] == (2, 1)  # ranks 0, 2 and ranks 0, 4
 
 
-@pytest.mark.parametrize("seq_len", [8, 64])
-def test_recurrent_state_passing_bytes_do_not_grow_with_the_sequence(seq_len):
-    """Mamba-1 (d_inner 16, d_state 4, d_conv 4), cp 2: per piece the fp32 final state and decay (2 · 16 · 4 · 4 =
-    512 bytes) and the bf16 conv halo (3 · 16 · 2 = 96): 2·cp = 4 pieces, 2432 bytes gathered per layer."""
+@pytest.mark.parametrize("seq_len, halo_positions", [(8, 2), (16, 3), (64, 3)])
+def test_recurrent_state_passing_bytes_do_not_grow_with_the_sequence(seq_len, halo_positions):
+    """Mamba-1 (d_inner 16, d_state 4, d_conv 4), cp 2, so 2·cp = 4 pieces: one all-gather of the pieces' fp32 final
+    states and decays (2 · 16 · 4 · 4 = 512 bytes a piece) and one of their bf16 conv halos, the last
+    min(d_conv − 1, S / 4) inputs of 16 channels: 2 positions of the 2-long pieces at S = 8, then 3 whatever S."""
     cfg = tiny("model.mixer_pattern=M", "model.mamba.d_state=4", f"train.seq_len={seq_len}")
     calls = by_label(pm.step_calls(cfg, pm.Layout(dp=1, ep=1, tp=1, cp=2), ranks_per_node=2))
-    [gather] = calls[("cp_state", "all_gather")]
-    [scatter] = calls[("cp_state", "reduce_scatter")]
-    assert gather.payload_bytes == scatter.payload_bytes == 4 * (512 + 96)
-    assert gather.count == scatter.count == 16  # one layer, 16 micro-batches
+    for label, per_piece in (("cp_state", 512), ("cp_halo", halo_positions * 16 * 2)):
+        [gather] = calls[(label, "all_gather")]
+        [scatter] = calls[(label, "reduce_scatter")]
+        assert gather.payload_bytes == scatter.payload_bytes == 4 * per_piece
+        assert gather.count == scatter.count == 16  # one layer, 16 micro-batches
+
+
+def test_delta_rule_summary_carries_the_transition_operator():
+    """Gated DeltaNet (4 value heads of dk = dv = 4, 2 key heads, conv 4), cp 2, S 16: per piece the final state
+    (4 × 4 × 4) and the dk × dk transition (4 × 4 × 4) in fp32 = 512 bytes; the halo 3 positions of q, k, v
+    (2·2·4 + 4·4 = 32 channels) in bf16 = 192 bytes."""
+    sets = ['model.layers=["gdn+moe"]', "model.gdn.n_k_heads=2", "model.gdn.n_v_heads=4"]
+    sets += ["model.gdn.head_k_dim=4", "model.gdn.head_v_dim=4", "train.seq_len=16"]
+    calls = by_label(pm.step_calls(tiny(*sets), pm.Layout(dp=1, ep=1, tp=1, cp=2), ranks_per_node=2))
+    assert calls[("cp_state", "all_gather")][0].payload_bytes == 4 * 512
+    assert calls[("cp_halo", "all_gather")][0].payload_bytes == 4 * 192
 
 
 def test_mamba2_groups_spanning_tp_ranks_gather_b_c_and_norm_statistics():
@@ -182,3 +195,15 @@ def test_config_layout_reads_the_configs_parallel_keys():
     cfg = load_config(CONFIGS / "jamba_v0.1.json")  # tp 4, ep 2
     assert pm.config_layout(cfg, 64) == pm.Layout(dp=16, ep=2, tp=4)
     assert pm.config_layout(cfg, 6) is None
+
+
+def test_scalar_all_reduces_take_a_tree_on_the_gpu_cluster_and_a_ring_elsewhere():
+    """8 bytes over 1,024 ranks spanning nodes: 2·⌈log2 1024⌉ = 20 hops of 8 µs where the hardware picks a tree
+    (NCCL), the ring's 2 · 1023 hops where it does not (gloo, as calibrated)."""
+    from moe_dist.planning.cluster import h200_cluster
+
+    call = pm.Call("all_reduce", "scalars", 1024, 8, 8.0, 1, tree=True)
+    wire = 2 * 1023 / 1024 * 8 / (0.9 * 50e9)
+    assert pm.call_time(call, h200_cluster()) == pytest.approx(20 * 8e-6 + wire)
+    ring = pm.Hardware("gloo", 1e9, 8, pm.Link(3e-6, 1e9), pm.Link(8e-6, 1e9))
+    assert pm.call_time(call, ring) == pytest.approx(2 * 1023 * 8e-6 + 2 * 1023 / 1024 * 8 / 1e9)
