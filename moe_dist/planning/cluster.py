@@ -119,7 +119,8 @@ def scaling_sweep(
     for n in gpu_counts:
         layouts = candidate_layouts(n, cfg.model.moe.num_experts, t.global_batch_size, t.micro_batch_size)
         own = config_layout(cfg, n)
-        if own and own not in layouts.values() and t.global_batch_size % (t.micro_batch_size * own.dp) == 0:
+        valid = own and (own.world if own.folded else own.zero) % own.ep == 0
+        if valid and own not in layouts.values() and t.global_batch_size % (t.micro_batch_size * own.dp) == 0:
             layouts[f"config's layout (tp {own.tp}, ep {own.ep})"] = own
         for family, lay in layouts.items():
             kw = dict(cost=cost, overlap_param_gather=overlap_param_gather)

@@ -101,7 +101,8 @@ def config_layout(cfg: JobConfig, world: int) -> Layout | None:
     cp = getattr(par, "cp", 1)
     if world % (par.tp * cp):
         return None
-    return Layout(world // (par.tp * cp), par.ep, par.tp, 1 if par.expert_tp == 1 else None, cp)
+    folded = par.tp > 1 and par.expert_tp == 1
+    return Layout(world // (par.tp * cp), par.ep, par.tp, 1 if folded else None, cp)
 
 
 # Overlap windows a call can hide behind (predict_step): the backward of the step's last micro-batch (the gradient

@@ -195,6 +195,8 @@ def test_config_layout_reads_the_configs_parallel_keys():
     cfg = load_config(CONFIGS / "jamba_v0.1.json")  # tp 4, ep 2
     assert pm.config_layout(cfg, 64) == pm.Layout(dp=16, ep=2, tp=4)
     assert pm.config_layout(cfg, 6) is None
+    mixtral = load_config(CONFIGS / "mixtral_8x7b.json")  # tp 1: whole experts either way, the plain EP layout
+    assert pm.config_layout(mixtral, 64) == pm.Layout(dp=64, ep=8, tp=1)
 
 
 def test_scalar_all_reduces_take_a_tree_on_the_gpu_cluster_and_a_ring_elsewhere():
