@@ -262,9 +262,10 @@ def test_usr1_stops_with_a_checkpoint_requeues_and_resumes(slurm, tmp_path, debu
         assert time.monotonic() < deadline and not _finished(slurm.job(job_id)), out.read_text()[-3000:]
         time.sleep(0.2)
     slurm.client("scancel", "--signal=USR1", "--batch", job_id)
-    # A requeued job waits about two minutes (BeginTime) before it may start again; the test does not.
+    # Slurm holds a requeued job about two minutes (BeginTime); the test waits 10 s. Not 0: the nodes revoked the
+    # job's credentials when it was requeued, and a credential issued in the same second counts as revoked.
     slurm.wait(job_id, lambda j: j["Restarts"] == "1" and j["JobState"] == "PENDING")
-    slurm.client("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+    slurm.client("scontrol", "update", f"JobId={job_id}", "StartTime=now+10")
     job = slurm.wait(job_id, _finished)
     print(f"Slurm job stopped, requeued and resumed: {time.perf_counter() - tic:.1f} s from sbatch to the end")
     log = out.read_text()
@@ -286,9 +287,7 @@ def test_usr1_stops_with_a_checkpoint_requeues_and_resumes(slurm, tmp_path, debu
     ],
 )
 def test_an_allocation_that_does_not_fit_is_one_line_and_exit_2(slurm, tmp_path, case, sbatch, env, names):
-    args = [*TRAIN_ARGS, "--run-dir", str(tmp_path / "run")]
-    if case.startswith("world"):
-        args += ["parallel.ep=4"]
+    args = [*TRAIN_ARGS, *(["parallel.ep=4"] if case.startswith("world") else []), "--run-dir", str(tmp_path / "run")]
     job_id = slurm.submit("train_torchrun.sbatch", args, tmp_path / "out", *sbatch, env=env)
     job = slurm.wait(job_id, _finished, timeout=300)
     log = (tmp_path / "out").read_text()

@@ -365,10 +365,11 @@ def _train(cfg: JobConfig, run_dir: Path, resume: bool, stop: StopRequest) -> li
         bar.close()
         logger.close()
     checkpointer.wait()  # the last asynchronous save is published before the run ends
+    if stopping:  # said before the barrier: once a rank has exited, a launcher may end the others at once
+        line = f"step {done}: stopped on request (a stop signal reached rank(s) of the job), checkpoint saved"
+        say(f"{line}; exit status {EXIT_STOPPED}: continue with --resume")
     with operation("end of training: barrier", timeout):
         barrier()
     if stopping:
-        line = f"step {done}: stopped on request (a stop signal reached rank(s) of the job), checkpoint saved"
-        say(f"{line}; exit status {EXIT_STOPPED}: continue with --resume")
         raise Stopped(line)
     return records if mesh.rank == 0 else []
