@@ -10,7 +10,8 @@ STOP_FORWARDED=0
 run_forwarding_usr1() {
     "$@" &
     local pid=$! rc
-    trap 'STOP_FORWARDED=1; echo "moe_dist: SIGUSR1: asking the training processes to stop with a checkpoint"; kill -USR1 '"$pid" USR1
+    local say='echo "moe_dist: SIGUSR1: asking the training processes to stop with a checkpoint"'
+    trap "STOP_FORWARDED=1; $say; kill -USR1 $pid" USR1
     while :; do
         rc=0
         wait "$pid" || rc=$?
@@ -34,7 +35,8 @@ run_training() {
         "processes = world $WORLD, $launcher, master $MASTER_ADDR:$MASTER_PORT"
     # --resume always: the first start finds no checkpoint and starts fresh, a requeued one continues.
     # --kill-on-bad-exit: one node's launcher failing ends the others at once instead of at their timeouts.
-    run_forwarding_usr1 srun --ntasks-per-node=1 --kill-on-bad-exit=1 bash launch/slurm/node.sh "$launcher" "$@" --resume
+    run_forwarding_usr1 srun --ntasks-per-node=1 --kill-on-bad-exit=1 \
+        bash launch/slurm/node.sh "$launcher" "$@" --resume
     rc=$?
     # torchrun reports any non-zero worker status as 1: a stop it passed on is known from the forwarded signal.
     if ((rc == EXIT_STOPPED || (STOP_FORWARDED && rc != 0 && rc != 2))); then
