@@ -20,6 +20,7 @@ per node; the launcher starts the node's training processes and sets RANK, LOCAL
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shlex
@@ -27,11 +28,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # launch/: train.py's argument parser
-from train import parse_args  # noqa: E402
-
-from moe_dist.config import ConfigError, load_config  # noqa: E402
-from moe_dist.config.checks import check_layout  # noqa: E402
+from moe_dist.config import ConfigError, load_config
+from moe_dist.config.checks import check_layout
 
 
 class AllocationError(ValueError):
@@ -104,11 +102,26 @@ def check_world(cfg, nodes: int, nproc: int) -> int:
 
 def master_addr(nodelist: str) -> str:
     """The first node of the allocation, as the address Slurm reaches it at (its NodeAddr)."""
-    hosts = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True)
+    try:
+        hosts = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True)
+    except FileNotFoundError:
+        raise AllocationError("scontrol not found: run inside a Slurm allocation, with Slurm's commands") from None
+    if hosts.returncode != 0 or not hosts.stdout.split():
+        raise AllocationError(f"scontrol show hostnames {nodelist!r}: {' '.join(hosts.stderr.split())}")
     first = hosts.stdout.split()[0]
     node = subprocess.run(["scontrol", "show", "node", "-o", first], capture_output=True, text=True)
     m = re.search(r"\bNodeAddr=(\S+)", node.stdout)
     return m[1] if node.returncode == 0 and m else first
+
+
+def parse_args(argv=None):
+    """launch/train.py's own command line (the job's arguments, passed on unchanged), loaded under a private name."""
+    spec = importlib.util.spec_from_file_location(
+        "moe_dist_launch_train", Path(__file__).resolve().parents[1] / "train.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.parse_args(argv)
 
 
 def main(argv=None) -> int:
@@ -118,18 +131,12 @@ def main(argv=None) -> int:
         cfg = load_config(args.config, args.set)
         nodes, nproc = allocation(env)
         world = check_world(cfg, nodes, nproc)
+        master = master_addr(env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST", "")))
     except (ConfigError, AllocationError) as e:
         print(f"error: slurm allocation: {e}", file=sys.stderr)
         return 2
     port = env.get("MASTER_PORT") or str(20000 + int(env["SLURM_JOB_ID"]) % 10000)
-    nodelist = env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST", ""))
-    out = {
-        "NNODES": nodes,
-        "NPROC_PER_NODE": nproc,
-        "WORLD": world,
-        "MASTER_ADDR": master_addr(nodelist),
-        "MASTER_PORT": port,
-    }
+    out = {"NNODES": nodes, "NPROC_PER_NODE": nproc, "WORLD": world, "MASTER_ADDR": master, "MASTER_PORT": port}
     print("\n".join(f"{k}={shlex.quote(str(v))}" for k, v in out.items()))
     return 0
 
