@@ -2,7 +2,7 @@
 
     python benchmarks/scaling.py [sweep] [--out runs/scaling] [--worlds 1 2 4] [--steps 6] [--no-netns]
     python benchmarks/scaling.py report --out runs/scaling      # re-aggregate and re-fit a finished sweep
-    python benchmarks/scaling.py predict [--config configs/mixtral_8x7b.json] [--mfu 0.4]   # H200 cluster sweep
+    python benchmarks/scaling.py predict [--config configs/mixtral_8x7b.json] [--mfu 0.4] [--levers]  # H200s
 
 `sweep` runs every point on one node (torchrun) and, as root, across two network-namespace nodes
 (tests/netns_cluster.sh), then writes OUT/scaling.md (tables), OUT/scaling.csv, OUT/scaling.png and
@@ -323,65 +323,6 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def overlap_lines(cfg, hw) -> list[str]:
-    """Per MoE layer and micro-batch: the row all-to-alls (dispatch + combine, forward + backward) unchunked and
-    what `parallel.a2a_chunks` leaves exposed, beside the expert GEMMs that hide them (perfmodel.overlapped_rows_s)."""
-    from moe_dist.planning import perfmodel as pm
-
-    cost = pm.model_cost(cfg)
-    layouts = {
-        "EP8 in node (NVLink)": pm.Layout(8, 8, 1),
-        "EP8 x TP2, EP over 2 nodes (InfiniBand)": pm.Layout(8, 8, 2),
-    }
-    lines = [
-        "Row all-to-alls per MoE layer and micro-batch (forward + backward), exposed ms by parallel.a2a_chunks:",
-        "",
-        "| layout | expert GEMMs fwd + bwd ms | 1 (all of it) | 2 | 4 | 8 |",
-        "|---|---|---|---|---|---|",
-    ]
-    for name, lay in layouts.items():
-        calls = pm.step_calls(cfg, lay, hw.ranks_per_node, cost)
-        rows = next(c for c in calls if c.label == "moe_rows")
-        per_layer = pm.Call(rows.kind, rows.label, rows.group_size, rows.ranks_per_node, rows.payload_bytes, 4)
-        g = pm.expert_gemm_s(cfg, lay, hw, 1, cost)
-        exposed = [1e3 * pm.overlapped_rows_s(per_layer, hw, c, g) for c in (1, 2, 4, 8)]
-        lines.append(f"| {name} | {3e3 * g:.2f} | " + " | ".join(f"{e:.2f}" for e in exposed) + " |")
-    return lines
-
-
-def predict_table(config: str, mfu: float) -> str:
-    from moe_dist.config import load_config
-    from moe_dist.planning import perfmodel as pm
-
-    cfg = load_config(config, [])
-    hw = pm.h200_cluster(mfu)
-    rows = pm.scaling_sweep(cfg, hw)
-    lines = [
-        f"# {Path(config).name} on {hw.name}",
-        "",
-        "| GPUs | layout | (dp, ep, tp) | tokens/s | per GPU | efficiency | MFU | step s | compute s | "
-        "a2a_chunks | a2a s (unchunked) | all-reduce s | all-gather + RS s | GB / GPU |",
-        "|" + "---|" * 14,
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['gpus']} | {r['family']} | {r['layout']} | {r['tokens_per_s']:,.0f} | "
-            f"{r['tokens_per_s_per_gpu']:,.0f} | {r['scaling_efficiency']:.2f} | {r['mfu']:.2f} | "
-            f"{r['step_s']:.2f} | {r['compute_s']:.2f} | {r['a2a_chunks']} | "
-            f"{r['all_to_all_s']:.2f} ({r['all_to_all_unchunked_s']:.2f}) | {r['all_reduce_s']:.2f} |"
-            f" {r['all_gather_s'] + r['reduce_scatter_s']:.2f} | "
-            f"{r['memory_gb']:.0f}{'' if r['fits'] else ' (does not fit)'} |"
-        )
-    lines += ["", *overlap_lines(cfg, hw)]
-    lines += ["", "Recommended (fastest layout that fits in 141 GB):", ""]
-    for n, r in pm.recommend(rows).items():
-        lines.append(
-            f"- {n} GPUs: {r['family']} ({r['layout']}, a2a_chunks={r['a2a_chunks']}), "
-            f"{r['tokens_per_s']:,.0f} tokens/s, efficiency {r['scaling_efficiency']:.2f}"
-        )
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("command", nargs="?", default="sweep", choices=["sweep", "report", "predict"])
@@ -404,10 +345,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument("--no-netns", action="store_true", help="skip the two-node points")
     p.add_argument("--timeout", type=float, default=600)
-    p.add_argument("--mfu", type=float, default=0.40, help="predict: assumed model-FLOPs utilization")
+    p.add_argument("--mfu", type=float, default=0.40, help="predict: assumed share of peak the device sustains")
+    p.add_argument("--levers", action="store_true", help="predict: also what moves 64 and 1,024 GPUs (slower)")
     args = p.parse_args(argv)
     if args.command == "predict":
-        print(predict_table(args.config or "configs/mixtral_8x7b.json", args.mfu))
+        from scaling_predict import predict_table
+
+        print(predict_table(args.config or "configs/mixtral_8x7b.json", args.mfu, args.levers))
         return 0
 
     from moe_dist.config import load_config
@@ -450,6 +394,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = [aggregate(pt) for pt in saved["points"]]
     hw, _ = fit_and_predict(rows, saved["config"], saved["set"], saved["steps"], saved["cores"])
     write_outputs(rows, hw, args.out, saved["cores"], saved["matmul_peak"])
+    from scaling_predict import predict_table
+
     (args.out / "predictions.md").write_text(predict_table("configs/mixtral_8x7b.json", args.mfu) + "\n")
     print(f"\nwrote {args.out}/scaling.md, scaling.csv, scaling.png, predictions.md and tb/")
     return 0

@@ -3,8 +3,12 @@
 Each program owns BLOCK_D channels of one sequence and walks it in chunks of BLOCK_L timesteps with its SSM state on
 chip; inside a chunk a `tl.associative_scan`, the carried state folded into the chunk's first b. The forward saves
 only the state at each chunk start; the backward recomputes h_{t-1} from it and runs the adjoint recurrence as a
-reverse scan. Invariants: all math is fp32 whatever the input dtype; B and C gradients add into fp32 buffers
-atomically, per-batch rows of dA, dD, d(delta_bias) are summed by PyTorch. The specification is
+reverse scan. An initial state (context parallelism: the state a sequence piece starts from) is the state entering
+chunk 0; the final state is the state the forward carries out of the last step (past the end a step is the
+identity), and its gradient seeds the reverse scan the same way (λ is carried unchanged through the padding
+steps, where it is then zeroed); the initial state's gradient is a_0 λ_0. Invariants: all math is fp32 whatever
+the input dtype; B and C gradients add into fp32 buffers atomically, per-batch rows of dA, dD, d(delta_bias) are
+summed by PyTorch. The specification is
 `moe_dist.kernels.reference.selective_scan_ref` (tests/kernels/test_selective_scan.py); the walk in full:
 docs/kernels.md, section "The Triton selective scan".
 """
@@ -62,31 +66,11 @@ def _keep_at(KEEP, b, seqlen, t, HAS_RESET: tl.constexpr):
 
 @triton.jit
 def _scan_fwd_kernel(
-    U,
-    DELTA,
-    A,
-    Bm,
-    Cm,
-    Dskip,
-    Z,
-    BIAS,
-    OUT,
-    STATES,
-    KEEP,
-    dim,
-    seqlen,
-    dstate,
-    n_chunks,
-    HAS_D: tl.constexpr,
-    HAS_Z: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    SOFTPLUS: tl.constexpr,
-    HAS_RESET: tl.constexpr,
-    SAVE_STATES: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_L: tl.constexpr,
-):
+    U, DELTA, A, Bm, Cm, Dskip, Z, BIAS, OUT, STATES, KEEP, INIT, FINAL, dim, seqlen, dstate, n_chunks,
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
+    HAS_RESET: tl.constexpr, HAS_INIT: tl.constexpr, SAVE_STATES: tl.constexpr, SAVE_FINAL: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
+):  # fmt: skip
     pid_d = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -106,7 +90,11 @@ def _scan_fwd_kernel(
     first = offs_l[None, None, :] == 0
     last = offs_l[None, None, :] == BLOCK_L - 1
 
-    h = tl.zeros([BLOCK_D, BLOCK_N], dtype=tl.float32)  # state entering the chunk
+    dn = (b * dim + offs_d[:, None]) * dstate + offs_n[None, :]  # (BD, BN) offset of (b, d, n) in INIT, FINAL
+    if HAS_INIT:
+        h = tl.load(INIT + dn, mask=dn_ok, other=0.0)  # state entering the chunk
+    else:
+        h = tl.zeros([BLOCK_D, BLOCK_N], dtype=tl.float32)
     for c in range(0, n_chunks):
         if SAVE_STATES:
             tl.store(state_ptrs + c * dstate, h, mask=dn_ok)
@@ -120,7 +108,8 @@ def _scan_fwd_kernel(
         b_nl = tl.load(Bm + row_n[:, None] + t[None, :], mask=nl_ok, other=0.0).to(tl.float32)  # (BN, BL)
         c_nl = tl.load(Cm + row_n[:, None] + t[None, :], mask=nl_ok, other=0.0).to(tl.float32)  # (BN, BL)
 
-        decay = tl.exp(dt[:, None, :] * a_dn[:, :, None])  # (BD, BN, BL)
+        # a step past the end is the identity (decay 1, inject 0: u and B load as 0), so the last lane holds h_{L-1}
+        decay = tl.where(t_ok[None, None, :], tl.exp(dt[:, None, :] * a_dn[:, :, None]), 1.0)  # (BD, BN, BL)
         if HAS_RESET:  # a_t = 0 at a document start: the state forgets the previous document
             decay = decay * _keep_at(KEEP, b, seqlen, t, HAS_RESET)[None, None, :]
         inject = (dt * u)[:, None, :] * b_nl[None, :, :]  # (BD, BN, BL)
@@ -135,42 +124,17 @@ def _scan_fwd_kernel(
             z = tl.load(Z + dl, mask=dl_ok, other=0.0).to(tl.float32)
             y *= z * _sigmoid(z)
         tl.store(OUT + dl, y.to(OUT.dtype.element_ty), mask=dl_ok)
+    if SAVE_FINAL:
+        tl.store(FINAL + dn, h, mask=dn_ok)
 
 
 @triton.jit
 def _scan_bwd_kernel(
-    U,
-    DELTA,
-    A,
-    Bm,
-    Cm,
-    Dskip,
-    Z,
-    BIAS,
-    STATES,
-    DOUT,
-    DU,
-    DDELTA,
-    DZ,
-    DB,
-    DC,
-    DA_PART,
-    DD_PART,
-    DBIAS_PART,
-    KEEP,
-    dim,
-    seqlen,
-    dstate,
-    n_chunks,
-    HAS_D: tl.constexpr,
-    HAS_Z: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    SOFTPLUS: tl.constexpr,
-    HAS_RESET: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_L: tl.constexpr,
-):
+    U, DELTA, A, Bm, Cm, Dskip, Z, BIAS, STATES, DOUT, DU, DDELTA, DZ, DB, DC, DA_PART, DD_PART, DBIAS_PART, KEEP,
+    DFINAL, DINIT, dim, seqlen, dstate, n_chunks, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SOFTPLUS: tl.constexpr, HAS_RESET: tl.constexpr, HAS_DFINAL: tl.constexpr, HAS_INIT: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
+):  # fmt: skip
     pid_d = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -190,7 +154,11 @@ def _scan_bwd_kernel(
     first = offs_l[None, None, :] == 0
     last = offs_l[None, None, :] == BLOCK_L - 1
 
-    lam_carry = tl.zeros([BLOCK_D, BLOCK_N], dtype=tl.float32)  # λ at the first step of the later chunk
+    dn = (b * dim + offs_d[:, None]) * dstate + offs_n[None, :]  # (BD, BN) offset of (b, d, n) in DFINAL, DINIT
+    if HAS_DFINAL:  # the final state's gradient enters λ past the last step (carried by identity steps to it)
+        lam_carry = tl.load(DFINAL + dn, mask=dn_ok, other=0.0)
+    else:
+        lam_carry = tl.zeros([BLOCK_D, BLOCK_N], dtype=tl.float32)  # λ at the first step of the later chunk
     da_acc = tl.zeros([BLOCK_D, BLOCK_N], dtype=tl.float32)
     dd_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     dbias_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
@@ -240,12 +208,14 @@ def _scan_bwd_kernel(
         # λ_t = dy_t C_t + a_{t+1} λ_{t+1}: a reverse scan over (a_{t+1}, dy_t C_t), λ of the later chunk folded in.
         tn_ok = (t + 1) < seqlen
         dt_n, _ = _load_delta(DELTA, dl + 1, d_ok[:, None] & tn_ok[None, :], bias, HAS_BIAS, SOFTPLUS)
-        decay_n = tl.where(tn_ok[None, None, :], tl.exp(dt_n[:, None, :] * a_dn[:, :, None]), 0.0)
+        # past the last step the forward's identity steps: a = 1 carries the final state's gradient back to it
+        decay_n = tl.where(tn_ok[None, None, :], tl.exp(dt_n[:, None, :] * a_dn[:, :, None]), 1.0)
         if HAS_RESET:
             decay_n = decay_n * _keep_at(KEEP, b, seqlen, t + 1, HAS_RESET)[None, None, :]
         g = dy[:, None, :] * c_nl[None, :, :]
         g = tl.where(last, g + decay_n * lam_carry[:, :, None], g)
         _, lam = tl.associative_scan((decay_n, g), 2, _linear_combine, reverse=True)  # (BD, BN, BL)
+        lam = tl.where(t_ok[None, None, :], lam, 0.0)  # padding steps contribute no gradient
         lam_carry = tl.sum(tl.where(first, lam, 0.0), 2)
 
         lam_b = lam * b_nl[None, :, :]
@@ -265,6 +235,12 @@ def _scan_bwd_kernel(
         tl.atomic_add(DC + nl, tl.sum(dy[:, None, :] * h, 0), mask=nl_ok)
 
     tl.store(DA_PART + ((b * dim + offs_d[:, None]) * dstate + offs_n[None, :]), da_acc, mask=dn_ok)
+    if HAS_INIT:  # d h_{-1} = a_0 λ_0 (lam_carry: λ at step 0 after the last chunk walked, chunk 0)
+        dt0, _ = _load_delta(DELTA, row_d[:, None], d_ok[:, None], bias, HAS_BIAS, SOFTPLUS)  # (BD, 1)
+        decay0 = tl.exp(dt0 * a_dn)
+        if HAS_RESET:
+            decay0 = decay0 * tl.load(KEEP + b * seqlen)
+        tl.store(DINIT + dn, decay0 * lam_carry, mask=dn_ok)
     if HAS_D:
         tl.store(DD_PART + b * dim + offs_d, dd_acc, mask=d_ok)
     if HAS_BIAS:
@@ -315,18 +291,20 @@ def _blocks(dim: int, dstate: int, budget: int) -> dict:
     return dict(BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_L=block_l)
 
 
-def _flags(D, z, delta_bias, delta_softplus, keep) -> dict:
+def _flags(D, z, delta_bias, delta_softplus, keep, h_init) -> dict:
     return dict(
         HAS_D=D is not None,
         HAS_Z=z is not None,
         HAS_BIAS=delta_bias is not None,
         SOFTPLUS=bool(delta_softplus),
         HAS_RESET=keep is not None,
+        HAS_INIT=h_init is not None,
     )
 
 
-def _scan_fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus, keep, save_states: bool):
-    """Contiguous inputs → out (batch, dim, seqlen) in u's dtype and chunk-start states (or None)."""
+def _scan_fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus, keep, h_init, save_states: bool, final: bool):
+    """Contiguous inputs (`h_init` (batch, dim, state) fp32 or None) → out (batch, dim, seqlen) in u's dtype,
+    chunk-start states (or None) and the final state (batch, dim, state) fp32 (or None)."""
     batch, dim, seqlen = u.shape
     dstate = A.shape[1]
     blocks = _blocks(dim, dstate, budget=4096)
@@ -335,6 +313,7 @@ def _scan_fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus, keep, save_st
     states = (
         torch.empty(batch, dim, n_chunks, dstate, device=u.device, dtype=torch.float32) if save_states else out
     )  # a placeholder pointer when not saving
+    h_final = torch.empty(batch, dim, dstate, device=u.device, dtype=torch.float32) if final else None
     grid = (triton.cdiv(dim, blocks["BLOCK_D"]), batch)
     _scan_fwd_kernel[grid](
         u,
@@ -348,20 +327,24 @@ def _scan_fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus, keep, save_st
         out,
         states,
         u if keep is None else keep,
+        out if h_init is None else h_init,
+        out if h_final is None else h_final,
         dim,
         seqlen,
         dstate,
         n_chunks,
         SAVE_STATES=save_states,
-        **_flags(D, z, delta_bias, delta_softplus, keep),
+        SAVE_FINAL=final,
+        **_flags(D, z, delta_bias, delta_softplus, keep, h_init),
         **blocks,
         num_warps=4,
     )
-    return out, (states if save_states else None)
+    return out, (states if save_states else None), h_final
 
 
-def _scan_bwd(dout, u, delta, A, B, C, D, z, delta_bias, delta_softplus, keep, states):
-    """Gradients (du, ddelta, dA, dB, dC, dD, dz, ddelta_bias), each in its input's dtype (None for absent inputs)."""
+def _scan_bwd(dout, u, delta, A, B, C, D, z, delta_bias, delta_softplus, keep, states, h_init, d_final):
+    """Gradients (du, ddelta, dA, dB, dC, dD, dz, ddelta_bias), each in its input's dtype (None for absent inputs),
+    and the initial state's (fp32; None without one). `d_final`: the final state's gradient (fp32) or None."""
     batch, dim, seqlen = u.shape
     dstate = A.shape[1]
     blocks = _blocks(dim, dstate, budget=2048)
@@ -374,6 +357,7 @@ def _scan_bwd(dout, u, delta, A, B, C, D, z, delta_bias, delta_softplus, keep, s
     dA_part = torch.empty(batch, dim, dstate, **f32)
     dD_part = torch.empty(batch, dim, **f32) if D is not None else None
     dbias_part = torch.empty(batch, dim, **f32) if delta_bias is not None else None
+    d_init = torch.empty(batch, dim, dstate, **f32) if h_init is not None else None
     grid = (triton.cdiv(dim, blocks["BLOCK_D"]), batch)
     _scan_bwd_kernel[grid](
         u,
@@ -395,11 +379,14 @@ def _scan_bwd(dout, u, delta, A, B, C, D, z, delta_bias, delta_softplus, keep, s
         dA_part if dD_part is None else dD_part,
         dA_part if dbias_part is None else dbias_part,
         u if keep is None else keep,
+        dA_part if d_final is None else d_final,
+        dA_part if d_init is None else d_init,
         dim,
         seqlen,
         dstate,
         n_chunks,
-        **_flags(D, z, delta_bias, delta_softplus, keep),
+        HAS_DFINAL=d_final is not None,
+        **_flags(D, z, delta_bias, delta_softplus, keep, h_init),
         **blocks,
         num_warps=4,
     )
@@ -412,6 +399,7 @@ def _scan_bwd(dout, u, delta, A, B, C, D, z, delta_bias, delta_softplus, keep, s
         None if D is None else dD_part.sum(0).to(D.dtype),
         dz,
         None if delta_bias is None else dbias_part.sum(0).to(delta_bias.dtype),
+        d_init,
     )
 
 
@@ -419,18 +407,25 @@ def _scan_bwd(dout, u, delta, A, B, C, D, z, delta_bias, delta_softplus, keep, s
 
 
 class _SelectiveScan(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, u, delta, A, B, C, D, z, delta_bias, delta_softplus: bool, keep):
-        out, states = _scan_fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus, keep, save_states=True)
-        ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, keep, states)
-        ctx.delta_softplus = delta_softplus
-        return out
+    """Outputs (y, final state); the final state is computed always (one (batch, dim, state) store)."""
 
     @staticmethod
-    def backward(ctx, dout):
-        u, delta, A, B, C, D, z, delta_bias, keep, states = ctx.saved_tensors
-        grads = _scan_bwd(dout.contiguous(), u, delta, A, B, C, D, z, delta_bias, ctx.delta_softplus, keep, states)
-        return (*grads, None, None)
+    def forward(ctx, u, delta, A, B, C, D, z, delta_bias, delta_softplus: bool, keep, h_init):
+        out, states, final = _scan_fwd(
+            u, delta, A, B, C, D, z, delta_bias, delta_softplus, keep, h_init, save_states=True, final=True
+        )
+        ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, keep, states, h_init)
+        ctx.delta_softplus = delta_softplus
+        return out, final
+
+    @staticmethod
+    def backward(ctx, dout, d_final):
+        u, delta, A, B, C, D, z, delta_bias, keep, states, h_init = ctx.saved_tensors
+        d_final = None if d_final is None else d_final.float().contiguous()
+        *grads, d_init = _scan_bwd(
+            dout.contiguous(), u, delta, A, B, C, D, z, delta_bias, ctx.delta_softplus, keep, states, h_init, d_final
+        )
+        return (*grads, None, None, d_init)
 
 
 # ------------------------------------------------------------------------------------------------ public
@@ -447,13 +442,18 @@ def selective_scan(
     delta_bias: Optional[torch.Tensor] = None,
     delta_softplus: bool = False,
     reset: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
+    initial_state: Optional[torch.Tensor] = None,
+    return_final_state: bool = False,
+):
     """Mamba-1 selective scan (semantics of `selective_scan_ref`), differentiable in every tensor argument.
 
     Shapes: u, delta, z: (batch, dim, seqlen); A: (dim, state), state ≤ 256; B, C: (batch, state, seqlen);
     D, delta_bias: (dim,); reset (batch, seqlen) bool: the state is zeroed before the steps where it is True
     (document starts of packed sequences). Dtypes: fp16, bf16 or fp32 (each tensor may differ); math in fp32.
-    Returns (batch, dim, seqlen) in u's dtype; gradients come back in each input's dtype.
+    `initial_state` (batch, dim, state) or None (zeros): h before the first step (decayed by the first step, so a
+    reset there drops it). Returns (batch, dim, seqlen) in u's dtype; with `return_final_state`,
+    (y, final state h_{L-1} (batch, dim, state) fp32), as the PyTorch path (moe_dist.layers.scan.selective_scan).
+    Gradients come back in each input's dtype, to the initial state and through the final state too.
     Inputs that are not contiguous are copied. Tensors must be CUDA tensors, or CPU tensors under TRITON_INTERPRET=1.
     """
     _check_inputs(u, delta, A, B, C, D, z, delta_bias)
@@ -463,8 +463,19 @@ def selective_scan(
             f"selective_scan: reset must be (batch, seqlen) {(u.shape[0], u.shape[2])}, got {tuple(reset.shape)}"
         )
     keep = None if reset is None else (~reset.to(device=u.device, dtype=torch.bool)).float().contiguous()
-    if u.numel() == 0:  # an empty batch, channel set or sequence: nothing to launch
-        return u * 0
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in args):
-        return _SelectiveScan.apply(*args, bool(delta_softplus), keep)
-    return _scan_fwd(*args, bool(delta_softplus), keep, save_states=False)[0]
+    shape = (u.shape[0], u.shape[1], A.shape[1])
+    if initial_state is not None and initial_state.shape != shape:
+        raise ValueError(
+            f"selective_scan: initial_state must be (batch, dim, state) {shape}, got {tuple(initial_state.shape)}"
+        )
+    h_init = None if initial_state is None else initial_state.to(device=u.device, dtype=torch.float32).contiguous()
+    if u.numel() == 0:  # an empty batch, channel set or sequence: nothing to launch; the state passes through
+        final = u.new_zeros(shape, dtype=torch.float32) if h_init is None else h_init.clone()
+        return (u * 0, final) if return_final_state else u * 0
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (*args, h_init)):
+        out, final = _SelectiveScan.apply(*args, bool(delta_softplus), keep, h_init)
+    else:
+        out, _, final = _scan_fwd(
+            *args, bool(delta_softplus), keep, h_init, save_states=False, final=return_final_state
+        )
+    return (out, final) if return_final_state else out

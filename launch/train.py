@@ -6,7 +6,9 @@
     torchrun --max-restarts 3 --nproc_per_node N launch/train.py --config ... --resume   # restarts resume
 
 Exit status: 0 done; 2 bad input (config, data, run directory, checkpoint that does not fit; nothing on disk
-was changed); 1 the run failed (a collective failed or timed out, too many non-finite steps, ...).
+was changed); 1 the run failed (a collective failed or timed out, too many non-finite steps, ...); 3 stopped on
+request (SIGUSR1, e.g. Slurm's --signal) after saving the checkpoint of the step every rank stopped after: rerun
+with --resume (launch/slurm/ requeues the job).
 """
 
 import argparse
@@ -101,6 +103,7 @@ def main(argv=None) -> int:
     from moe_dist.train.checkpoint import CheckpointError
     from moe_dist.train.guard import TrainingError
     from moe_dist.train.loop import RunDirError, train
+    from moe_dist.train.preempt import EXIT_STOPPED, Stopped
 
     run_dir = args.run_dir or Path("runs") / Path(args.config).stem
     try:
@@ -114,6 +117,8 @@ def main(argv=None) -> int:
         # The process group is unusable after a failed collective, and tearing it down could wait on the
         # stopped peer: leave at once so the launcher sees the failure now.
         os._exit(1)
+    except Stopped:  # rank 0 said at which step; the checkpoint is published
+        return EXIT_STOPPED
     return 0
 
 

@@ -262,8 +262,9 @@ class Attention(nn.Module):
         All-gather, not a ring: with packed documents, prefix-LM and windows, which key pieces a query piece needs
         depends on the data, so a ring's fixed schedule would send and mask whole pieces for nothing, while one
         all-gather of K/V (only the KV heads: small under grouped-query attention) is a single collective whose
-        backward (a reduce-scatter) returns each K/V gradient to the rank that owns the position. Llama 3 trains
-        its long-context stage with the same all-gather context parallelism, for document masks."""
+        backward (a reduce-scatter) returns each K/V gradient to the rank that owns the position. Llama 3 chose
+        all-gather context parallelism for the same two reasons: any mask (document masks) is easy, and under
+        grouped-query attention K and V are much smaller than Q (The Llama 3 Herd of Models, section 3.3.2)."""
         S = shard.seq_len
         if document_ids is not None and document_ids.shape != (q.shape[0], S):
             raise ValueError(

@@ -1,3 +1,3 @@
 """Planning a job before it runs, from the config alone: memory.py (the per-rank memory plan of
 `launch/train.py --dry-run`, docs/memory.md), perfmodel.py (the α–β model of a step's time, docs/perf_model.md)
-and fit.py (calibrating that model on measured runs, benchmarks/scaling.py)."""
+fit.py (calibrating that model on measured runs, benchmarks/scaling.py) and cluster.py (its H200 predictions)."""

@@ -1,13 +1,16 @@
 """Performance model of one training step, calibrated on measured runs (the fit of F, α and β to them is fit.py).
 
-    step time = FLOPs_per_rank · ranks_per_device / F + Σ_collectives (hops · α + bytes_on_the_slowest_link / β)
+    step time = (model + recomputed FLOPs per rank) · ranks_per_device / F
+                + Σ_collectives (hops · α + bytes_on_the_slowest_link / β)  −  what overlap hides
 
-One (α, β) pair for links inside a node and one across nodes; textbook collective algorithms; no overlap of
-communication and compute except the EP row all-to-alls under `parallel.a2a_chunks` > 1 (`overlapped_rows_s`).
-Invariant: the per-step list of collectives mirrors what a training step of this repository issues (EP, TP, ZeRO)
-and the rank placement of moe_dist.parallel.mesh; a change to either must change this file too. The list, the
-placement and the calibration: docs/perf_model.md, section "The model"; checked against benchmarks/scaling.py's
-instrumented runs by tests/test_bench_common.py.
+One (α, β) pair for links inside a node and one across nodes; textbook collective algorithms. Overlap of
+communication with compute, where the code issues it so: the EP row all-to-alls under `parallel.a2a_chunks` > 1
+(`overlapped_rows_s`), and, with bf16 weights, the once-per-step gradient reduce-scatter behind the last
+micro-batch's backward (an assumption for NCCL's asynchronous bucketed reduction, docs/perf_model.md, "Overlap").
+Invariant: the per-step list of collectives mirrors what a training step of this repository issues (EP, TP, CP,
+the data-parallel reduction) and the rank placement of moe_dist.parallel.mesh; a change to either must change this
+file too. The list, the placement and the calibration: docs/perf_model.md, section "The model"; checked against
+benchmarks/scaling.py's instrumented runs by tests/test_bench_common.py.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import math
 from dataclasses import dataclass, field
 
 from moe_dist.config import JobConfig
+from moe_dist.models.activation_checkpointing import checkpointed_parts
 
 KINDS = ("all_to_all", "all_reduce", "reduce_scatter", "all_gather", "other")
 SCALAR_ALL_REDUCES_PER_STEP = 5  # gradient-norm pieces and the metrics vector (measured: 4-6 tiny calls)
@@ -54,12 +58,13 @@ class Link:
 @dataclass(frozen=True)
 class Hardware:
     name: str
-    flops_per_s: float  # sustained throughput of one device (peak × MFU for a GPU; fitted for a CPU)
+    flops_per_s: float  # sustained rate on the FLOPs a device runs (peak × a share on a GPU; fitted on a CPU)
     ranks_per_node: int
     intra: Link  # inside a node (NVLink; loopback on one CPU machine)
     inter: Link  # across nodes (InfiniBand; the veth links between network namespaces)
     memory_bytes: float | None = None  # device memory, for the fit check of a layout
     peak_flops_per_s: float | None = None  # for reporting MFU
+    tree_all_reduce: bool = False  # tiny all-reduces take a tree's 2·⌈log2 n⌉ hops (NCCL picks it), not a ring's
 
 
 @dataclass(frozen=True)
@@ -67,18 +72,43 @@ class Layout:
     dp: int
     ep: int
     tp: int
-    etp: int | None = None  # expert tensor-parallel size: tp (None) or 1 (whole experts, EP spans dp × tp)
+    etp: int | None = None  # expert tensor-parallel size: tp (None) or 1 (whole experts, EP spans dp × cp × tp)
+    cp: int = (
+        1  # context parallelism: each sequence split over cp ranks (rank = (dp_rank · cp + cp_rank) · tp + tp_rank)
+    )
 
     @property
     def world(self) -> int:
-        return self.dp * self.tp
+        return self.dp * self.cp * self.tp
+
+    @property
+    def zero(self) -> int:
+        """Ranks holding the same dense weights, over which ZeRO shards and the dense gradients are reduced."""
+        return self.dp * self.cp
 
     @property
     def folded(self) -> bool:
         return self.etp == 1 and self.tp > 1
 
     def __str__(self) -> str:
-        return f"dp{self.dp}-ep{self.ep}-tp{self.tp}" + ("-etp1" if self.folded else "")
+        cp = f"-cp{self.cp}" if self.cp > 1 else ""
+        return f"dp{self.dp}{cp}-ep{self.ep}-tp{self.tp}" + ("-etp1" if self.folded else "")
+
+
+def config_layout(cfg: JobConfig, world: int) -> Layout | None:
+    """The config's own layout at `world` ranks (None where its tp × cp does not divide the world)."""
+    par = cfg.parallel
+    cp = getattr(par, "cp", 1)
+    if world % (par.tp * cp):
+        return None
+    folded = par.tp > 1 and par.expert_tp == 1
+    return Layout(world // (par.tp * cp), par.ep, par.tp, 1 if folded else None, cp)
+
+
+# Overlap windows a call can hide behind (predict_step): the backward of the step's last micro-batch (the gradient
+# reduction's buckets are issued as that backward produces them) and the forward of the next step's first
+# micro-batch (the updated parameters' all-gather, where the caller asks for it: `overlap_param_gather`).
+LAST_BACKWARD, NEXT_FORWARD = "last_backward", "next_forward"
 
 
 @dataclass(frozen=True)
@@ -86,11 +116,13 @@ class Call:
     """One collective issued `count` times per step by every rank of its group."""
 
     kind: str
-    label: str  # what it moves: "moe_rows", "moe_counts", "tp_act", "dense_grad", "expert_param", ...
+    label: str  # what it moves: "moe_rows", "moe_counts", "tp_act", "dense_grad", "expert_param", "cp_kv", ...
     group_size: int
     ranks_per_node: int  # ranks of the group on one node (== group_size when it stays inside a node)
     payload_bytes: float
     count: float
+    hides_behind: str | None = None  # LAST_BACKWARD / NEXT_FORWARD: asynchronous, overlaps that compute
+    tree: bool = False  # a latency-bound all-reduce of a few bytes: a tree where `Hardware.tree_all_reduce`
 
     @property
     def spans_nodes(self) -> bool:
@@ -100,6 +132,8 @@ class Call:
 def call_time(call: Call, hw: Hardware) -> float:
     """Seconds for one instance of `call`: α per hop plus the bytes over the slowest link they cross."""
     hops, wire = collective_terms(call.kind, call.group_size, call.payload_bytes)
+    if call.tree and hw.tree_all_reduce:
+        hops = min(hops, 2 * math.ceil(math.log2(call.group_size)))
     if not call.spans_nodes:
         return hw.intra.time(hops, wire)
     n, g = call.group_size, call.ranks_per_node
@@ -129,6 +163,10 @@ def bottleneck_features(
 # ------------------------------------------------------------------------------------------- the workload
 
 
+# activation_checkpointing's part name of each mixer kind (MoE layers recompute only their experts).
+_MIXER_PART = {"attention": "attention", "mamba1": "mamba", "mamba2": "mamba2", "gdn": "gdn"}
+
+
 @dataclass(frozen=True)
 class ModelCost:
     """What a model costs per token, from its meta-built parameters (no memory allocated)."""
@@ -141,15 +179,57 @@ class ModelCost:
     d_model: int
     n_mamba_layers: int = 0
     ssm_proj_width: int = 0  # x_proj's output per token: dt_rank + 2 · d_state
+    recompute_flops_per_token: float = 0.0  # the forward FLOPs activation checkpointing repeats in the backward
+    recomputed: frozenset = frozenset()  # train.activation_checkpointing's parts
+    n_attn_layers: int = 0
+    n_mamba2_layers: int = 0
+    n_gdn_layers: int = 0
+
+
+def mixer_flops_per_token(cfg: JobConfig, kind: str) -> float:
+    """Forward FLOPs per token of a mixer beyond its weights: causal attention scores, or the recurrent scan."""
+    m, S = cfg.model, cfg.train.seq_len
+    if kind == "attention":  # QKᵀ and AV, causal: half of 4·S·H·Dh per token
+        return 2.0 * S * m.attention.n_heads * (m.attention.head_dim or m.d_model // m.attention.n_heads)
+    if kind == "mamba1":  # discretize + recurrence + readout (Mamba §3)
+        return 9.0 * m.mamba.expand * m.d_model * m.mamba.d_state
+    if kind == "mamba2":
+        # Chunked SSD: intra-chunk C·Bᵀ and its use (2·chunk·(N + P) per head, half for causality) plus the state
+        # update and readout (4·P·N per head): the quadratic-in-chunk plus linear-in-state terms of Mamba-2.
+        m2 = m.mamba2
+        return m2.heads(m.d_model) * (2.0 * m2.chunk_size * (m2.d_state + m2.head_dim) + 4.0 * m2.head_dim * m2.d_state)
+    if kind == "gdn":
+        # Chunked gated delta rule per value head: the same shape with dk for N and dv for P, plus the WY
+        # correction (the chunk's triangular solve and k·S products, about 2·chunk·dk + 4·dk·dv).
+        g = m.gdn
+        dk, dv = g.head_k_dim, g.head_v_dim
+        return g.n_v_heads * (2.0 * g.chunk_size * (2 * dk + dv) + 8.0 * dk * dv)
+    return 0.0
 
 
 def model_cost(cfg: JobConfig) -> ModelCost:
-    """Forward FLOPs per token: 2 · (matmul weights a token touches) + causal attention scores + the SSM scan."""
+    """Forward FLOPs per token: 2 · (matmul weights a token touches) + attention scores + the SSM scans; and the
+    part of them activation checkpointing runs again in the backward (models/activation_checkpointing.py: each
+    checkpointed mixer and dense FFN whole, of an MoE layer only its experts)."""
     from moe_dist.models.decoder import build_model
 
     m = cfg.model
     model = build_model(m)
-    matmul = dense = expert = 0.0
+    kinds = m.layer_kinds()
+    parts = frozenset(checkpointed_parts(cfg.train))
+
+    def recomputed(name: str) -> bool:
+        if not name.startswith("blocks."):
+            return False  # embedding, final norm, LM head
+        _, i, sub, *rest = name.split(".")
+        mixer, ffn = kinds[int(i)]
+        if sub == "mixer":
+            return _MIXER_PART[mixer] in parts
+        if sub == "ffn":
+            return ("moe_experts" in parts and rest[0] == "experts") if ffn == "moe" else "mlp" in parts
+        return False  # the blocks' norms
+
+    matmul = dense = expert = again = 0.0
     for name, p in model.named_parameters():
         is_expert = ".experts." in name
         if is_expert:
@@ -158,28 +238,30 @@ def model_cost(cfg: JobConfig) -> ModelCost:
             dense += p.numel()
         if p.ndim < 2 or name.endswith("A_log") or (name.startswith("embed.") and not m.tie_embeddings):
             continue  # vectors, the SSM's A and the embedding lookup cost no matmul FLOPs
-        matmul += p.numel() * (m.moe.top_k / m.moe.num_experts if is_expert else 1.0)
-    S = cfg.train.seq_len
-    kinds = m.layer_kinds()
-    n_attn = sum(mixer == "attention" for mixer, _ in kinds)
-    n_mamba = sum(mixer == "mamba1" for mixer, _ in kinds)
-    n_mamba2 = sum(mixer == "mamba2" for mixer, _ in kinds)
-    n_gdn = sum(mixer == "gdn" for mixer, _ in kinds)
-    head_dim = m.attention.head_dim or m.d_model // m.attention.n_heads
-    attn = 2.0 * S * m.attention.n_heads * head_dim  # QKᵀ and AV, causal: half of 4·S·H·Dh per token
-    scan = 9.0 * m.mamba.expand * m.d_model * m.mamba.d_state  # discretize + recurrence + readout (Mamba §3)
-    # Chunked SSD per token: intra-chunk C·Bᵀ and its use (2·chunk·(N + P) per head, half for causality) plus the
-    # state update and readout (4·P·N per head): the quadratic-in-chunk plus linear-in-state terms of Mamba-2.
-    m2, g = m.mamba2, m.gdn
-    ssd = m2.heads(m.d_model) * (2.0 * m2.chunk_size * (m2.d_state + m2.head_dim) + 4.0 * m2.head_dim * m2.d_state)
-    # Chunked gated delta rule per token and value head: the same shape with dk for N and dv for P, plus the WY
-    # correction (the chunk's triangular solve and k·S products, about 2·chunk·dk + 4·dk·dv).
-    dk, dv = g.head_k_dim, g.head_v_dim
-    delta = g.n_v_heads * (2.0 * g.chunk_size * (2 * dk + dv) + 8.0 * dk * dv)
-    fwd = 2.0 * matmul + n_attn * attn + n_mamba * scan + n_mamba2 * ssd + n_gdn * delta
+        flops = p.numel() * (m.moe.top_k / m.moe.num_experts if is_expert else 1.0)
+        matmul += flops
+        again += flops if recomputed(name) else 0.0
+    count = {k: sum(mixer == k for mixer, _ in kinds) for k in _MIXER_PART}
+    mixers = {k: count[k] * mixer_flops_per_token(cfg, k) for k in _MIXER_PART}
+    fwd = 2.0 * matmul + sum(mixers.values())
+    again = 2.0 * again + sum(v for k, v in mixers.items() if _MIXER_PART[k] in parts)
     n_moe = sum(ffn == "moe" for _, ffn in kinds)
     dt_rank = m.mamba.dt_rank or math.ceil(m.d_model / 16)
-    return ModelCost(fwd, int(dense), int(expert), n_moe, m.n_layers, m.d_model, n_mamba, dt_rank + 2 * m.mamba.d_state)
+    return ModelCost(
+        fwd,
+        int(dense),
+        int(expert),
+        n_moe,
+        m.n_layers,
+        m.d_model,
+        count["mamba1"],
+        dt_rank + 2 * m.mamba.d_state,
+        again,
+        parts,
+        count["attention"],
+        count["mamba2"],
+        count["gdn"],
+    )
 
 
 def _group_placement(ranks: list[int], ranks_per_node: int) -> tuple[int, int]:
@@ -191,16 +273,19 @@ def _group_placement(ranks: list[int], ranks_per_node: int) -> tuple[int, int]:
 
 
 def group_shapes(layout: Layout, ranks_per_node: int) -> dict[str, tuple[int, int]]:
-    """(size, ranks per node) of rank 0's tp, ep, dp and edp groups under mesh.py's rank order."""
-    tp, ep, dp = layout.tp, layout.ep, layout.dp
-    rank = lambda d, t: d * tp + t  # noqa: E731
-    folded = layout.folded  # EP groups of ep consecutive ranks, EDP groups strided by ep
+    """(size, ranks per node) of rank 0's tp, cp, ep, dp (ZeRO: dp × cp) and edp groups under mesh.py's rank order
+    rank = q · tp + tp_rank with q = dp_rank · cp + cp_rank: EP groups are blocks of ep consecutive q (of ep
+    consecutive ranks with etp = 1), the EDP groups stride across them."""
+    tp, ep, q = layout.tp, layout.ep, layout.zero
+    rank = lambda q, t: q * tp + t  # noqa: E731
+    folded = layout.folded
     return {
         "tp": _group_placement([rank(0, t) for t in range(tp)], ranks_per_node),
+        "cp": _group_placement([rank(c, 0) for c in range(layout.cp)], ranks_per_node),
         "ep": _group_placement(list(range(ep)) if folded else [rank(d, 0) for d in range(ep)], ranks_per_node),
-        "dp": _group_placement([rank(d, 0) for d in range(dp)], ranks_per_node),
+        "dp": _group_placement([rank(d, 0) for d in range(q)], ranks_per_node),
         "edp": _group_placement(
-            list(range(0, layout.world, ep)) if folded else [rank(d, 0) for d in range(0, dp, ep)], ranks_per_node
+            list(range(0, layout.world, ep)) if folded else [rank(d, 0) for d in range(0, q, ep)], ranks_per_node
         ),
     }
 
@@ -210,52 +295,130 @@ def micro_batches_per_rank(cfg: JobConfig, layout: Layout) -> int:
     return t.global_batch_size // (t.micro_batch_size * layout.dp)
 
 
+def tokens_per_micro_batch(cfg: JobConfig, layout: Layout) -> int:
+    """Positions one rank runs per micro-batch: its 1/cp of each of the micro-batch's sequences."""
+    return cfg.train.micro_batch_size * cfg.train.seq_len // layout.cp
+
+
 def step_flops_per_rank(cfg: JobConfig, layout: Layout, cost: ModelCost | None = None) -> float:
-    """Training FLOPs (forward + 2 × backward) one rank executes per optimizer step."""
+    """Model FLOPs (forward + 2 × backward, no recompute: what MFU counts) one rank executes per optimizer step."""
     cost = cost or model_cost(cfg)
     tokens = cfg.train.global_batch_size * cfg.train.seq_len / layout.dp
-    return 3.0 * cost.fwd_flops_per_token * tokens / layout.tp
+    return 3.0 * cost.fwd_flops_per_token * tokens / (layout.tp * layout.cp)
+
+
+def recompute_flops_per_rank(cfg: JobConfig, layout: Layout, cost: ModelCost | None = None) -> float:
+    """The forward FLOPs activation checkpointing repeats in the backward, per rank and optimizer step."""
+    cost = cost or model_cost(cfg)
+    tokens = cfg.train.global_batch_size * cfg.train.seq_len / layout.dp
+    return cost.recompute_flops_per_token * tokens / (layout.tp * layout.cp)
+
+
+def cp_piece_bytes(cfg: JobConfig, kind: str, tp: int, cp: int) -> tuple[float, float]:
+    """(summary, halo) bytes of one piece of one sequence that a recurrent mixer all-gathers under CP, per rank (its
+    1/tp of the channels), as parallel/state_passing.py sends them: the summary packs the piece's final state and its
+    transition in fp32 (a per-channel decay for Mamba-1, a per-head one for Mamba-2, the dk × dk operator per value
+    head for the delta rule); the conv halo is its last min(d_conv − 1, piece length) conv inputs, in the
+    activation dtype, in a second all-gather. Neither grows with the sequence once pieces are d_conv − 1 long."""
+    m = cfg.model
+    act = 2 if cfg.train.dtype == "bf16" else 4
+    piece = cfg.train.seq_len // (2 * cp)
+    if kind == "mamba1":
+        di, n = m.mamba.expand * m.d_model // tp, m.mamba.d_state
+        return 4.0 * 2 * di * n, act * min(m.mamba.d_conv - 1, piece) * di
+    if kind == "mamba2":
+        m2 = m.mamba2
+        heads, conv = m2.heads(m.d_model) // tp, (m2.d_inner(m.d_model) + 2 * m2.n_groups * m2.d_state) // tp
+        return 4.0 * heads * (m2.head_dim * m2.d_state + 1), act * min(m2.d_conv - 1, piece) * conv
+    g = m.gdn  # gdn
+    hv, conv = g.n_v_heads // tp, (2 * g.n_k_heads * g.head_k_dim + g.n_v_heads * g.head_v_dim) // tp
+    return 4.0 * hv * g.head_k_dim * (g.head_v_dim + g.head_k_dim), act * min(g.conv_size - 1, piece) * conv
 
 
 def step_calls(cfg: JobConfig, layout: Layout, ranks_per_node: int, cost: ModelCost | None = None) -> list[Call]:
     """Every collective one rank issues in one optimizer step (docs/perf_model.md, section "The model")."""
     cost = cost or model_cost(cfg)
-    t, moe = cfg.train, cfg.model.moe
-    act = 2 if t.dtype == "bf16" else 4  # activations and the gradients DeepSpeed reduces, in the training dtype
+    m, t, moe = cfg.model, cfg.train, cfg.model.moe
+    act = 2 if t.dtype == "bf16" else 4  # activations (and, in fp32 training, the gradients) in the training dtype
     micro = micro_batches_per_rank(cfg, layout)
-    tokens_mb = t.micro_batch_size * t.seq_len
+    tokens_mb = tokens_per_micro_batch(cfg, layout)
+    tp, cp = layout.tp, layout.cp
     shapes = group_shapes(layout, ranks_per_node)
     calls: list[Call] = []
+    # A collective inside a checkpointed mixer's own forward runs again in its recompute (activation_checkpointing.py).
+    fwd = lambda part: micro * (2 if part in cost.recomputed else 1)  # noqa: E731
 
-    def add(kind, label, group, payload, count):
+    def add(kind, label, group, payload, count, hides_behind=None):
         n, g = shapes[group]
         if n > 1 and count > 0:
-            calls.append(Call(kind, label, n, g, float(payload), float(count)))
+            calls.append(Call(kind, label, n, g, float(payload), float(count), hides_behind))
 
     # Expert parallelism: the micro-batch's rows, k assignments each, 1/tp of them from each TP rank.
-    rows_bytes = tokens_mb * moe.top_k * cost.d_model * act / layout.tp
-    etp = 1 if layout.folded else layout.tp
+    rows_bytes = tokens_mb * moe.top_k * cost.d_model * act / tp
+    etp = 1 if layout.folded else tp
     add("all_to_all", "moe_counts", "ep", moe.num_experts * etp * 8, micro * cost.n_moe_layers)
     add("all_to_all", "moe_rows", "ep", rows_bytes, 4 * micro * cost.n_moe_layers)
     if layout.ep > 1 and etp > 1:  # the TP peers' received rows, gathered and reduce-scattered (tp · rows_bytes in all)
-        add("all_gather", "moe_tp_rows", "tp", rows_bytes * layout.tp, 2 * micro * cost.n_moe_layers)
-        add("reduce_scatter", "moe_tp_rows", "tp", rows_bytes * layout.tp, 2 * micro * cost.n_moe_layers)
-    # Tensor parallelism (no sequence parallelism): all-reduces at the region boundaries, see the docstring.
+        add("all_gather", "moe_tp_rows", "tp", rows_bytes * tp, 2 * micro * cost.n_moe_layers)
+        add("reduce_scatter", "moe_tp_rows", "tp", rows_bytes * tp, 2 * micro * cost.n_moe_layers)
+    # Tensor parallelism: all-reduces at the region boundaries, see the docstring (sequence parallelism replaces each
+    # by an all-gather and a reduce-scatter: the same hops and bytes).
     add("all_reduce", "tp_act", "tp", tokens_mb * cost.d_model * act, micro * (4 * cost.n_layers + 2))
-    add("all_reduce", "tp_ssm", "tp", tokens_mb * cost.ssm_proj_width * act, 2 * micro * cost.n_mamba_layers)
+    add(
+        "all_reduce",
+        "tp_ssm",
+        "tp",
+        tokens_mb * cost.ssm_proj_width * act,
+        (fwd("mamba") + micro) * cost.n_mamba_layers,
+    )
     add("all_reduce", "tp_router", "tp", tokens_mb * moe.top_k * 4, micro * cost.n_moe_layers)
     add("all_reduce", "tp_loss", "tp", tokens_mb * 4, 3 * micro)
-    # ZeRO-1 data parallelism (ZeRO-2: gradients reduced every micro-batch).
-    reduces = micro if cfg.deepspeed.zero_stage >= 2 else 1
-    dense_local = cost.dense_params / layout.tp
+    m2 = m.mamba2
+    if cost.n_mamba2_layers and m2.n_groups < tp:  # a B/C group spans tp / n_groups ranks (apply_tp's _mamba2)
+        bc = tokens_mb * m2.n_groups * m2.d_state * act  # B or C, all groups, gathered before the scan
+        add("all_gather", "tp_ssd_groups", "tp", bc, 2 * fwd("mamba2") * cost.n_mamba2_layers)
+        add("reduce_scatter", "tp_ssd_groups", "tp", bc, 2 * micro * cost.n_mamba2_layers)
+        norm = tokens_mb * tp * 4  # the gated norm's fp32 sums of squares, one per rank and token
+        add("all_gather", "tp_ssd_norm", "tp", norm, fwd("mamba2") * cost.n_mamba2_layers)
+        add("reduce_scatter", "tp_ssd_norm", "tp", norm, micro * cost.n_mamba2_layers)
+    # Context parallelism: attention all-gathers the whole sequence's K and V (this rank's KV heads), backward
+    # reduce-scatters their gradients to the owners; a recurrent layer gathers the 2·cp pieces' summaries and conv
+    # halos (parallel/state_passing.py); every gather's backward reduce-scatters its gradient.
+    if cp > 1:
+        head_dim = m.attention.head_dim or m.d_model // m.attention.n_heads
+        kv = t.micro_batch_size * t.seq_len * (m.attention.n_kv_heads // tp) * head_dim * act  # K or V, whole
+        add("all_gather", "cp_kv", "cp", kv, 2 * fwd("attention") * cost.n_attn_layers)
+        add("reduce_scatter", "cp_kv", "cp", kv, 2 * micro * cost.n_attn_layers)
+        for kind, n_layers in (
+            ("mamba1", cost.n_mamba_layers),
+            ("mamba2", cost.n_mamba2_layers),
+            ("gdn", cost.n_gdn_layers),
+        ):
+            for label, per_piece in zip(("cp_state", "cp_halo"), cp_piece_bytes(cfg, kind, tp, cp), strict=True):
+                payload = 2 * cp * t.micro_batch_size * per_piece  # every piece of the micro-batch's sequences
+                add("all_gather", label, "cp", payload, fwd(_MIXER_PART[kind]) * n_layers)
+                add("reduce_scatter", label, "cp", payload, micro * n_layers)
+    # Data parallelism (dense over dp × cp, experts over the EDP group; docs/perf_model.md, "The reduction").
+    dense_local = cost.dense_params / tp
     expert_local = cost.expert_params / (layout.ep * etp)
-    add("all_reduce", "dense_grad", "dp", dense_local * act, reduces)
-    add("all_reduce", "expert_grad", "edp", expert_local * act, reduces)
-    add("all_gather", "dense_param", "dp", dense_local * act, 1)
-    add("all_gather", "expert_param", "edp", expert_local * act, 1)
+    stage = cfg.deepspeed.zero_stage
+    if t.dtype == "bf16":  # fp32 accumulation, one reduction per step in train.grad_reduce_dtype, behind the backward
+        g = 4 if t.grad_reduce_dtype == "fp32" else 2
+        kind = "reduce_scatter" if stage >= 1 else "all_reduce"
+        add(kind, "dense_grad", "dp", dense_local * g, 1, LAST_BACKWARD)
+        add(kind, "expert_grad", "edp", expert_local * g, 1, LAST_BACKWARD)
+        if stage >= 1:  # every rank's updated bf16 shard back to every rank
+            add("all_gather", "dense_param", "dp", dense_local * 2, 1, NEXT_FORWARD)
+            add("all_gather", "expert_param", "edp", expert_local * 2, 1, NEXT_FORWARD)
+    else:  # fp32: DeepSpeed's ZeRO all-reduce after the backward (ZeRO-2: every micro-batch), as measured on gloo
+        reduces = micro if stage >= 2 else 1
+        add("all_reduce", "dense_grad", "dp", dense_local * act, reduces)
+        add("all_reduce", "expert_grad", "edp", expert_local * act, reduces)
+        add("all_gather", "dense_param", "dp", dense_local * act, 1)
+        add("all_gather", "expert_param", "edp", expert_local * act, 1)
     if layout.world > 1:
         n, g = layout.world, min(layout.world, ranks_per_node)
-        calls.append(Call("all_reduce", "scalars", n, g, 8.0, SCALAR_ALL_REDUCES_PER_STEP))
+        calls.append(Call("all_reduce", "scalars", n, g, 8.0, SCALAR_ALL_REDUCES_PER_STEP, tree=True))
     return calls
 
 
@@ -263,9 +426,9 @@ def expert_gemm_s(cfg: JobConfig, layout: Layout, hw: Hardware, ranks_per_device
     """Forward expert-GEMM seconds of one MoE layer and micro-batch on one rank (balanced routing, no drops): its
     share of the k·T rows × the active expert weights, 1/tp of them either way: all TP peers' rows through 1/tp of
     each expert's hidden units (etp = tp), or its own 1/tp token slice's rows through whole experts (etp = 1)."""
-    t, moe = cfg.train, cfg.model.moe
+    moe = cfg.model.moe
     weights_per_row = cost.expert_params / max(cost.n_moe_layers, 1) / moe.num_experts  # one expert's 3·d·f
-    flops = 2.0 * t.micro_batch_size * t.seq_len * moe.top_k * weights_per_row / layout.tp
+    flops = 2.0 * tokens_per_micro_batch(cfg, layout) * moe.top_k * weights_per_row / layout.tp
     return flops * ranks_per_device / hw.flops_per_s
 
 
@@ -283,37 +446,21 @@ def overlapped_rows_s(call: Call, hw: Hardware, chunks: int, expert_fwd_s: float
     return call.count / 4 * per_layer
 
 
-def memory_per_device(cfg: JobConfig, layout: Layout, cost: ModelCost | None = None) -> float:
-    """Rough bytes per device: weights + gradients (training dtype), fp32 master + Adam moments (ZeRO-sharded),
-    and the activations one micro-batch keeps for backward (flash attention, no recomputation)."""
-    cost = cost or model_cost(cfg)
-    m, t = cfg.model, cfg.train
-    act = 2 if t.dtype == "bf16" else 4
-    local = cost.dense_params / layout.tp + cost.expert_params / (layout.ep * (1 if layout.folded else layout.tp))
-    grads = local * act / (layout.dp if cfg.deepspeed.zero_stage >= 2 else 1)
-    states = 12.0 * (cost.dense_params + cost.expert_params) / (layout.tp * layout.dp)  # dense/dp, expert/(dp/ep)/ep
-    kv = m.attention.n_kv_heads * (m.attention.head_dim or m.d_model // m.attention.n_heads)
-    d, f = m.d_model, m.moe.d_ff or m.d_ff
-    per_token_layer = act * (6 * d + 2 * kv + m.moe.top_k * (d + 3 * f))
-    acts = per_token_layer * m.n_layers * t.micro_batch_size * t.seq_len / layout.tp
-    return local * act + grads + states + acts
-
-
 # ------------------------------------------------------------------------------------------- predictions
 
 
 @dataclass
 class StepPrediction:
     layout: Layout
-    compute_s: float
-    comm_s: dict[str, float]  # by collective kind
+    compute_s: float  # model and recomputed FLOPs
+    comm_s: dict[str, float]  # exposed seconds, by collective kind
     bytes_per_rank: dict[str, float]  # bytes one rank sends per step, by kind
     step_s: float
     tokens_per_s: float
-    memory_bytes: float
     mfu: float | None = None
     calls: list[Call] = field(default_factory=list)
     a2a_chunks: int = 1
+    overlap: dict[str, dict[str, float]] = field(default_factory=dict)  # per window: in_flight_s, window_s, exposed_s
 
 
 def predict_step(
@@ -324,124 +471,51 @@ def predict_step(
     ranks_per_node: int | None = None,
     cost: ModelCost | None = None,
     a2a_chunks: int | None = None,
+    overlap_param_gather: bool = False,
 ) -> StepPrediction:
     """Step time of `cfg` at `layout` on `hw`. ranks_per_device > 1 when ranks share one device (CPU cores);
-    a2a_chunks overrides `parallel.a2a_chunks` (the row all-to-alls pipelined against the expert GEMMs)."""
+    a2a_chunks overrides `parallel.a2a_chunks` (the row all-to-alls pipelined against the expert GEMMs).
+
+    Asynchronous calls hide behind their window (`Call.hides_behind`): the gradient reduction behind the last
+    micro-batch's backward (its 2 × forward plus recompute), exposed = max(0, their time − the window); the
+    parameter all-gather behind the next step's first forward only with `overlap_param_gather` (what-if: the code
+    may not overlap it), else all of it is exposed."""
     cost = cost or model_cost(cfg)
     rpn = ranks_per_node or hw.ranks_per_node
     flops = step_flops_per_rank(cfg, layout, cost)
-    compute = flops * ranks_per_device / hw.flops_per_s
+    compute = (flops + recompute_flops_per_rank(cfg, layout, cost)) * ranks_per_device / hw.flops_per_s
+    per_mb = tokens_per_micro_batch(cfg, layout) / layout.tp * ranks_per_device / hw.flops_per_s  # s per FLOP/token
+    windows = {
+        LAST_BACKWARD: (2.0 * cost.fwd_flops_per_token + cost.recompute_flops_per_token) * per_mb,
+        NEXT_FORWARD: cost.fwd_flops_per_token * per_mb if overlap_param_gather else 0.0,
+    }
     comm = dict.fromkeys(KINDS, 0.0)
     sent = dict.fromkeys(KINDS, 0.0)
+    hidden: dict[str, list[tuple[str, float]]] = {w: [] for w in windows}
     calls = step_calls(cfg, layout, rpn, cost)
     chunks = a2a_chunks or cfg.parallel.a2a_chunks
     for c in calls:
         if c.label == "moe_rows" and chunks > 1:
             comm[c.kind] += overlapped_rows_s(c, hw, chunks, expert_gemm_s(cfg, layout, hw, ranks_per_device, cost))
+        elif c.hides_behind:
+            hidden[c.hides_behind].append((c.kind, c.count * call_time(c, hw)))
         else:
             comm[c.kind] += c.count * call_time(c, hw)
         sent[c.kind] += c.count * collective_terms(c.kind, c.group_size, c.payload_bytes)[1]
+    overlap = {}
+    for w, parts in hidden.items():  # the exposed rest, shared among the kinds in proportion to their time
+        in_flight = sum(s for _, s in parts)
+        exposed = max(0.0, in_flight - windows[w])
+        for kind, s in parts:
+            comm[kind] += s * exposed / in_flight
+        if parts:
+            overlap[w] = {"in_flight_s": in_flight, "window_s": windows[w], "exposed_s": exposed}
     step = compute + sum(comm.values())
     tokens = cfg.train.global_batch_size * cfg.train.seq_len
     mfu = flops / step / hw.peak_flops_per_s if hw.peak_flops_per_s else None
-    memory = memory_per_device(cfg, layout, cost)
-    return StepPrediction(layout, compute, comm, sent, step, tokens / step, memory, mfu, calls, chunks)
+    return StepPrediction(layout, compute, comm, sent, step, tokens / step, mfu, calls, chunks, overlap)
 
 
-# --------------------------------------------------------------------------------------------------- H200
-
-# Published figures (NVIDIA H200 Tensor Core GPU datasheet/product page, SXM): BF16 Tensor Core 1,979 TFLOPS
-# *with sparsity*, i.e. 989 TFLOPS dense; 141 GB HBM3e at 4.8 TB/s; NVLink 900 GB/s per GPU (bidirectional,
-# 450 GB/s each way). The cluster of the issue: 8 GPUs per node, one 400 Gb/s InfiniBand NIC per GPU
-# (50 GB/s each way). Assumptions (ours, not published): MFU 40% of dense peak on the model FLOPs; collectives
-# reach 80% of NVLink's and 90% of InfiniBand's one-way bandwidth; α = 3 µs per hop in a node, 8 µs across.
+# Published figure (NVIDIA H200 Tensor Core GPU datasheet, SXM): BF16 Tensor Core 1,979 TFLOPS *with sparsity*,
+# i.e. 989 TFLOPS dense. The cluster around it: cluster.py.
 H200_BF16_DENSE_PEAK = 989e12
-H200_MEMORY = 141e9
-
-
-def h200_cluster(mfu: float = 0.40) -> Hardware:
-    return Hardware(
-        name=f"H200 SXM, 8/node, NVLink 900 GB/s, 400 Gb/s IB per GPU, MFU {mfu:.0%}",
-        flops_per_s=H200_BF16_DENSE_PEAK * mfu,
-        ranks_per_node=8,
-        intra=Link(alpha_s=3e-6, beta_Bps=0.8 * 450e9),
-        inter=Link(alpha_s=8e-6, beta_Bps=0.9 * 50e9),
-        memory_bytes=H200_MEMORY,
-        peak_flops_per_s=H200_BF16_DENSE_PEAK,
-    )
-
-
-def candidate_layouts(gpus: int, num_experts: int, global_batch: int, micro_batch: int) -> dict[str, Layout]:
-    """The layout families compared in docs/perf_model.md, where they are valid at this GPU count."""
-    families = {
-        "ZeRO-1 DP only": lambda n: Layout(n, 1, 1),
-        "EP8 in node": lambda n: Layout(n, 8, 1),
-        "EP4 x TP2 in node": lambda n: Layout(n // 2, 4, 2),
-        "TP8 in node": lambda n: Layout(n // 8, 1, 8),
-        "EP8 x TP2 (EP over 2 nodes)": lambda n: Layout(n // 2, 8, 2),
-        "EP8 x TP8 (EP over 8 nodes)": lambda n: Layout(n // 8, 8, 8),
-        "EP8 x TP2 folded (etp 1, EP in node)": lambda n: Layout(n // 2, 8, 2, etp=1),
-        "EP8 x TP8 folded (etp 1, EP = TP node)": lambda n: Layout(n // 8, 8, 8, etp=1),
-        "EP16 x TP2 folded (etp 1, EP over 2 nodes)": lambda n: Layout(n // 2, 16, 2, etp=1),
-    }
-    out = {}
-    for name, make in families.items():
-        lay = make(gpus)
-        if (
-            lay.dp >= 1
-            and lay.world == gpus
-            and (lay.world if lay.folded else lay.dp) % lay.ep == 0
-            and num_experts % lay.ep == 0
-            and global_batch % (micro_batch * lay.dp) == 0
-        ):
-            out[name] = lay
-    return out
-
-
-def scaling_sweep(
-    cfg: JobConfig,
-    hw: Hardware,
-    gpu_counts=(8, 16, 32, 64, 128, 256, 512, 1024),
-    chunk_options=(1, 2, 4),
-) -> list[dict]:
-    """Predictions for every candidate layout at every GPU count, each at its fastest `parallel.a2a_chunks` of
-    `chunk_options` (with the unchunked all-to-all time beside it). Scaling efficiency = tokens/s ÷ (GPUs × the
-    compute-bound rate of one GPU) = compute time / step time: what communication leaves of linear scaling."""
-    cost = model_cost(cfg)
-    rows = []
-    for n in gpu_counts:
-        for family, lay in candidate_layouts(
-            n, cfg.model.moe.num_experts, cfg.train.global_batch_size, cfg.train.micro_batch_size
-        ).items():
-            plain = predict_step(cfg, lay, hw, cost=cost, a2a_chunks=1)
-            p = min(
-                (predict_step(cfg, lay, hw, cost=cost, a2a_chunks=c) for c in chunk_options), key=lambda q: q.step_s
-            )
-            rows.append(
-                {
-                    "gpus": n,
-                    "family": family,
-                    "layout": str(lay),
-                    "step_s": p.step_s,
-                    "tokens_per_s": p.tokens_per_s,
-                    "tokens_per_s_per_gpu": p.tokens_per_s / n,
-                    "scaling_efficiency": p.compute_s / p.step_s,
-                    "mfu": p.mfu,
-                    "compute_s": p.compute_s,
-                    **{f"{k}_s": v for k, v in p.comm_s.items()},
-                    "a2a_chunks": p.a2a_chunks,
-                    "all_to_all_unchunked_s": plain.comm_s["all_to_all"],
-                    "memory_gb": p.memory_bytes / 1e9,
-                    "fits": hw.memory_bytes is None or p.memory_bytes <= hw.memory_bytes,
-                }
-            )
-    return rows
-
-
-def recommend(rows: list[dict]) -> dict[int, dict]:
-    """Per GPU count, the fastest layout that fits in memory."""
-    best: dict[int, dict] = {}
-    for r in rows:
-        if r["fits"] and (r["gpus"] not in best or r["tokens_per_s"] > best[r["gpus"]]["tokens_per_s"]):
-            best[r["gpus"]] = r
-    return best

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from moe_dist.parallel import private_api
 from moe_dist.parallel.comm import all_reduce_sum
 from moe_dist.parallel.mesh import Mesh, group_timeouts
+from moe_dist.train.preempt import StopRequest
 
 
 class TrainingError(RuntimeError):
@@ -80,13 +81,23 @@ class NonFiniteGuard:
     """Runs the boundary's optimizer step, or skips it on every rank (docs/reliability.md, "Non-finite steps")."""
 
     def __init__(
-        self, engine, scheduler, mesh: Mesh, max_in_row: int, warn: Callable[[str], None], skipped_total: int = 0
+        self,
+        engine,
+        scheduler,
+        mesh: Mesh,
+        max_in_row: int,
+        warn: Callable[[str], None],
+        skipped_total: int = 0,
+        stop: StopRequest | None = None,
     ):
         self.engine, self.scheduler, self.mesh = engine, scheduler, mesh
         self.max_in_row, self.warn = max_in_row, warn
         self.skipped_total = skipped_total  # over the whole run, carried in checkpoints
         self.in_row = 0
         self._bad_loss = torch.zeros((), dtype=torch.bool)
+        # A stop request rides on the boundary's all-reduce (preempt.py): no collective of its own.
+        self.stop = stop
+        self.stop_agreed = False  # some rank had a stop request at the last boundary: every rank stops after it
 
     def observe_loss(self, loss: torch.Tensor) -> None:
         """Called with every micro-batch's loss; no host sync (read once, at the boundary)."""
@@ -94,15 +105,19 @@ class NonFiniteGuard:
 
     def boundary_step(self, step: int) -> bool:
         """Call instead of `engine.step()` after the backward of the step's last micro-batch; True if skipped.
-        Collective. Raises NonFiniteError when this makes train.max_nonfinite_steps skips in a row."""
+        Collective; it also sets `stop_agreed`. Raises NonFiniteError when this makes train.max_nonfinite_steps
+        skips in a row."""
         grads = _local_grads(self.engine)
         bad_grad = bool(grads) and not bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
         world, rank = self.mesh.world_size, self.mesh.rank
-        flags = torch.zeros(2 * world, dtype=torch.float64)
+        flags = torch.zeros(2 * world + 1, dtype=torch.float64)
         flags[rank], flags[world + rank] = float(self._bad_loss), float(bad_grad)
+        flags[-1] = float(self.stop is not None and self.stop.requested)
         all_reduce_sum(flags)  # the one decision every rank takes alike
         self._bad_loss = torch.zeros((), dtype=torch.bool)
-        loss_ranks, grad_ranks = flags[:world].nonzero().flatten().tolist(), flags[world:].nonzero().flatten().tolist()
+        self.stop_agreed = bool(flags[-1])
+        loss_ranks = flags[:world].nonzero().flatten().tolist()
+        grad_ranks = flags[world : 2 * world].nonzero().flatten().tolist()
         decided = bool(loss_ranks or grad_ranks)
         if decided:
             self._skip()

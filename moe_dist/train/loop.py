@@ -44,6 +44,7 @@ from moe_dist.train.checkpoint import (
 from moe_dist.train.guard import NonFiniteGuard, operation
 from moe_dist.train.metrics import DeadExperts, MetricsLogger, StepAccumulator
 from moe_dist.train.optim import build_optimizer, deepspeed_config
+from moe_dist.train.preempt import EXIT_STOPPED, Stopped, StopRequest, stop_signals
 from moe_dist.train.shared_storage import check_shared_run_dir
 from moe_dist.train.startup import startup_report
 from moe_dist.train.throughput import Utilisation, device_peak, maybe_profile, model_flops_per_token
@@ -253,7 +254,14 @@ def train(cfg: JobConfig, run_dir: Path, resume: bool = False) -> list[dict]:
     """Run the job; returns rank 0's per-step records (other ranks get an empty list).
 
     With `resume`, continue from the newest checkpoint in the run directory that verifies, falling back to older
-    ones; start fresh when there is none. So one command line serves the first start and every restart."""
+    ones; start fresh when there is none. So one command line serves the first start and every restart.
+    A stop signal (preempt.py) ends the run after the step every rank agrees on, with that step's checkpoint,
+    by raising Stopped on every rank."""
+    with stop_signals() as stop:  # from the start: a warning that comes during start-up is kept, not lost
+        return _train(cfg, run_dir, resume, stop)
+
+
+def _train(cfg: JobConfig, run_dir: Path, resume: bool, stop: StopRequest) -> list[dict]:
     # The layout against the launcher's world size before anything is read, joined or written (one line, exit 2).
     check_layout(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     check_context_parallel(cfg.model, cfg.parallel.cp)
@@ -331,7 +339,7 @@ def train(cfg: JobConfig, run_dir: Path, resume: bool = False) -> list[dict]:
     logger = MetricsLogger(run_dir, mesh.rank == 0, t.histogram_every, resume_step=start)
     if start == 0:
         logger.text("config", "```\n" + json.dumps(config_to_dict(cfg), indent=2) + "\n```")
-    guard = NonFiniteGuard(engine, scheduler, mesh, t.max_nonfinite_steps, say, skipped_total=skipped)
+    guard = NonFiniteGuard(engine, scheduler, mesh, t.max_nonfinite_steps, say, skipped_total=skipped, stop=stop)
     utilisation = Utilisation(model_flops_per_token(cfg), mesh.world_size, device_peak(mesh.device, t.dtype))
     say(f"throughput: {utilisation.describe()}")
     ctx = StepContext(engine, cfg, mesh, data, val, guard, n_moe, utilisation)
@@ -345,6 +353,7 @@ def train(cfg: JobConfig, run_dir: Path, resume: bool = False) -> list[dict]:
     last_seen = found[1].get("dead_expert_last_seen") if found is not None else None
     dead = DeadExperts(n_moe, cfg.model.moe.num_experts, cfg.model.moe.dead_expert_window, start, last_seen)
     bar = tqdm(total=t.steps, initial=start, disable=mesh.rank != 0, desc="train", dynamic_ncols=True)
+    stopping = False
     try:
         for done in range(start + 1, t.steps + 1):  # the optimizer step being made, numbered as in metrics.jsonl
             with maybe_profile(run_dir, done, mesh.rank, t.profile_steps, t.profile_ranks, mesh.device):
@@ -355,7 +364,9 @@ def train(cfg: JobConfig, run_dir: Path, resume: bool = False) -> list[dict]:
                     record["eval_loss"] = evaluate(ctx)
             logger.log(record)  # before the checkpoint: a resumed run finds the record of every checkpointed step
             records.append(record)
-            if (t.save_every and done % t.save_every == 0) or done == t.steps:
+            # A stop agreed at this step's boundary saves this step (once), and the loop ends after it.
+            stopping = guard.stop_agreed and done < t.steps
+            if (t.save_every and done % t.save_every == 0) or done == t.steps or stopping:
                 # Names its phases and limits itself (train.save_timeout_s); rank 0 prunes after each publish.
                 extra = {
                     "skipped_steps": guard.skipped_total,
@@ -365,10 +376,17 @@ def train(cfg: JobConfig, run_dir: Path, resume: bool = False) -> list[dict]:
                 checkpointer.save(engine, model, scheduler, done, extra_meta=extra)
             bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
             bar.update(1)
+            if stopping:
+                break
     finally:  # an error message must not land on the progress bar's line
         bar.close()
         logger.close()
     checkpointer.wait()  # the last asynchronous save is published before the run ends
+    if stopping:  # said before the barrier: once a rank has exited, a launcher may end the others at once
+        line = f"step {done}: stopped on request (a stop signal reached rank(s) of the job), checkpoint saved"
+        say(f"{line}; exit status {EXIT_STOPPED}: continue with --resume")
     with operation("end of training: barrier", timeout):
         barrier()
+    if stopping:
+        raise Stopped(line)
     return records if mesh.rank == 0 else []

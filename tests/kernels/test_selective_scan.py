@@ -194,3 +194,99 @@ def test_decoder_on_both_kernels_keeps_packed_documents_apart(device):
             assert (packed[docs[0] == d] - alone).abs().max() < 1e-5, d
     assert (other[docs[0] != 1] - packed[docs[0] != 1]).abs().max() < 1e-6
     assert (other[docs[0] == 1] - packed[docs[0] == 1]).abs().max() > 1e-3
+
+
+def _scan_with_state(x, h0, steps: slice, reset=None, **kw):
+    """The kernel on steps `steps` of the inputs x from initial state h0: (y, final state)."""
+    part = {k: v[..., steps] if v.dim() == 3 else v for k, v in x.items()}
+    rs = None if reset is None else reset[:, steps]
+    return selective_scan(**part, reset=rs, initial_state=h0, return_final_state=True, delta_softplus=True, **kw)
+
+
+@pytest.mark.parametrize("with_init", [False, True])
+@pytest.mark.parametrize("shape, split, resets", [((2, 3, 70, 4), 37, [0, 37, 50]), ((1, 7, 7, 1), 3, [])], ids=str)
+def test_split_run_composes_through_the_state(shape, split, resets, with_init, device):
+    """Context parallelism's contract: the whole run (from an initial state or zeros) equals the run split in two
+    with the first half's final state as the second's initial state: outputs, final state, and the gradient of every
+    input and of the initial state (loss on the outputs and on the final state). Resets include the first step and
+    the split step (a document starting exactly at a piece edge)."""
+    x, grad = inputs(shape, F32, device)
+    g = torch.Generator().manual_seed(7)
+    h0 = torch.randn(shape[0], shape[1], shape[3], generator=g).to(device) if with_init else None
+    grad_final = torch.randn(shape[0], shape[1], shape[3], generator=g).to(device)
+    reset = torch.zeros(shape[0], shape[2], dtype=torch.bool, device=device)
+    reset[-1, resets] = True
+    results = []
+    for pieces in ([slice(None)], [slice(0, split), slice(split, None)]):
+        leaves = {k: v.detach().clone().requires_grad_(True) for k, v in x.items()}
+        init = None if h0 is None else h0.clone().requires_grad_(True)
+        state, ys = init, []
+        for steps in pieces:
+            y, state = _scan_with_state(leaves, state, steps, reset)
+            ys.append(y)
+        y = torch.cat(ys, dim=2)
+        assert state.dtype == F32 and state.shape == grad_final.shape
+        ((y * grad).sum() + (state * grad_final).sum()).backward()
+        grads = {k: v.grad for k, v in leaves.items()} | ({} if init is None else {"initial_state": init.grad})
+        results.append((y.detach(), state.detach(), grads))
+    (y_whole, f_whole, g_whole), (y_split, f_split, g_split) = results
+    torch.testing.assert_close(y_split, y_whole, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(f_split, f_whole, rtol=1e-5, atol=1e-5)
+    assert set(g_split) == set(g_whole) == set(x) | ({"initial_state"} if with_init else set())
+    for name in g_whole:
+        scale = g_whole[name].abs().max().item()
+        torch.testing.assert_close(g_split[name], g_whole[name], rtol=1e-4, atol=1e-5 * scale, msg=name)
+
+
+def test_final_state_and_zero_initial_state_against_reference(device):
+    """The final state h_{L-1} equals the reference's, read out through C (a C that is one-hot in state n at the
+    last step makes the reference's last output h_{L-1}[:, :, n]); a zero initial state changes nothing."""
+    shape = (2, 3, 45, 4)  # a ragged last chunk: the final state must not decay through the padding steps
+    x, grad = inputs(shape, F32, device)
+    zeros = torch.zeros(shape[0], shape[1], shape[3], device=device)
+    y, final = selective_scan(**x, delta_softplus=True, initial_state=zeros, return_final_state=True)
+    plain = {k: v.double().cpu() for k, v in x.items() if k not in ("z", "D")}
+    for n in range(shape[3]):
+        C = torch.zeros_like(plain["C"])
+        C[:, n, -1] = 1.0
+        h_n = selective_scan_ref(**(plain | {"C": C}), delta_softplus=True)[:, :, -1]
+        torch.testing.assert_close(final[:, :, n].double().cpu(), h_n, rtol=1e-5, atol=1e-5)
+    out, grads = run(selective_scan, x, grad, delta_softplus=True)
+    out0, grads0 = run(lambda **k: selective_scan(**k, delta_softplus=True, initial_state=zeros), x, grad)
+    torch.testing.assert_close(y, out, rtol=0, atol=0)
+    torch.testing.assert_close(out0, out, rtol=0, atol=0)
+    for name in grads:
+        torch.testing.assert_close(grads0[name], grads[name], rtol=0, atol=0)
+
+
+def test_initial_state_against_reference(device):
+    """An initial state p qᵀ (per batch) equals the reference run with one step before the sequence that injects
+    it (Δ = 1, u = p, B = q, no softplus): outputs, every input's gradient, and the initial state's gradient as the
+    reference gives it through that step (d p = dh₋₁ q, d q = Σ_d dh₋₁ p)."""
+    batch, dim, seqlen, state = 2, 3, 40, 4
+    x, grad = inputs((batch, dim, seqlen, state), F32, device, full=False)
+    g = torch.Generator().manual_seed(3)
+    p, q = torch.randn(batch, dim, generator=g).to(device), torch.randn(batch, state, generator=g).to(device)
+    h0 = (p[:, :, None] * q[:, None, :]).requires_grad_(True)
+    out, grads = run(lambda **k: selective_scan(**k, initial_state=h0), x, grad)
+    ext = {k: v.double().cpu() for k, v in x.items()}
+    ext["u"] = torch.cat([p.double().cpu()[:, :, None], ext["u"]], dim=2)
+    ext["delta"] = torch.cat([torch.ones(batch, dim, 1, dtype=F64), ext["delta"]], dim=2)
+    ext["B"] = torch.cat([q.double().cpu()[:, :, None], ext["B"]], dim=2)
+    ext["C"] = torch.cat([torch.zeros(batch, state, 1, dtype=F64), ext["C"]], dim=2)
+    ext_grad = torch.cat([torch.zeros(batch, dim, 1, dtype=F64), grad.double().cpu()], dim=2)
+    ref_out, ref_grads = run(selective_scan_ref, ext, ext_grad)
+    torch.testing.assert_close(out.double().cpu(), ref_out[:, :, 1:], rtol=1e-5, atol=1e-5)
+    for name in ("u", "delta", "B", "C"):
+        torch.testing.assert_close(grads[name].double().cpu(), ref_grads[name][:, :, 1:], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(grads["A"].double().cpu(), ref_grads["A"], rtol=1e-4, atol=1e-4)  # step −1: h = 0
+    d_h0 = h0.grad.double().cpu()
+    dp, dq = torch.einsum("bdn,bn->bd", d_h0, q.double().cpu()), torch.einsum("bdn,bd->bn", d_h0, p.double().cpu())
+    torch.testing.assert_close(dp, ref_grads["u"][:, :, 0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dq, ref_grads["B"][:, :, 0], rtol=1e-5, atol=1e-5)
+
+
+def test_initial_state_shape_is_checked(device):
+    x, _ = inputs((1, 2, 5, 3), F32, device, full=False)
+    with pytest.raises(ValueError, match=r"initial_state must be \(batch, dim, state\) \(1, 2, 3\)"):
+        selective_scan(**x, initial_state=torch.zeros(1, 3, 2, device=device))

@@ -7,10 +7,14 @@ both cp. It records, per compared tensor, the largest absolute difference from t
 largest magnitude: the outputs and input gradient of its own positions, and every weight gradient summed over the
 CP group (each rank's weights see only its own queries' loss; the sum is the whole sequence's gradient).
 The query-block loop of the SDPA path is forced to ragged 3-query blocks (BLOCK_SCORES), so it is exercised.
+It also records the payload bytes of each kind of collective the CP forward and backward issued, as
+benchmarks/comm_report.py counts them (benchmarks/common.py's tracer).
 """
 
+import collections
 import json
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -19,6 +23,9 @@ import moe_dist.layers.attention as attention
 from moe_dist.config import AttentionConfig
 from moe_dist.layers.attention import Attention
 from moe_dist.parallel.context_parallel import SeqShard
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from common import CollectiveTracer  # noqa: E402
 
 B, S, D = 2, 32, 16
 F64 = torch.float64
@@ -105,7 +112,10 @@ def main(out_path: str) -> None:
         for cp in (2, 4):
             group = groups[4] if cp == 4 else groups[2][rank // 2]
             shard = SeqShard(group, cp, rank % cp, S)
-            out, dx, dw = run(layer, shard.local(x), shard.local(cot), shard, **masks)
+            payload = collections.Counter()
+            with CollectiveTracer(lambda c, seen=payload: seen.update({c.kind: c.payload_bytes})):
+                out, dx, dw = run(layer, shard.local(x), shard.local(cot), shard, **masks)
+            results[f"{name}.cp{cp}.payload"] = dict(payload)
             results[f"{name}.cp{cp}.out"] = compare(out, shard.local(ref_out))
             results[f"{name}.cp{cp}.grad.x"] = compare(dx, shard.local(ref_dx))
             for n, grad in dw.items():

@@ -17,17 +17,10 @@ import moe_dist.layers.attention as attention
 from moe_dist.layers.attention import _sdpa, _sdpa_offset
 
 WORKER = Path(__file__).with_name("cp_attention_worker.py")
-CASES = [
-    "causal",
-    "causal_gqa",
-    "window_gqa",
-    "documents_gqa",
-    "prefix_gqa",
-    "window_documents",
-    "window_prefix_gqa",
-    "recipes_documents",
-    "full_norm_norope",
-]
+_spec = importlib.util.spec_from_file_location("cp_attention_worker", WORKER)
+WORKER_MODULE = importlib.util.module_from_spec(_spec)  # its cases and helpers (run in-process by the fast tests)
+_spec.loader.exec_module(WORKER_MODULE)
+CASES = list(WORKER_MODULE.CASES)
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +39,12 @@ def test_cp_attention_matches_whole_sequence(cp_results, case, cp):
         entries = {k: v for k, v in results.items() if k.startswith(f"{case}.cp{cp}.")}
         assert f"{case}.cp{cp}.out" in entries and f"{case}.cp{cp}.grad.x" in entries
         assert sum(".grad.w" in k for k in entries) >= 4, entries.keys()  # wq, wk, wv, wo
+        payload = entries.pop(f"{case}.cp{cp}.payload")
+        # K and V of the KV heads over the whole sequence, fp64: all-gathered in forward (payload: the gathered
+        # tensor), reduce-scattered in backward (payload: the whole-sequence gradient), and nothing else
+        w, kw = WORKER_MODULE, WORKER_MODULE.CASES[case][0]
+        whole = 2 * w.B * w.S * kw["n_kv_heads"] * (w.D // kw["n_heads"]) * 8
+        assert payload == {"all_gather": whole, "reduce_scatter": whole}, (case, payload)
         for name, e in entries.items():
             assert e["scale"] > 1e-3, name  # the reference is not trivially zero
             assert e["err"] <= 1e-10 * e["scale"], f"rank {rank} {name}: {e['err']:.3g} vs {e['scale']:.3g}"
@@ -89,9 +88,7 @@ def test_sdpa_offset_matches_dense_mask(kind, monkeypatch):
 def test_one_rank_shard_matches_the_layer_without_cp(case):
     """On a one-rank SeqShard the local sequence is the whole one in two pieces (the second's queries at offset
     S/2 against all keys): the CP path (RoPE positions, piece offsets, masks) equals the layer without a shard."""
-    spec = importlib.util.spec_from_file_location("cp_attention_worker", WORKER)
-    w = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(w)
+    w = WORKER_MODULE
     kwargs, docs, pfx = w.CASES[case]
     layer = w.build(kwargs)
     ids, prefix = w.documents()

@@ -1,0 +1,151 @@
+"""The H200 predictions of `python benchmarks/scaling.py predict` (docs/perf_model.md, "Mixtral 8x7B and Jamba on
+H200"): every layout family at 8 to 1,024 GPUs, the chunked all-to-all's overlap, the fastest layout per GPU count,
+and with --levers what moves 64 and 1,024 GPUs and the global batch at which an efficiency target holds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def overlap_lines(cfg, hw) -> list[str]:
+    """Per MoE layer and micro-batch: the row all-to-alls (dispatch + combine, forward + backward) unchunked and
+    what `parallel.a2a_chunks` leaves exposed, beside the expert GEMMs that hide them (perfmodel.overlapped_rows_s)."""
+    from moe_dist.planning import perfmodel as pm
+
+    cost = pm.model_cost(cfg)
+    layouts = {
+        "EP8 in node (NVLink)": pm.Layout(8, 8, 1),
+        "EP8 x TP2, EP over 2 nodes (InfiniBand)": pm.Layout(8, 8, 2),
+    }
+    lines = [
+        "Row all-to-alls per MoE layer and micro-batch (forward + backward), exposed ms by parallel.a2a_chunks:",
+        "",
+        "| layout | expert GEMMs fwd + bwd ms | 1 (all of it) | 2 | 4 | 8 |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, lay in layouts.items():
+        calls = pm.step_calls(cfg, lay, hw.ranks_per_node, cost)
+        rows = next(c for c in calls if c.label == "moe_rows")
+        per_layer = pm.Call(rows.kind, rows.label, rows.group_size, rows.ranks_per_node, rows.payload_bytes, 4)
+        g = pm.expert_gemm_s(cfg, lay, hw, 1, cost)
+        exposed = [1e3 * pm.overlapped_rows_s(per_layer, hw, c, g) for c in (1, 2, 4, 8)]
+        lines.append(f"| {name} | {3e3 * g:.2f} | " + " | ".join(f"{e:.2f}" for e in exposed) + " |")
+    return lines
+
+
+def best_efficiency(cfg, hw, gpus: int, overlap_param_gather: bool = False) -> dict | None:
+    """The fastest layout that fits at `gpus`, or None."""
+    from moe_dist.planning import cluster
+
+    rows = cluster.scaling_sweep(cfg, hw, gpu_counts=(gpus,), overlap_param_gather=overlap_param_gather)
+    return cluster.recommend(rows).get(gpus)
+
+
+def summary_lines(config: str, hw, rows: list[dict]) -> list[str]:
+    """Per GPU count, the fastest layout that fits: as configured, with the parameter all-gather behind the next
+    forward, and without activation checkpointing (the compute basis of a model that ignores the recompute)."""
+    from moe_dist.config import load_config
+    from moe_dist.planning import cluster
+
+    best = cluster.recommend(rows)
+    hidden = cluster.recommend(cluster.scaling_sweep(load_config(config, []), hw, overlap_param_gather=True))
+    plain = cluster.recommend(cluster.scaling_sweep(load_config(config, ["train.activation_checkpointing=none"]), hw))
+    lines = [
+        "| GPUs | fastest layout | tokens/s | efficiency | MFU | param all-gather hidden: efficiency | "
+        "no activation checkpointing: tokens/s, efficiency |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for n, r in best.items():
+        h, p = hidden.get(n), plain.get(n)
+        lines.append(
+            f"| {n} | {r['layout']} | {r['tokens_per_s']:,.0f} | {r['scaling_efficiency']:.2f} | {r['mfu']:.2f} | "
+            + (f"{h['scaling_efficiency']:.2f} ({h['layout']})" if h else "does not fit")
+            + " | "
+            + (f"{p['tokens_per_s']:,.0f}, {p['scaling_efficiency']:.2f} ({p['layout']})" if p else "does not fit")
+            + " |"
+        )
+    return lines
+
+
+def lever_lines(config: str, hw, gpu_counts=(64, 1024), target: float = 0.80) -> list[str]:
+    """What moves the efficiency of the fastest layout that fits: each lever alone, against the config as it is;
+    then the smallest global batch (a multiple of 256 sequences) at which the config as it is reaches `target`."""
+    from moe_dist.config import load_config
+
+    base = load_config(config, [])
+    levers = {
+        "the config as it is": ([], False),
+        "train.grad_reduce_dtype=bf16": (["train.grad_reduce_dtype=bf16"], False),
+        "parameter all-gather behind the next forward": ([], True),
+        "both": (["train.grad_reduce_dtype=bf16"], True),
+        "global batch × 2": ([f"train.global_batch_size={2 * base.train.global_batch_size}"], False),
+        "no activation checkpointing": (["train.activation_checkpointing=none"], False),
+    }
+    lines = [
+        "Levers: efficiency of the fastest layout that fits (layout; exposed all-gather + reduce-scatter s):",
+        "",
+        "| lever | " + " | ".join(f"{n} GPUs" for n in gpu_counts) + " |",
+        "|---|" + "---|" * len(gpu_counts),
+    ]
+    for name, (sets, opg) in levers.items():
+        cfg = load_config(config, sets)
+        cells = []
+        for n in gpu_counts:
+            r = best_efficiency(cfg, hw, n, opg)
+            cells.append(
+                "does not fit"
+                if r is None
+                else f"{r['scaling_efficiency']:.3f} ({r['layout']}, {r['all_gather_s'] + r['reduce_scatter_s']:.2f} s)"
+            )
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines.append("")
+    for name, sets in (("as it is", []), ("without activation checkpointing", ["train.activation_checkpointing=none"])):
+        for n in gpu_counts:
+            for batch in range(base.train.global_batch_size, 256 * 33, 256):
+                cfg = load_config(config, [*sets, f"train.global_batch_size={batch}"])
+                r = best_efficiency(cfg, hw, n)
+                if r and r["scaling_efficiency"] >= target:
+                    lines.append(
+                        f"- {n} GPUs, the config {name}: efficiency ≥ {target:.2f} from a global batch of {batch} "
+                        f"sequences ({batch * cfg.train.seq_len / 1e6:.1f} M tokens): {r['scaling_efficiency']:.3f} "
+                        f"with {r['layout']}"
+                    )
+                    break
+            else:
+                lines.append(f"- {n} GPUs, the config {name}: efficiency < {target:.2f} up to {256 * 32} sequences")
+    return lines
+
+
+def predict_table(config: str, mfu: float, levers: bool = False) -> str:
+    from moe_dist.config import load_config
+    from moe_dist.planning import cluster
+
+    cfg = load_config(config, [])
+    hw = cluster.h200_cluster(mfu)
+    rows = cluster.scaling_sweep(cfg, hw)
+    lines = [
+        f"# {Path(config).name} on {hw.name}",
+        "",
+        "| GPUs | layout | (dp, ep, tp) | tokens/s | per GPU | efficiency | MFU | step s | compute s | "
+        "a2a_chunks | a2a s (unchunked) | all-reduce s | grad RS s in flight (exposed) | param AG s | GB / GPU |",
+        "|" + "---|" * 15,
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['gpus']} | {r['family']} | {r['layout']} | {r['tokens_per_s']:,.0f} | "
+            f"{r['tokens_per_s_per_gpu']:,.0f} | {r['scaling_efficiency']:.2f} | {r['mfu']:.2f} | "
+            f"{r['step_s']:.2f} | {r['compute_s']:.2f} | {r['a2a_chunks']} | "
+            f"{r['all_to_all_s']:.2f} ({r['all_to_all_unchunked_s']:.2f}) | {r['all_reduce_s']:.2f} |"
+            f" {r['grad_reduce_s']:.2f} ({r['grad_exposed_s']:.2f}) | {r['all_gather_s']:.2f} | "
+            f"{r['memory_gb']:.0f}{'' if r['fits'] else ' (does not fit)'} |"
+        )
+    lines += ["", *overlap_lines(cfg, hw)]
+    lines += ["", "Recommended (fastest layout that fits in one H200 less the fragmentation margin):", ""]
+    for n, r in cluster.recommend(rows).items():
+        lines.append(
+            f"- {n} GPUs: {r['family']} ({r['layout']}, a2a_chunks={r['a2a_chunks']}), "
+            f"{r['tokens_per_s']:,.0f} tokens/s, efficiency {r['scaling_efficiency']:.2f}, MFU {r['mfu']:.2f}"
+        )
+    if levers:
+        lines += ["", *summary_lines(config, hw, rows), "", *lever_lines(config, hw)]
+    return "\n".join(lines)
