@@ -183,9 +183,10 @@ class Mamba(nn.Module):
 
     def _forward_cp(self, x: torch.Tensor, shard: SeqShard, document_ids: Optional[torch.Tensor]) -> torch.Tensor:
         """Context parallelism by state passing (moe_dist/parallel/state_passing.py): both local pieces run from a
-        zero state, batched; their summaries (final state, decay product exp(A Σ Δ), zero once a document starts)
-        cross the CP group in one all-gather; each piece's true initial state h0 then adds C_t · (exp(A Σ_{s≤t} Δ_s)
-        ⊙ h0) to y_t up to the piece's first document start (`initial_state_outputs`: the scan is linear in h0)."""
+        zero state, batched; their summaries (final state, and Σ Δ for the decay product exp(A Σ Δ), zero once a
+        document starts) cross the CP group in one all-gather; each piece's true initial state h0 then adds
+        C_t · (exp(A Σ_{s≤t} Δ_s) ⊙ h0) to y_t up to the piece's first document start (`initial_state_outputs`: the
+        scan is linear in h0)."""
         K = self.conv1d.kernel_size[0]
         x, z = self.in_proj(sp.to_pieces(x)).chunk(2, dim=-1)  # (2B, c, Di) each
         window, window_ids = sp.conv_window(shard, x.transpose(1, 2), K - 1, document_ids)
@@ -213,10 +214,12 @@ class Mamba(nn.Module):
         compute = final.dtype
         delta_sum = F.softplus(dt.to(compute) + self.dt_proj.bias.to(compute)).cumsum(1)  # (2B, c, Di): Σ_{s≤t} Δ_s
         keep = None if reset is None else (reset.cumsum(1) == 0).to(compute)  # (2B, c): before the first start
-        decay = torch.exp(delta_sum[:, -1, :, None] * A)  # (2B, Di, N)
-        if keep is not None:
-            decay = decay * keep[:, -1, None, None]
-        h0 = sp.initial_states(shard, *sp.exchange(shard, final, decay), sp.diagonal)  # (2B, Di, N)
+        # The transition exp(A Σ Δ) is known from Σ Δ (Di values; A is every rank's) and whether a document starts
+        # in the piece: that is what travels, half the bytes of the (Di, N) decays.
+        kept = delta_sum.new_ones(delta_sum.shape[0], 1) if keep is None else keep[:, -1:]  # (2B, 1)
+        finals, steps, kept = sp.exchange(shard, final, delta_sum[:, -1], kept)  # (2cp, B, ...) global order
+        decays = torch.exp(steps[..., None] * A) * kept[..., None]  # (2cp, B, Di, N)
+        h0 = sp.initial_states(shard, finals, decays, sp.diagonal)  # (2B, Di, N)
         correction = initial_state_outputs(C, delta_sum, A, h0)  # (2B, c, Di)
         if keep is not None:
             correction = correction * keep[..., None]
