@@ -11,7 +11,9 @@ without a shard (the single-process path). Batch 1, total sequence S for every c
 `time`: per rank, the CPU time of this rank's thread (time.thread_time: compute only, not the gloo threads nor the
 waits) of forward + backward of each layer, the minimum over `--reps` after one warm-up, then the maximum over the
 ranks; and the wall time (time.perf_counter from a barrier to the end of the rank's backward, the slowest rank's)
-for cp <= 2, where every rank has a core of its own on a 2-core machine.
+for cp <= 2, where every rank has a core of its own on a 2-core machine: inside the cp = 2 world, rank 0 also
+times the layer on the whole sequence without a shard (cp = 1), alternating rep by rep with the cp = 2 runs, so
+that both wall times see the same background load.
 
 `bytes`: forward only, counting the tensors the layer hands to `SeqShard.gather_pieces` (the conv halo and the
 summaries: the payload each rank contributes; an all-gather sends it to the cp − 1 others, and backward's
@@ -90,19 +92,30 @@ def _worker(rank: int, cp: int, port: int, mode: str, seqs: list[int], reps: int
                     layer(x, **kw)
                 result[(kind, seq)] = (list(payloads), widths(layer))
                 continue
-            cpu, wall = [], []
+            whole = torch.randn(1, seq, D_MODEL, generator=torch.Generator().manual_seed(seq))
+            cpu, wall, wall_whole = [], [], []
             for _ in range(reps + 1):
-                layer.zero_grad(set_to_none=True)
-                xr = x.clone().requires_grad_()
+                if cp == 2:  # the one-process run, interleaved rep by rep so both see the same machine load
+                    dist.barrier()
+                    if rank == 0:
+                        w0 = time.perf_counter()
+                        _step(layer, whole, {})
+                        wall_whole.append(time.perf_counter() - w0)
                 dist.barrier()
                 t0, w0 = time.thread_time(), time.perf_counter()
-                layer(xr, **kw).square().mean().backward()
+                _step(layer, x, kw)
                 cpu.append(time.thread_time() - t0)
                 wall.append(time.perf_counter() - w0)
-            result[(kind, seq)] = (min(cpu[1:]), min(wall[1:]))
+            result[(kind, seq)] = (min(cpu[1:]), min(wall[1:]), min(wall_whole[1:]) if wall_whole else None)
     queue.put((rank, result))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _step(layer: torch.nn.Module, x: torch.Tensor, kw: dict) -> None:
+    """Forward and backward of one layer on a fresh leaf input."""
+    layer.zero_grad(set_to_none=True)
+    layer(x.clone().requires_grad_(), **kw).square().mean().backward()
 
 
 def run_world(cp: int, mode: str, seqs: list[int], reps: int) -> list[dict]:
@@ -121,18 +134,19 @@ def run_world(cp: int, mode: str, seqs: list[int], reps: int) -> list[dict]:
 
 
 def report_time(seq: int, reps: int) -> None:
-    rows = {}
+    cpu, wall = {}, {}
     for cp in (1, 2, 4):
         ranks = run_world(cp, "time", [seq], reps)
         for kind in KINDS:
-            cpu = max(r[(kind, seq)][0] for r in ranks)
-            wall = max(r[(kind, seq)][1] for r in ranks) if cp <= 2 else None
-            rows.setdefault(kind, []).append((cpu, wall))
+            cpu.setdefault(kind, []).append(max(r[(kind, seq)][0] for r in ranks))
+            if cp == 2:  # (one process on the whole sequence, the slowest of the 2 ranks), from the same world
+                wall[kind] = ranks[0][(kind, seq)][2], max(r[(kind, seq)][1] for r in ranks)
     print(f"S = {seq}, batch 1, forward + backward, one thread per rank (min of {reps}, slowest rank)\n")
-    print("| mixer | CPU s/rank cp=1 | cp=2 | cp=4 | cp=4 / cp=1 | wall s cp=1 | wall s cp=2 |")
-    print("|---|---|---|---|---|---|---|")
-    for kind, ((c1, w1), (c2, w2), (c4, _)) in rows.items():
-        print(f"| {kind} | {c1:.3f} | {c2:.3f} | {c4:.3f} | {c4 / c1:.2f} | {w1:.3f} | {w2:.3f} |")
+    print("| mixer | CPU s/rank cp=1 | cp=2 | cp=4 | cp=2 / cp=1 | cp=4 / cp=1 | wall s cp=1 | wall s cp=2 |")
+    print("|---|---|---|---|---|---|---|---|")
+    for kind in KINDS:
+        (c1, c2, c4), (w1, w2) = cpu[kind], wall[kind]
+        print(f"| {kind} | {c1:.3f} | {c2:.3f} | {c4:.3f} | {c2 / c1:.2f} | {c4 / c1:.2f} | {w1:.3f} | {w2:.3f} |")
 
 
 def report_bytes(seqs: list[int]) -> None:
