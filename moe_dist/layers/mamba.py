@@ -14,12 +14,11 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from moe_dist.config import MambaConfig
 from moe_dist.layers.kernel_choice import Kernel, resolve
 from moe_dist.layers.norm import RMSNorm
-from moe_dist.layers.scan import selective_scan
+from moe_dist.layers.scan import initial_state_outputs, selective_scan
 from moe_dist.parallel import state_passing as sp
 from moe_dist.parallel.context_parallel import SeqShard
 
@@ -184,9 +183,10 @@ class Mamba(nn.Module):
 
     def _forward_cp(self, x: torch.Tensor, shard: SeqShard, document_ids: Optional[torch.Tensor]) -> torch.Tensor:
         """Context parallelism by state passing (moe_dist/parallel/state_passing.py): both local pieces run from a
-        zero state, batched; their summaries (final state, decay product exp(A Σ Δ), zero once a document starts)
-        cross the CP group in one all-gather; each piece's true initial state h0 then adds C_t · (exp(A Σ_{s≤t} Δ_s)
-        ⊙ h0) to y_t up to the piece's first document start (the scan is linear in its initial state)."""
+        zero state, batched; their summaries (final state, and Σ Δ for the decay product exp(A Σ Δ), zero once a
+        document starts) cross the CP group in one all-gather; each piece's true initial state h0 then adds
+        C_t · (exp(A Σ_{s≤t} Δ_s) ⊙ h0) to y_t up to the piece's first document start (`initial_state_outputs`: the
+        scan is linear in h0)."""
         K = self.conv1d.kernel_size[0]
         x, z = self.in_proj(sp.to_pieces(x)).chunk(2, dim=-1)  # (2B, c, Di) each
         window, window_ids = sp.conv_window(shard, x.transpose(1, 2), K - 1, document_ids)
@@ -214,11 +214,13 @@ class Mamba(nn.Module):
         compute = final.dtype
         delta_sum = F.softplus(dt.to(compute) + self.dt_proj.bias.to(compute)).cumsum(1)  # (2B, c, Di): Σ_{s≤t} Δ_s
         keep = None if reset is None else (reset.cumsum(1) == 0).to(compute)  # (2B, c): before the first start
-        decay = torch.exp(delta_sum[:, -1, :, None] * A)  # (2B, Di, N)
-        if keep is not None:
-            decay = decay * keep[:, -1, None, None]
-        h0 = sp.initial_states(shard, *sp.exchange(shard, final, decay), sp.diagonal)  # (2B, Di, N)
-        correction = _initial_state_outputs(C.to(compute), delta_sum, A, h0)  # (2B, c, Di)
+        # The transition exp(A Σ Δ) is known from Σ Δ (Di values; A is every rank's) and whether a document starts
+        # in the piece: that is what travels, half the bytes of the (Di, N) decays.
+        kept = delta_sum.new_ones(delta_sum.shape[0], 1) if keep is None else keep[:, -1:]  # (2B, 1)
+        finals, steps, kept = sp.exchange(shard, final, delta_sum[:, -1], kept)  # (2cp, B, ...) global order
+        decays = torch.exp(steps[..., None] * A) * kept[..., None]  # (2cp, B, Di, N)
+        h0 = sp.initial_states(shard, finals, decays, sp.diagonal)  # (2B, Di, N)
+        correction = initial_state_outputs(C, delta_sum, A, h0)  # (2B, c, Di)
         if keep is not None:
             correction = correction * keep[..., None]
         y = y.transpose(1, 2) + (correction * F.silu(z.to(compute))).to(y.dtype)  # (2B, c, Di)
@@ -255,20 +257,3 @@ class Mamba(nn.Module):
         state.ssm = h
         y = (torch.stack(ys, dim=1) + self.D.to(compute) * u) * F.silu(z.to(compute))  # (B, L, Di)
         return self.out_proj(y.to(x.dtype))  # (B, L, d_model)
-
-
-def _initial_state_outputs(C: torch.Tensor, delta_sum: torch.Tensor, A: torch.Tensor, h0: torch.Tensor, block=64):
-    """The part of y_t an initial state h0 (B, Di, N) contributes: Σ_n C_tn exp(A_dn Σ_{s≤t} Δ_sd) h0_dn, (B, L, Di),
-    from C (B, L, N) and the running sums of Δ (B, L, Di). Computed over blocks of `block` steps, each recomputed
-    in backward (checkpoint), so that no (B, L, Di, N) tensor is kept: only the scan's size of work at a time."""
-
-    def part(C_b, delta_b):
-        return torch.einsum("bldn,bln->bld", torch.exp(delta_b[..., None] * A) * h0[:, None], C_b)
-
-    return torch.cat(
-        [
-            checkpoint(part, C_b, delta_b, use_reentrant=False)
-            for C_b, delta_b in zip(C.split(block, 1), delta_sum.split(block, 1))
-        ],
-        dim=1,
-    )

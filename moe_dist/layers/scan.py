@@ -5,7 +5,8 @@ This is the PyTorch path of the scan (the CPU path; impl "torch" on any device);
 (`moe_dist.kernels.reference.selective_scan_ref`, tests/layers/test_scan.py); nothing of size (B, L, N, D) is saved
 for backward, only the state entering each chunk; chunk-sized work tensors live in reused buffers; decays are
 multiplied directly, never divided (no log-space cumsum). Why, and where the CPU time goes: docs/kernels.md, section
-"The chunked PyTorch scan".
+"The chunked PyTorch scan". `initial_state_outputs` is what an initial state adds to the outputs (context
+parallelism's correction for the state entering a piece: moe_dist/parallel/state_passing.py).
 """
 
 from __future__ import annotations
@@ -237,3 +238,62 @@ def selective_scan(
         y = y * F.silu(z_t)
     y = y.transpose(1, 2).to(out_dtype)  # (B, D, L)
     return (y, final.transpose(1, 2)) if return_final_state else y
+
+
+class _InitialStateOutputs(torch.autograd.Function):
+    """y_td = Σ_n C_tn E_tnd h0_nd with E_tnd = exp(A_dn s_td), s_t = Σ_{s'≤t} Δ_{s'} (the running sum of the steps):
+    what an initial state h0 adds to the scan's outputs (the scan is linear in h0). Time-major, in blocks of T
+    steps with (B, T, N, D) work buffers (dim innermost, as the scan's chunks), nothing of size (B, L, N, D) saved:
+    backward recomputes E. With Q = G C E h0 (G = dy): dC = Σ_d G E h0, dh0 = Σ_t G C E, ds = Σ_n Q A, dA = Σ Q s.
+    """
+
+    @staticmethod
+    def forward(ctx, C, s, A, h0, block: int):
+        (batch, length, dim), state = s.shape, A.shape[1]
+        T = max(1, min(block, length))
+        A2, h0_t = (A.t() * math.log2(math.e)).contiguous(), h0.transpose(1, 2).contiguous()  # (N, D), (B, N, D)
+        y = s.new_empty(batch, length, dim)
+        buf = s.new_empty(batch * T * state * dim)
+        for C_c, s_c, y_c in _chunks(T, C, s, y):
+            E = _chunk_views(buf, batch, C_c.shape[1], state, dim)
+            torch.mul(s_c.unsqueeze(2), A2, out=E).exp2_()
+            E.mul_(h0_t.unsqueeze(1))
+            torch.matmul(C_c.unsqueeze(2), E, out=y_c.unsqueeze(2))
+        ctx.save_for_backward(C, s, A, h0_t)
+        ctx.block = T
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        C, s, A, h0_t = ctx.saved_tensors
+        (batch, _, dim), state, T = s.shape, A.shape[1], ctx.block
+        A_t = A.t().contiguous()
+        A2 = A_t * math.log2(math.e)
+        dC, ds = torch.empty_like(C), torch.empty_like(s)
+        dA_t, dh0_t = torch.zeros_like(A_t), torch.zeros_like(h0_t)
+        bufs = [s.new_empty(batch * T * state * dim) for _ in range(2)]
+        for C_c, s_c, dy_c, dC_c, ds_c in _chunks(T, C, s, dy.contiguous(), dC, ds):
+            R, Q = (_chunk_views(b, batch, C_c.shape[1], state, dim) for b in bufs)
+            torch.mul(s_c.unsqueeze(2), A2, out=R).exp2_()
+            R.mul_(dy_c.unsqueeze(2))  # G E
+            torch.mul(R, C_c.unsqueeze(-1), out=Q)  # G C E
+            dh0_t += Q.sum(1)
+            torch.sum(R.mul_(h0_t.unsqueeze(1)), -1, out=dC_c)  # Σ_d G E h0
+            Q.mul_(h0_t.unsqueeze(1))  # Q = G C E h0 = dL/d(A s)
+            dA_t += torch.mul(Q, s_c.unsqueeze(2), out=R).sum((0, 1))
+            torch.sum(Q.mul_(A_t), 2, out=ds_c)
+        return dC, ds, dA_t.t(), dh0_t.transpose(1, 2), None
+
+
+def initial_state_outputs(
+    C: torch.Tensor, delta_sum: torch.Tensor, A: torch.Tensor, h0: torch.Tensor, block: int = 16
+) -> torch.Tensor:
+    """What an initial state h0 (B, D, N) adds to the selective scan's outputs (before D, the z gate and any
+    document start): y_td = Σ_n C_tn exp(A_dn Σ_{s≤t} Δ_sd) h0_dn, (B, L, D), from time-major C (B, L, N) and the
+    running sums of the steps Δ (B, L, D). Context parallelism's correction for the state entering a piece;
+    computed in the dtype of `delta_sum` (fp32 at least)."""
+    compute = delta_sum.dtype
+    return _InitialStateOutputs.apply(
+        C.to(compute).contiguous(), delta_sum.contiguous(), A.to(compute).contiguous(), h0.to(compute), block
+    )

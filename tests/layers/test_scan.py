@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from moe_dist.kernels.reference import selective_scan_ref
 
-from moe_dist.layers.scan import _scan_steps, selective_scan
+from moe_dist.layers.scan import _scan_steps, initial_state_outputs, selective_scan
 
 BATCH, DIM, STATE = 2, 3, 4
 INPUT_NAMES = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias")
@@ -253,3 +253,35 @@ def test_split_run_composes_into_whole_run():
     split = torch.autograd.grad(torch.cat([y1, y2], dim=-1), leaves, grad_y)
     for name, g, g_ref in zip(INPUT_NAMES, split, whole):
         torch.testing.assert_close(g, g_ref, rtol=1e-10, atol=1e-11, msg=lambda m, name=name: f"grad of {name}: {m}")
+
+
+@pytest.mark.parametrize("length, block", [(1, 16), (23, 5), (16, 16)])
+def test_initial_state_outputs_match_closed_form(length, block):
+    """initial_state_outputs (CP's correction for a piece's entering state) equals Σ_n C exp(A Σ Δ) h0 written
+    directly, outputs and every gradient, and equals a scan with no input started from h0 (its definition)."""
+    g = torch.Generator().manual_seed(10)
+    C = torch.randn(BATCH, length, STATE, generator=g, dtype=torch.float64)
+    delta = torch.rand(BATCH, length, DIM, generator=g, dtype=torch.float64)
+    A = -torch.exp(torch.randn(DIM, STATE, generator=g, dtype=torch.float64))
+    h0 = torch.randn(BATCH, DIM, STATE, generator=g, dtype=torch.float64)
+    s = delta.cumsum(1)
+    leaves = [t.requires_grad_() for t in (C, s, A, h0)]
+    grad_y = torch.randn(BATCH, length, DIM, generator=g, dtype=torch.float64)
+    want = torch.einsum("bln,bldn,bdn->bld", C, torch.exp(s[..., None] * A), h0)
+    got = initial_state_outputs(C, s, A, h0, block=block)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for name, g_got, g_want in zip(
+        ("C", "s", "A", "h0"), torch.autograd.grad(got, leaves, grad_y), torch.autograd.grad(want, leaves, grad_y)
+    ):
+        assert g_want.abs().sum() > 0, name
+        torch.testing.assert_close(g_got, g_want, rtol=1e-10, atol=1e-12, msg=lambda m, n=name: f"grad of {n}: {m}")
+    zeros = torch.zeros(BATCH, DIM, length, dtype=torch.float64)
+    scanned = selective_scan_ref(
+        zeros,
+        delta.transpose(1, 2),
+        A.detach(),
+        torch.zeros(BATCH, STATE, length, dtype=torch.float64),
+        C.detach().transpose(1, 2),
+        initial_state=h0.detach(),
+    )
+    torch.testing.assert_close(got.detach().transpose(1, 2), scanned, rtol=1e-12, atol=1e-12)

@@ -5,8 +5,9 @@ in one process (the reference: the mixer without a shard), then its local pieces
 of 2 (ranks {0, 1} and {2, 3}) or 4, and compares outputs, the input's gradient and every parameter's gradient
 (summed over the CP group) with the reference. Documents off and on; the document ids put a boundary exactly at a
 piece edge, make a piece one whole document, and start a document inside a piece; with cp = 4 the pieces (2 or 1
-positions) are shorter than d_conv − 1 = 3. Each rank writes OUT_DIR/rank<R>.json: {case: [max output error,
-max input-gradient error, max parameter-gradient error, max reference magnitude]}. One world runs every case.
+positions) are shorter than d_conv − 1 = 3. Then tp = 2 × cp = 2 (`tp_times_cp`). Each rank writes
+OUT_DIR/rank<R>.json: {case: [max output error, max input-gradient error, max parameter-gradient error, max
+reference magnitude]}. One world runs every case.
 """
 
 import json
@@ -20,7 +21,9 @@ from moe_dist.config import GDNConfig, Mamba2Config, MambaConfig
 from moe_dist.layers.gdn import GatedDeltaNet
 from moe_dist.layers.mamba import Mamba
 from moe_dist.layers.mamba2 import Mamba2
+from moe_dist.parallel import tensor_parallel as tpm
 from moe_dist.parallel.context_parallel import SeqShard
+from moe_dist.parallel.mesh import Mesh
 
 D_MODEL, BATCH = 8, 2
 # Document starts: row 0 at 4, 8, 13; row 1 at 6 (cut to the sequence length).
@@ -54,6 +57,45 @@ def run(layer, x, weight, **kw):
     return out.detach(), x.grad, {n: p.grad.clone() for n, p in layer.named_parameters()}
 
 
+def tp_times_cp(rank: int) -> dict:
+    """tp = 2 × cp = 2 (tp innermost: TP groups {0, 1} {2, 3}, CP groups {0, 2} {1, 3}): the mixers split over TP
+    by the real sharding (tensor_parallel's per-mixer functions), run with a shard; parameter gradients summed over
+    CP, then gathered over TP into full tensors, against the whole unsplit mixer in one process."""
+    tp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    cp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    tp_group, cp_group = tp_groups[rank // 2], cp_groups[rank % 2]
+    mesh = Mesh(
+        rank, 4, rank, 4, torch.device("cpu"), 2, rank // 2, 1, 0, None, None, "ep_size_1", 2, rank % 2, tp_group
+    )
+    split = {"mamba": tpm._mamba, "mamba2": tpm._mamba2, "gdn": tpm._gdn}
+    results = {}
+    seqlen = 16
+    g = torch.Generator().manual_seed(seqlen)
+    x = torch.randn(BATCH, seqlen, D_MODEL, generator=g, dtype=torch.float64)
+    weight = torch.randn(BATCH, seqlen, D_MODEL, generator=g, dtype=torch.float64)
+    shard = SeqShard(cp_group, 2, rank // 2, seqlen)
+    for kind, sharder in split.items():
+        whole, layer = build(kind), build(kind)
+        sharder(layer, mesh, tpm._Boundaries(tp_group, False))
+        tpm.register_grad_sums(layer, mesh)
+        for docs in (None, DOCS[:, :seqlen]):
+            ref_out, ref_dx, ref_grads = run(whole, x, weight, document_ids=docs)
+            out, dx, grads = run(layer, shard.local(x), shard.local(weight), document_ids=docs, shard=shard)
+            param_err = 0.0
+            for name, p in layer.named_parameters():
+                dist.all_reduce(grads[name], group=cp_group)
+                if hasattr(p, "tp_dim"):
+                    grads[name] = tpm.gather_shards(grads[name], tp_group, p.tp_dim, p.tp_parts)
+                param_err = max(param_err, (grads[name] - ref_grads[name]).abs().max().item())
+            results[f"{kind}_tp2_cp2_s{seqlen}_{'docs' if docs is not None else 'nodocs'}"] = [
+                (out - shard.local(ref_out)).abs().max().item(),
+                (dx - shard.local(ref_dx)).abs().max().item(),
+                param_err,
+                ref_out.abs().max().item(),
+            ]
+    return results
+
+
 def main(out_dir: Path) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -79,6 +121,7 @@ def main(out_dir: Path) -> None:
                     param_err,
                     ref_out.abs().max().item(),
                 ]
+    results.update(tp_times_cp(rank))
     (out_dir / f"rank{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
 

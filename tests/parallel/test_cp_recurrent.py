@@ -1,9 +1,9 @@
 """Context parallelism of the recurrent mixers by state passing (Mamba-1, Mamba-2, Gated DeltaNet) on 4 gloo
-ranks (torchrun): with a SeqShard (cp = 2 and 4), each mixer equals the whole sequence in one process, outputs,
-the input's gradient and every parameter's gradient, with documents off and on (a boundary at a piece edge, a
-piece that is one whole document, a start inside a piece, pieces shorter than d_conv − 1). One spawned world runs
-every case (cp_recurrent_worker.py). Under TP the mixers run their TP-split parameters through the same path:
-tp × cp is left to the end-to-end equivalence runs."""
+ranks (torchrun): with a SeqShard (cp = 2 and 4, and tp = 2 × cp = 2 with the mixers split by the real TP
+sharding), each mixer equals the whole sequence in one process, outputs, the input's gradient and every
+parameter's gradient, with documents off and on (a boundary at a piece edge, a piece that is one whole document,
+a start inside a piece, pieces shorter than d_conv − 1). One spawned world runs every case
+(cp_recurrent_worker.py)."""
 
 import json
 from pathlib import Path
@@ -14,9 +14,9 @@ from support import run_torchrun_worker
 WORKER = Path(__file__).with_name("cp_recurrent_worker.py")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 CASES = [
-    f"{kind}_cp{cp}_s{seqlen}_{docs}"
+    f"{kind}_{layout}_s{seqlen}_{docs}"
     for kind in ("mamba", "mamba2", "gdn")
-    for cp, seqlen in ((2, 16), (4, 16), (4, 8))
+    for layout, seqlen in (("cp2", 16), ("cp4", 16), ("cp4", 8), ("tp2_cp2", 16))
     for docs in ("nodocs", "docs")
 ]
 
