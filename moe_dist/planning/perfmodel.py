@@ -98,7 +98,7 @@ class Layout:
 def config_layout(cfg: JobConfig, world: int) -> Layout | None:
     """The config's own layout at `world` ranks (None where its tp × cp does not divide the world)."""
     par = cfg.parallel
-    cp = getattr(par, "cp", 1)
+    cp = par.cp
     if world % (par.tp * cp):
         return None
     folded = par.tp > 1 and par.expert_tp == 1

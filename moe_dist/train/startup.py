@@ -51,7 +51,9 @@ def slow_paths(cfg: JobConfig, model: nn.Module, device: torch.device) -> list[s
     window = a.sliding_window is not None and t.seq_len > a.sliding_window
     kind = attention_mask_kind(documents, documents and a.mask == "prefix", window)
     # what each layer chose for this run's mask kind when it was built (attention_kernels), not chosen again here
-    attention = dict.fromkeys(m.kernels[kind].slow for m in model.modules() if isinstance(m, Attention))
+    # (under context parallelism the query-offset kernels, `cp_kernels`, run instead)
+    chosen = "cp_kernels" if cfg.parallel.cp > 1 else "kernels"
+    attention = dict.fromkeys(getattr(m, chosen)[kind].slow for m in model.modules() if isinstance(m, Attention))
     lines += [f"warning: slow path: {w}" for w in attention if w]
     dtype = torch.bfloat16 if t.dtype == "bf16" else torch.float32
     why = dict.fromkeys(m.slow_path(device.type, dtype) for m in model.modules() if isinstance(m, Experts))

@@ -44,6 +44,15 @@ def test_a_run_prints_its_versions_and_kernels_once(debug_run):
             [f"{WINDOW} (no fast kernel here takes a sliding window)"],
         ),
         (["train.dtype=bf16", "model.attention.sliding_window=32"], []),  # not shorter than train.seq_len 32
+        # Context parallelism: the query-offset kernels decide (causal pieces take ours, not SDPA's causal kernel)
+        (["train.dtype=bf16", "parallel.cp=2"], []),
+        (
+            ["train.dtype=bf16", "parallel.cp=2", "model.attention.impl=torch"],
+            [
+                "attention with a causal mask under context parallelism takes SDPA with an explicit mask "
+                "(model.attention.impl='torch')"
+            ],
+        ),
         (
             ["train.dtype=bf16", "model.d_ff=100"],
             ["grouped GEMM: widths [100] are not multiples of 16 bytes; " + "the experts run one matmul per expert"],
