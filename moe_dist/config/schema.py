@@ -261,6 +261,10 @@ class TrainConfig:
     grad_reduce_dtype: Literal["fp32", "bf16"] = (
         "fp32"  # with dtype bf16: gradients travel in this dtype when reduced over the data-parallel ranks
     )
+    grad_reduce_overlap: Optional[bool] = (
+        None  # reduce in buckets from the backward's gradient hooks (ZeRO 1: the last micro-batch's); null = ZeRO 1
+    )
+    grad_reduce_bucket_mb: float = 256.0  # ZeRO 1/2: gradient reduction bucket, MiB of the gradient as it travels
     async_save: bool = False  # checkpoint: snapshot to host memory, write in the background while training goes on
     save_buffer_mb: int = 256  # checkpoint: host memory for tensors gathered and not yet written (synchronous save)
     save_staging_mb: float = 512.0  # checkpoint, async_save: pinned host buffer the snapshot is copied through (MiB)

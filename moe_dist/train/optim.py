@@ -66,15 +66,53 @@ def build_optimizer(model: nn.Module, cfg: JobConfig):
     return opt, sched
 
 
-def deepspeed_config(cfg: JobConfig, dp: int) -> dict:
-    """The engine config. Batch sizes come from train.* only, so they cannot disagree with the data loader."""
+def reduce_bucket_elements(cfg: JobConfig) -> int:
+    """train.grad_reduce_bucket_mb as DeepSpeed's reduce_bucket_size: elements of the dtype that travels."""
     t = cfg.train
+    travels = 2 if t.dtype == "bf16" and t.grad_reduce_dtype == "bf16" else 4
+    return int(t.grad_reduce_bucket_mb * 2**20 / travels)
+
+
+def deepspeed_config(cfg: JobConfig, dp: int) -> dict:
+    """The engine config. Batch sizes come from train.* only, so they cannot disagree with the data loader.
+
+    The gradient reduction (docs/parallelism.md, "Gradient reduction"). With bf16 weights and fp32 accumulation,
+    ZeRO 1 is the one-reduction-per-step mode: each micro-batch's bf16 gradient is added into an fp32 buffer of
+    the parameter's full size (`param.grad_accum`, the memory plan's accumulation buffer), and only the last
+    micro-batch's backward reduces, once, in buckets of train.grad_reduce_bucket_mb, each bucket's gradients
+    summed onto the data-parallel rank that owns their optimizer partition (reduce-scatter volume; expert
+    parameters over their expert-data-parallel group, DeepSpeed's `moe` parameter groups). With
+    train.grad_reduce_overlap the buckets go out from the gradient hooks as that backward produces them
+    (DeepSpeed's overlap_comm: a side stream on GPUs); without, after it. ZeRO 2 instead reduces every
+    micro-batch's gradient (no full-size buffer; micro-batches × the bytes).
+
+    Why DeepSpeed's ZeRO 1 optimizer and not our own reduction: its optimizer class is the one every ZeRO 1/2 run
+    already has, so checkpoints (save, resume, resharding) read the same partitioned fp32 state unchanged, and
+    DeepSpeed keeps the reduction, clipping and step consistent. DeepSpeed would wrap this combination in
+    BF16_Optimizer instead, which all-reduces (twice the bytes of a reduce-scatter) the whole fp32 gradient after
+    the backward, overlapping nothing, and keeps state our checkpoints do not read; private_api routes it back
+    (`zero1_keeps_its_optimizer`). DeepSpeed's `engine.coalesce_grad_reduction()` was the other candidate: it
+    rejects BF16_Optimizer and, for DeepSpeedZeroOptimizer, reduces only when its block exits, after the last
+    backward, leaving the micro-batches' gradients in bf16 `param.grad` meanwhile. The updated bf16 weights'
+    all-gather (DeepSpeed's, one per parameter group after the optimizer step) overlaps nothing.
+    """
+    t = cfg.train
+    zero = {"stage": cfg.deepspeed.zero_stage}
+    if cfg.deepspeed.zero_stage >= 1:
+        zero.update(reduce_scatter=True, reduce_bucket_size=reduce_bucket_elements(cfg))
+    if cfg.deepspeed.zero_stage >= 1:  # null: on for ZeRO 1; ZeRO 2 keeps DeepSpeed's default (off)
+        overlap = t.grad_reduce_overlap
+        zero["overlap_comm"] = cfg.deepspeed.zero_stage == 1 if overlap is None else overlap
+    if cfg.deepspeed.zero_stage == 1:
+        # Each bucket's slices go to their owners only (a reduce per owner: reduce-scatter volume) instead of an
+        # all-reduce of the whole bucket (twice the bytes on a ring), DeepSpeed's default.
+        zero["use_multi_rank_bucket_allreduce"] = False
     ds = {
         "train_batch_size": t.global_batch_size,
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": t.grad_accum_steps(dp),
         "gradient_clipping": t.grad_clip,
-        "zero_optimization": {"stage": cfg.deepspeed.zero_stage},
+        "zero_optimization": zero,
         "bf16": {"enabled": t.dtype == "bf16"},
         # We hand DeepSpeed torch's AdamW: its own Adam ops would compile C++/CUDA extensions first.
         "zero_allow_untested_optimizer": True,
@@ -82,10 +120,20 @@ def deepspeed_config(cfg: JobConfig, dp: int) -> dict:
     }
     if t.dtype == "bf16":
         # Summing many micro-batches' bf16 gradients in bf16 loses low bits at every addition (16 micro-batches:
-        # errors of ~1e-3 relative, tests/train/test_grad_accum.py). With fp32, ZeRO 2 reduces each micro-batch's
-        # gradient over the data-parallel ranks in fp32 and adds it into an fp32 partition. (DeepSpeed routes
-        # ZeRO 1 with fp32 accumulation to another optimizer class, BF16_Optimizer: config/checks.py requires stage 2.)
+        # errors of ~1e-3 relative, tests/train/test_grad_accum.py): fp32 by default (train.grad_accum_dtype).
         ds["data_types"] = {"grad_accum_dtype": t.grad_accum_dtype}
         ds["communication_data_type"] = t.grad_reduce_dtype
     ds.update(cfg.deepspeed.extra)
     return ds
+
+
+def initialize_engine(model: nn.Module, optimizer, scheduler, cfg: JobConfig, dp: int, mpu=None):
+    """deepspeed.initialize with our config; ZeRO 1 with bf16 weights keeps DeepSpeed's ZeRO optimizer class
+    (deepspeed_config's docstring says why)."""
+    import deepspeed
+
+    with private_api.zero1_keeps_its_optimizer():
+        engine, _, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=deepspeed_config(cfg, dp), mpu=mpu
+        )
+    return engine
