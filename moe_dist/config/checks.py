@@ -435,10 +435,8 @@ def check_grad_reduction(cfg: JobConfig) -> None:
         t.grad_reduce_bucket_mb > 0 and math.isfinite(t.grad_reduce_bucket_mb),
         f"train.grad_reduce_bucket_mb: must be a positive number of MiB, got {t.grad_reduce_bucket_mb}",
     )
-    from moe_dist.train.optim import reduce_bucket_elements
-
     _check(
-        reduce_bucket_elements(cfg) >= 1,
+        t.reduce_bucket_elements() >= 1,
         f"train.grad_reduce_bucket_mb: {t.grad_reduce_bucket_mb} MiB holds no whole gradient element",
     )
     _check(

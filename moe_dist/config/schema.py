@@ -278,6 +278,11 @@ class TrainConfig:
         """lr_schedule wsd: how many final steps decay, decay_fraction × steps rounded half up to a whole step."""
         return math.floor(self.decay_fraction * self.steps + 0.5)
 
+    def reduce_bucket_elements(self) -> int:
+        """grad_reduce_bucket_mb as DeepSpeed's reduce_bucket_size: elements of the dtype the gradients travel in."""
+        travels = 2 if self.dtype == "bf16" and self.grad_reduce_dtype == "bf16" else 4
+        return int(self.grad_reduce_bucket_mb * 2**20 / travels)
+
     def grad_accum_steps(self, dp: int) -> int:
         """Micro-batches one rank accumulates per optimizer step with `dp` data-parallel ranks (checks.py's
         `check_global_batch` makes the division exact)."""

@@ -66,13 +66,6 @@ def build_optimizer(model: nn.Module, cfg: JobConfig):
     return opt, sched
 
 
-def reduce_bucket_elements(cfg: JobConfig) -> int:
-    """train.grad_reduce_bucket_mb as DeepSpeed's reduce_bucket_size: elements of the dtype that travels."""
-    t = cfg.train
-    travels = 2 if t.dtype == "bf16" and t.grad_reduce_dtype == "bf16" else 4
-    return int(t.grad_reduce_bucket_mb * 2**20 / travels)
-
-
 def deepspeed_config(cfg: JobConfig, dp: int) -> dict:
     """The engine config. Batch sizes come from train.* only, so they cannot disagree with the data loader.
 
@@ -99,7 +92,7 @@ def deepspeed_config(cfg: JobConfig, dp: int) -> dict:
     t = cfg.train
     zero = {"stage": cfg.deepspeed.zero_stage}
     if cfg.deepspeed.zero_stage >= 1:
-        zero.update(reduce_scatter=True, reduce_bucket_size=reduce_bucket_elements(cfg))
+        zero.update(reduce_scatter=True, reduce_bucket_size=t.reduce_bucket_elements())
     if cfg.deepspeed.zero_stage >= 1:  # null: on for ZeRO 1; ZeRO 2 keeps DeepSpeed's default (off)
         overlap = t.grad_reduce_overlap
         zero["overlap_comm"] = cfg.deepspeed.zero_stage == 1 if overlap is None else overlap
