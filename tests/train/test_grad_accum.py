@@ -1,5 +1,6 @@
-"""Numerics at many micro-batches (bf16 weights, ZeRO 2 and ZeRO 1's one reduction per step) and the optimizer state after a resume from a checkpoint
-saved before any applied step; one real process (grad_accum_worker.py) serves both."""
+"""Numerics at many micro-batches (bf16 weights, ZeRO 2 and ZeRO 1's one reduction per step) and the optimizer
+state after a resume from a checkpoint saved before any applied step; one real process (grad_accum_worker.py)
+serves both."""
 
 import json
 import subprocess
