@@ -69,8 +69,8 @@ def build_optimizer(model: nn.Module, cfg: JobConfig):
 def deepspeed_config(cfg: JobConfig, dp: int) -> dict:
     """The engine config. Batch sizes come from train.* only, so they cannot disagree with the data loader.
 
-    The gradient reduction (docs/parallelism.md, "Gradient reduction"). With bf16 weights and fp32 accumulation,
-    ZeRO 1 is the one-reduction-per-step mode: each micro-batch's bf16 gradient is added into an fp32 buffer of
+    The gradient reduction (docs/parallelism.md, "Gradient reduction once per step"). With bf16 weights and fp32
+    accumulation, ZeRO 1 is the one-reduction-per-step mode: each micro-batch's bf16 gradient is added into an fp32 buffer of
     the parameter's full size (`param.grad_accum`, the memory plan's accumulation buffer), and only the last
     micro-batch's backward reduces, once, in buckets of train.grad_reduce_bucket_mb, each bucket's gradients
     summed onto the data-parallel rank that owns their optimizer partition (reduce-scatter volume; expert
@@ -90,13 +90,12 @@ def deepspeed_config(cfg: JobConfig, dp: int) -> dict:
     all-gather (DeepSpeed's, one per parameter group after the optimizer step) overlaps nothing.
     """
     t = cfg.train
-    zero = {"stage": cfg.deepspeed.zero_stage}
-    if cfg.deepspeed.zero_stage >= 1:
-        zero.update(reduce_scatter=True, reduce_bucket_size=t.reduce_bucket_elements())
-    if cfg.deepspeed.zero_stage >= 1:  # null: on for ZeRO 1; ZeRO 2 keeps DeepSpeed's default (off)
-        overlap = t.grad_reduce_overlap
-        zero["overlap_comm"] = cfg.deepspeed.zero_stage == 1 if overlap is None else overlap
-    if cfg.deepspeed.zero_stage == 1:
+    stage = cfg.deepspeed.zero_stage
+    zero = {"stage": stage}
+    if stage >= 1:  # overlap null: on for ZeRO 1; ZeRO 2 keeps DeepSpeed's default (off)
+        overlap = stage == 1 if t.grad_reduce_overlap is None else t.grad_reduce_overlap
+        zero.update(reduce_scatter=True, reduce_bucket_size=t.reduce_bucket_elements(), overlap_comm=overlap)
+    if stage == 1:
         # Each bucket's slices go to their owners only (a reduce per owner: reduce-scatter volume) instead of an
         # all-reduce of the whole bucket (twice the bytes on a ring), DeepSpeed's default.
         zero["use_multi_rank_bucket_allreduce"] = False
