@@ -70,14 +70,14 @@ def deepspeed_config(cfg: JobConfig, dp: int) -> dict:
     """The engine config. Batch sizes come from train.* only, so they cannot disagree with the data loader.
 
     The gradient reduction (docs/parallelism.md, "Gradient reduction once per step"). With bf16 weights and fp32
-    accumulation, ZeRO 1 is the one-reduction-per-step mode: each micro-batch's bf16 gradient is added into an fp32 buffer of
-    the parameter's full size (`param.grad_accum`, the memory plan's accumulation buffer), and only the last
-    micro-batch's backward reduces, once, in buckets of train.grad_reduce_bucket_mb, each bucket's gradients
-    summed onto the data-parallel rank that owns their optimizer partition (reduce-scatter volume; expert
-    parameters over their expert-data-parallel group, DeepSpeed's `moe` parameter groups). With
-    train.grad_reduce_overlap the buckets go out from the gradient hooks as that backward produces them
-    (DeepSpeed's overlap_comm: a side stream on GPUs); without, after it. ZeRO 2 instead reduces every
-    micro-batch's gradient (no full-size buffer; micro-batches × the bytes).
+    accumulation, ZeRO 1 is the one-reduction-per-step mode: each micro-batch's bf16 gradient is added into an fp32
+    buffer of the parameter's full size (`param.grad_accum`, the memory plan's accumulation buffer), and only the
+    last micro-batch's backward reduces, once, in buckets of train.grad_reduce_bucket_mb, each bucket's gradients
+    summed onto the data-parallel rank that owns their optimizer partition (reduce-scatter volume; expert parameters
+    over their expert-data-parallel group, DeepSpeed's `moe` parameter groups). With train.grad_reduce_overlap the
+    buckets go out from the gradient hooks as that backward produces them (DeepSpeed's overlap_comm: a side stream
+    on GPUs); without, after it. ZeRO 2 instead reduces every micro-batch's gradient (no full-size buffer;
+    micro-batches × the bytes).
 
     Why DeepSpeed's ZeRO 1 optimizer and not our own reduction: its optimizer class is the one every ZeRO 1/2 run
     already has, so checkpoints (save, resume, resharding) read the same partitioned fp32 state unchanged, and
