@@ -14,6 +14,13 @@ markdown table.
     torchrun --nproc_per_node 2 benchmarks/comm_report.py --config configs/mixtral_small.json --set parallel.ep=2 \
         --overlap 1 2 4
 
+    torchrun --nproc_per_node 4 benchmarks/comm_report.py --config configs/debug.json --set train.dtype=bf16 \
+        parallel.ep=2 train.global_batch_size=32 train.eval_batches=4 --step deepspeed.zero_stage=1 \
+        deepspeed.zero_stage=2
+
+`--step [VARIANT ...]` counts instead the gradient reduction of one optimizer step through the DeepSpeed engine
+(docs/parallelism.md, "Gradient reduction once per step"): bytes per group against one step's gradients.
+
 `--overlap C [C ...]` times instead the expert-parallel row all-to-alls of forward+backward for each
 `parallel.a2a_chunks` value C (one model per value, same weights and tokens, calls interleaved round by round by
 common.interleaved_ms so all see the same load): per MoE layer, the all-to-alls' time (while at least one is in
@@ -161,15 +168,13 @@ def overlap_report(args, mesh) -> None:
             )
 
 
-def step_report(args, mesh) -> dict:
+def step_report(args, mesh) -> list[dict]:
     """One optimizer step of the configured micro-batches through the DeepSpeed engine training builds
-    (`initialize_engine`), after one warm-up step: the collectives in the data-parallel group (dense gradients)
-    and in the expert-data-parallel groups (expert gradients), by phase (the micro-batches' backward calls, or the
-    boundary's `engine.step`: gradient norm, updated weights' all-gather), against the bytes of one step's
-    gradients in the dtype that travels. Rank 0 prints the table; every rank returns its counts."""
-    from moe_dist.parallel import private_api
-    from moe_dist.train.optim import build_optimizer, initialize_engine
-
+    (`initialize_engine`), after one warm-up step, for each `--step` variant (comma-separated overrides on top of
+    `--set`; one world serves them all): the collectives in the data-parallel group (dense gradients) and in the
+    expert-data-parallel groups (expert gradients), by phase (the micro-batches' backward calls, or the boundary's
+    `engine.step`: gradient norm, updated weights' all-gather), against the bytes of one step's gradients in the
+    dtype that travels. Rank 0 prints the tables; every rank returns its counts."""
     tracer_rows: dict[tuple, list[int]] = collections.defaultdict(lambda: [0, 0])
     where = ["backward"]
     labels: dict = {}  # the ranks of a process group → label (DeepSpeed makes its own groups of the same ranks)
@@ -182,8 +187,20 @@ def step_report(args, mesh) -> dict:
         row[0] += 1
         row[1] += call.contributed_bytes
 
-    tracer = CollectiveTracer(count).install()  # before DeepSpeed binds torch.distributed's functions
-    cfg = load_config(args.config, args.set)
+    tracer = CollectiveTracer(count).install()  # once, before DeepSpeed binds torch.distributed's functions
+    results = []
+    for variant in args.step or [""]:
+        cfg = load_config(args.config, [*args.set, *(v for v in variant.split(",") if v)])
+        tracer_rows.clear()
+        results.append(_step_counts(cfg, mesh, tracer_rows, where, labels))
+    tracer.uninstall()
+    return results
+
+
+def _step_counts(cfg, mesh, tracer_rows: dict, where: list, labels: dict) -> dict:
+    from moe_dist.parallel import private_api
+    from moe_dist.train.optim import build_optimizer, initialize_engine
+
     t = cfg.train
     model = parallelize(build_model(cfg.model, mesh.device), mesh, cfg)
     optimizer, scheduler = build_optimizer(model, cfg)
@@ -222,7 +239,6 @@ def step_report(args, mesh) -> dict:
                 engine.step()
         where[0] = "step"
         engine.step()
-    tracer.uninstall()
     groups = {"data-parallel": mesh.dp, "expert data-parallel": mesh.dp // mesh.ep}
     # Every rank's gradients travel once per step: one micro-batch's gradient bytes for each group of size > 1.
     reduced = {
@@ -259,12 +275,17 @@ def main(argv=None) -> int:
     p.add_argument("--set", nargs="+", action="extend", default=[])
     p.add_argument("--overlap", type=int, nargs="+", help="time the row all-to-alls for these parallel.a2a_chunks")
     p.add_argument("--repeats", type=int, default=5, help="--overlap: forward+backward passes per value")
-    p.add_argument("--step", action="store_true", help="the gradient reduction of one optimizer step instead")
+    p.add_argument(
+        "--step",
+        nargs="*",
+        help="the gradient reduction of one optimizer step instead, for each variant given (comma-separated "
+        "overrides on top of --set; none: --set alone)",
+    )
     p.add_argument("--json", help="--step: write rank 0's counts to this file")
     args = p.parse_args(argv)
     cfg = load_config(args.config, args.set)
     mesh = init_distributed(cfg)
-    if args.step:
+    if args.step is not None:
         result = step_report(args, mesh)
         if args.json and mesh.rank == 0:
             with open(args.json, "w") as f:

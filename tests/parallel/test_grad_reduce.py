@@ -44,52 +44,44 @@ def test_options_the_engine_cannot_honour_are_one_line_and_exit_2(tmp_path, monk
     assert not run.exists()
 
 
-def _step_counts(tmp_path: Path, *overrides: str) -> dict:
-    out = tmp_path / f"counts{len(list(tmp_path.iterdir()))}.json"
-    sets = [
-        "train.threads=1",
-        "train.eval_batches=4",
-        "parallel.ep=2",
-        "train.global_batch_size=32",
-        "train.dtype=bf16",
-        "model.moe.capacity_factor=null",
-    ]
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_step_of_4_micro_batches_reduces_one_steps_gradients(tmp_path):
+    """dp 4, ep 2 (expert data-parallel groups of 2), 4 micro-batches per rank: ZeRO 1 reduces the dense gradients
+    over dp and the expert gradients over edp once, as many bytes as one step's gradients in the dtype that
+    travels; ZeRO 2 (the old mode) reduces every micro-batch: four times the bytes. One world, three engines."""
+    out = tmp_path / "counts.json"
+    sets = ["train.threads=1", "train.eval_batches=4", "parallel.ep=2", "train.global_batch_size=32"]
+    sets += ["train.dtype=bf16", "model.moe.capacity_factor=null"]
+    variants = [f"deepspeed.zero_stage=1,train.grad_reduce_dtype={d}" for d in ("fp32", "bf16")]
+    variants += ["deepspeed.zero_stage=2"]
     proc = subprocess.run(
         [
             *torchrun(4),
             str(COMM_REPORT),
             "--config",
             E2E_CONFIG,
-            "--step",
             "--json",
             str(out),
             "--set",
             *sets,
-            *overrides,
+            "--step",
+            *variants,
         ],
         cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(REPO)},
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=500,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(out.read_text())
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_a_step_of_4_micro_batches_reduces_one_steps_gradients(tmp_path):
-    """dp 4, ep 2 (expert data-parallel groups of 2), 4 micro-batches per rank: ZeRO 1 reduces the dense gradients
-    over dp and the expert gradients over edp once, as many bytes as one step's gradients in the dtype that
-    travels; ZeRO 2 (the old mode) reduces every micro-batch: four times the bytes."""
-    for dtype, size in (("fp32", 4), ("bf16", 2)):
-        got = _step_counts(tmp_path, "deepspeed.zero_stage=1", f"train.grad_reduce_dtype={dtype}")
+    fp32, bf16, old = json.loads(out.read_text())
+    for got, size in ((fp32, 4), (bf16, 2)):
         assert got["micro_batches"] == 4
         for group in ("data-parallel", "expert data-parallel"):
             assert got["grad_bytes"][group] > 0 and got["grad_bytes"][group] % size == 0
-            assert got["reduced_bytes"][group] == got["grad_bytes"][group], (dtype, group, got["rows"])
-    old = _step_counts(tmp_path, "deepspeed.zero_stage=2")
+            assert got["reduced_bytes"][group] == got["grad_bytes"][group], (size, group, got["rows"])
+    assert bf16["grad_bytes"]["data-parallel"] * 2 == fp32["grad_bytes"]["data-parallel"]
     assert old["reduced_bytes"]["expert data-parallel"] == 4 * old["grad_bytes"]["expert data-parallel"]
     assert old["reduced_bytes"]["data-parallel"] >= 4 * old["grad_bytes"]["data-parallel"]
 
