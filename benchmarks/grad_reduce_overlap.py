@@ -61,7 +61,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(base.train.threads or 1)
     engines = {}
     for overlap in (True, False):
-        cfg = load_config(args.config, [*args.set, "deepspeed.zero_stage=1", f"train.grad_reduce_overlap={str(overlap).lower()}"])
+        option = f"train.grad_reduce_overlap={'true' if overlap else 'false'}"
+        cfg = load_config(args.config, [*args.set, "deepspeed.zero_stage=1", option])
         torch.manual_seed(0)
         model = parallelize(build_model(cfg.model, mesh.device), mesh, cfg)
         opt, sched = build_optimizer(model, cfg)
