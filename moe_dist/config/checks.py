@@ -440,9 +440,10 @@ def check_grad_reduction(cfg: JobConfig) -> None:
         f"train.grad_reduce_bucket_mb: {t.grad_reduce_bucket_mb} MiB holds no whole gradient element",
     )
     _check(
-        not t.grad_reduce_overlap or stage >= 1,
-        "train.grad_reduce_overlap: true needs deepspeed.zero_stage 1 or 2 (stage 0 reduces after the backward, "
-        "from no gradient hooks); set it false or null",
+        not t.grad_reduce_overlap or stage == 2,
+        f"train.grad_reduce_overlap: true is not honoured at deepspeed.zero_stage={stage} (stage 0 reduces from no "
+        "gradient hooks; DeepSpeed 0.19.8's overlapped stage 1 reduces the wrong gradients once a step spans more "
+        "than one bucket); set it false or null, or use stage 2",
     )
     zero = cfg.deepspeed.extra.get("zero_optimization")
     _check(

@@ -218,14 +218,12 @@ def memory_plan(cfg: JobConfig, world_size: int, device: str = "cuda", capacity_
     act = activation_bytes(cfg, tp)
     transient = dict(act["transient"])
     # train.grad_reduce_bucket_mb as elements. ZeRO 2's bucket holds copies of gradients in the parameter dtype, plus
-    # their fp32 casts when bf16 is reduced in fp32; ZeRO 1's holds the fp32 sums (two buckets when overlapped: one
-    # filling while the other is reduced), plus their bf16 casts when bf16 travels.
+    # their fp32 casts when bf16 is reduced in fp32; ZeRO 1's holds the fp32 sums, plus their bf16 casts when bf16
+    # travels.
     bucket = min(cfg.train.reduce_bucket_elements(), dense + expert)
     bf16_travels = w == 2 and cfg.train.grad_reduce_dtype == "bf16"
     if stage == 1:
-        overlap = cfg.train.grad_reduce_overlap is not False
-        held = 4 if fp32_accumulation else w
-        transient["reduce_bucket"] = bucket * (held * (2 if overlap else 1) + (2 if bf16_travels else 0))
+        transient["reduce_bucket"] = bucket * ((4 if fp32_accumulation else w) + (2 if bf16_travels else 0))
     else:
         transient["reduce_bucket"] = bucket * (w + (4 if fp32_accumulation else 0))
     largest = max(transient.values())

@@ -71,13 +71,13 @@ def deepspeed_config(cfg: JobConfig, dp: int) -> dict:
 
     The gradient reduction (docs/parallelism.md, "Gradient reduction once per step"). With bf16 weights and fp32
     accumulation, ZeRO 1 is the one-reduction-per-step mode: each micro-batch's bf16 gradient is added into an fp32
-    buffer of the parameter's full size (`param.grad_accum`, the memory plan's accumulation buffer), and only the
-    last micro-batch's backward reduces, once, in buckets of train.grad_reduce_bucket_mb, each bucket's gradients
-    summed onto the data-parallel rank that owns their optimizer partition (reduce-scatter volume; expert parameters
-    over their expert-data-parallel group, DeepSpeed's `moe` parameter groups). With train.grad_reduce_overlap the
-    buckets go out from the gradient hooks as that backward produces them (DeepSpeed's overlap_comm: a side stream
-    on GPUs); without, after it. ZeRO 2 instead reduces every micro-batch's gradient (no full-size buffer;
-    micro-batches × the bytes).
+    buffer of the parameter's full size (`param.grad_accum`, the memory plan's accumulation buffer), and the step's
+    sum is reduced once, after the last micro-batch's backward, in buckets of train.grad_reduce_bucket_mb, each
+    bucket's gradients summed onto the data-parallel rank that owns their optimizer partition (reduce-scatter
+    volume; expert parameters over their expert-data-parallel group, DeepSpeed's `moe` parameter groups). It is
+    not overlapped with the backward: DeepSpeed 0.19.8's overlap_comm at ZeRO 1 reduces the wrong gradients once
+    a step spans more than one bucket (checks.py refuses it). ZeRO 2 instead reduces every micro-batch's gradient
+    (no full-size buffer; micro-batches × the bytes), overlapped with train.grad_reduce_overlap.
 
     Why DeepSpeed's ZeRO 1 optimizer and not our own reduction: its optimizer class is the one every ZeRO 1/2 run
     already has, so checkpoints (save, resume, resharding) read the same partitioned fp32 state unchanged, and
@@ -92,8 +92,8 @@ def deepspeed_config(cfg: JobConfig, dp: int) -> dict:
     t = cfg.train
     stage = cfg.deepspeed.zero_stage
     zero = {"stage": stage}
-    if stage >= 1:  # overlap null: on for ZeRO 1; ZeRO 2 keeps DeepSpeed's default (off)
-        overlap = stage == 1 if t.grad_reduce_overlap is None else t.grad_reduce_overlap
+    if stage >= 1:  # null: off (ZeRO 1 refuses true: config/checks.py's check_grad_reduction says why)
+        overlap = bool(t.grad_reduce_overlap)
         zero.update(reduce_scatter=True, reduce_bucket_size=t.reduce_bucket_elements(), overlap_comm=overlap)
     if stage == 1:
         # Each bucket's slices go to their owners only (a reduce per owner: reduce-scatter volume) instead of an

@@ -1,9 +1,10 @@
 """One gradient reduction per optimizer step (ZeRO 1 with bf16 weights and fp32 accumulation, train/optim.py):
-the bytes a step reduces per group, training that equals one process and ZeRO 2, exact resume, resharding, and
-the options the engine cannot honour.
+the bytes a step reduces per group, training that equals one process, exact resume, resharding, and the options
+the engine cannot honour.
 
-The fp32 layouts of test_ep_e2e.py and test_tp_e2e.py at ZeRO 1 run the same reduction (buckets from the last
-micro-batch's hooks, each slice reduced onto its owner); the bf16 world here adds the fp32 accumulation buffers."""
+The fp32 layouts of test_ep_e2e.py and test_tp_e2e.py at ZeRO 1 run the same reduction (after the last
+micro-batch's backward, each bucket slice reduced onto its owner); the bf16 world here adds the fp32 accumulation
+buffers and several buckets per step."""
 
 from __future__ import annotations
 
@@ -19,8 +20,10 @@ from support import E2E_BASE, E2E_CONFIG, E2E_SAVE, E2E_STEPS, torchrun, train_r
 
 REPO = Path(__file__).resolve().parents[2]
 COMM_REPORT = REPO / "benchmarks" / "comm_report.py"
-# bf16 weights, 4 micro-batches per rank at dp 2 (8 in one process), dropless experts
+# bf16 weights, 4 micro-batches per rank at dp 2 (8 in one process), dropless experts; 0.1 MiB buckets: a step's
+# gradients span a dozen of them (a DeepSpeed path that reduced them at the wrong time showed only from two on)
 BF16 = ["train.dtype=bf16", "train.global_batch_size=16", "model.moe.capacity_factor=null"]
+BF16 += ["train.grad_reduce_bucket_mb=0.1"]
 
 
 @pytest.mark.parametrize(
@@ -28,17 +31,21 @@ BF16 = ["train.dtype=bf16", "train.global_batch_size=16", "model.moe.capacity_fa
     [
         ("train.grad_reduce_bucket_mb=0", "train.grad_reduce_bucket_mb: must be a positive number of MiB, got 0"),
         ("train.grad_reduce_bucket_mb=1e-7", "train.grad_reduce_bucket_mb: 1e-07 MiB holds no whole gradient element"),
-        ("train.grad_reduce_overlap=true", "train.grad_reduce_overlap: true needs deepspeed.zero_stage 1 or 2"),
+        ("train.grad_reduce_overlap=true", "train.grad_reduce_overlap: true is not honoured at deepspeed.zero_stage=0"),
+        (
+            "train.grad_reduce_overlap=true ",
+            "train.grad_reduce_overlap: true is not honoured at deepspeed.zero_stage=1",
+        ),
         ('deepspeed.extra={"zero_optimization": {"overlap_comm": true}}', "deepspeed.extra: zero_optimization's"),
     ],
-    ids=["bucket-zero", "bucket-below-an-element", "overlap-at-zero0", "extra-overlap_comm"],
+    ids=["bucket-zero", "bucket-below-an-element", "overlap-at-zero0", "overlap-at-zero1", "extra-overlap_comm"],
 )
 def test_options_the_engine_cannot_honour_are_one_line_and_exit_2(tmp_path, monkeypatch, capsys, override, message):
     monkeypatch.setenv("WORLD_SIZE", "1")
     main = runpy.run_path(str(REPO / "launch/train.py"))["main"]
     run = tmp_path / "run"
-    extra = ["deepspeed.zero_stage=0"] if "overlap=" in override else []
-    assert main(["--config", str(REPO / E2E_CONFIG), "--run-dir", str(run), "--set", override, *extra]) == 2
+    extra = ["deepspeed.zero_stage=0"] if override == "train.grad_reduce_overlap=true" else []  # else stage 1
+    assert main(["--config", str(REPO / E2E_CONFIG), "--run-dir", str(run), "--set", override.strip(), *extra]) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith(f"error: {message}"), errors
     assert not run.exists()
