@@ -14,6 +14,13 @@ markdown table.
     torchrun --nproc_per_node 2 benchmarks/comm_report.py --config configs/mixtral_small.json --set parallel.ep=2 \
         --overlap 1 2 4
 
+    torchrun --nproc_per_node 4 benchmarks/comm_report.py --config configs/debug.json --set train.dtype=bf16 \
+        parallel.ep=2 train.global_batch_size=32 train.eval_batches=4 --step deepspeed.zero_stage=1 \
+        deepspeed.zero_stage=2
+
+`--step [VARIANT ...]` counts instead the gradient reduction of one optimizer step through the DeepSpeed engine
+(docs/parallelism.md, "Gradient reduction once per step"): bytes per group against one step's gradients.
+
 `--overlap C [C ...]` times instead the expert-parallel row all-to-alls of forward+backward for each
 `parallel.a2a_chunks` value C (one model per value, same weights and tokens, calls interleaved round by round by
 common.interleaved_ms so all see the same load): per MoE layer, the all-to-alls' time (while at least one is in
@@ -25,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import math
 import os
 import statistics
@@ -160,15 +168,130 @@ def overlap_report(args, mesh) -> None:
             )
 
 
+def step_report(args, mesh) -> list[dict]:
+    """One optimizer step of the configured micro-batches through the DeepSpeed engine training builds
+    (`initialize_engine`), after one warm-up step, for each `--step` variant (comma-separated overrides on top of
+    `--set`; one world serves them all): the collectives in the data-parallel group (dense gradients) and in the
+    expert-data-parallel groups (expert gradients), by phase (the micro-batches' backward calls, or the boundary's
+    `engine.step`: gradient norm, updated weights' all-gather), against the bytes of one step's gradients in the
+    dtype that travels. Rank 0 prints the tables; every rank returns its counts."""
+    tracer_rows: dict[tuple, list[int]] = collections.defaultdict(lambda: [0, 0])
+    where = ["backward"]
+    labels: dict = {}  # the ranks of a process group → label (DeepSpeed makes its own groups of the same ranks)
+
+    def count(call):
+        group = call.args.get("group")
+        ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+        label = labels.get(ranks, "other")
+        row = tracer_rows[(where[0], label, call.name)]
+        row[0] += 1
+        row[1] += call.contributed_bytes
+
+    tracer = CollectiveTracer(count).install()  # once, before DeepSpeed binds torch.distributed's functions
+    results = []
+    for variant in args.step or [""]:
+        cfg = load_config(args.config, [*args.set, *(v for v in variant.split(",") if v)])
+        tracer_rows.clear()
+        results.append(_step_counts(cfg, mesh, tracer_rows, where, labels))
+    tracer.uninstall()
+    return results
+
+
+def _step_counts(cfg, mesh, tracer_rows: dict, where: list, labels: dict) -> dict:
+    from moe_dist.parallel import private_api
+    from moe_dist.train.optim import build_optimizer, initialize_engine
+
+    t = cfg.train
+    model = parallelize(build_model(cfg.model, mesh.device), mesh, cfg)
+    optimizer, scheduler = build_optimizer(model, cfg)
+    engine = initialize_engine(model, optimizer, scheduler, cfg, mesh.dp, mesh.mpu, mesh.cp)
+    travels = 2 if t.dtype == "bf16" and t.grad_reduce_dtype == "bf16" else 4
+    grad_bytes = collections.Counter()
+
+    def ranks_of(group):
+        return tuple(dist.get_process_group_ranks(group))
+
+    if mesh.ep > 1:
+        labels[ranks_of(mesh.ep_group)] = "expert-parallel"
+    if mesh.tp > 1:
+        labels[ranks_of(mesh.tp_group)] = "tensor-parallel"
+    for p in model.parameters():
+        name = private_api.expert_group_of(p)
+        if name is not None:
+            labels[ranks_of(private_api.expert_groups(name)[1])] = "expert data-parallel"
+        grad_bytes["expert data-parallel" if name else "data-parallel"] += p.numel() * travels
+    labels[ranks_of(mesh.dp_group if mesh.dp_group is not None else dist.group.WORLD)] = "data-parallel"
+    micro = t.grad_accum_steps(mesh.dp)
+    gen = torch.Generator().manual_seed(mesh.dp_rank)
+    for step in range(2):
+        if step == 1:
+            tracer_rows.clear()
+        for i in range(micro):
+            where[0] = "backward"
+            tokens = torch.randint(0, cfg.model.vocab_size, (t.micro_batch_size, t.seq_len + 1), generator=gen)
+            out = engine(tokens[:, :-1].to(mesh.device))
+            if mesh.tp == 1:
+                lm = lm_loss(out.logits, tokens[:, 1:].to(mesh.device))
+            else:
+                lm = vocab_parallel_lm_loss(out.logits, tokens[:, 1:].to(mesh.device), mesh)
+            engine.backward(lm + cfg.model.moe.aux_loss_coef * out.aux_loss)
+            if i < micro - 1:
+                engine.step()
+        where[0] = "step"
+        engine.step()
+    groups = {"data-parallel": mesh.dp, "expert data-parallel": mesh.dp // mesh.ep}
+    # Every rank's gradients travel once per step: one micro-batch's gradient bytes for each group of size > 1.
+    reduced = {
+        g: sum(b for (phase, label, _), (_, b) in tracer_rows.items() if phase == "backward" and label == g)
+        for g in groups
+    }
+    result = {
+        "micro_batches": micro,
+        "grad_bytes": {g: grad_bytes[g] if groups[g] > 1 else 0 for g in groups},
+        "reduced_bytes": reduced,
+        "rows": [[*k, *v] for k, v in sorted(tracer_rows.items())],
+    }
+    if mesh.rank == 0:
+        print(
+            f"layout dp={mesh.dp} ep={mesh.ep} tp={mesh.tp}; {micro} micro-batches per step; ZeRO "
+            f"{cfg.deepspeed.zero_stage}, {t.dtype} weights, accumulation {t.grad_accum_dtype}, "
+            f"reduction {t.grad_reduce_dtype if t.dtype == 'bf16' else 'fp32'}"
+        )
+        print("| phase | group | collective | calls | bytes per rank |")
+        print("|---|---|---|---|---|")
+        for phase, label, name, calls, nbytes in result["rows"]:
+            print(f"| {phase} | {label} | {name} | {calls} | {nbytes:,} |")
+        for g, size in groups.items():
+            print(
+                f"{g} (size {size}): gradient bytes reduced in the step's backward {reduced[g]:,}; "
+                f"one step's gradients {result['grad_bytes'][g]:,}"
+            )
+    return result
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True)
     p.add_argument("--set", nargs="+", action="extend", default=[])
     p.add_argument("--overlap", type=int, nargs="+", help="time the row all-to-alls for these parallel.a2a_chunks")
     p.add_argument("--repeats", type=int, default=5, help="--overlap: forward+backward passes per value")
+    p.add_argument(
+        "--step",
+        nargs="*",
+        help="the gradient reduction of one optimizer step instead, for each variant given (comma-separated "
+        "overrides on top of --set; none: --set alone)",
+    )
+    p.add_argument("--json", help="--step: write rank 0's counts to this file")
     args = p.parse_args(argv)
     cfg = load_config(args.config, args.set)
     mesh = init_distributed(cfg)
+    if args.step is not None:
+        result = step_report(args, mesh)
+        if args.json and mesh.rank == 0:
+            with open(args.json, "w") as f:
+                json.dump(result, f)
+        dist.barrier()
+        return 0
     if args.overlap:
         overlap_report(args, mesh)
         dist.barrier()

@@ -9,6 +9,8 @@ loading.py imports this module.
 
 from __future__ import annotations
 
+import math
+
 from moe_dist.config.schema import (
     FFN_KINDS,
     MIXER_KINDS,
@@ -375,11 +377,7 @@ def check_layout(cfg: JobConfig, world_size: int) -> int:
     cp_part = f" / parallel.cp={cp}" if cp > 1 else ""
     ranks = f"{dp} data-parallel ranks (world size {world_size} / parallel.tp={tp}{cp_part})"
     # The engine's, checked here (at start-up) rather than in validate(): tools that build no engine (bench) take it.
-    _check(
-        cfg.train.dtype == "fp32" or cfg.train.grad_accum_dtype == "bf16" or cfg.deepspeed.zero_stage == 2,
-        "deepspeed.zero_stage: bf16 training with fp32 gradient accumulation (train.grad_accum_dtype, the default) "
-        "needs ZeRO stage 2; set deepspeed.zero_stage=2, or train.grad_accum_dtype=bf16 to accumulate in bf16",
-    )
+    check_grad_reduction(cfg)
     check_global_batch(cfg.train.global_batch_size, cfg.train.micro_batch_size, dp, ranks)
     bad = [r for r in cfg.train.profile_ranks if not 0 <= r < world_size]
     _check(not bad, f"train.profile_ranks: {bad} outside the world's ranks 0..{world_size - 1}")
@@ -465,4 +463,29 @@ def _check_gdn(g: GDNConfig) -> None:
     _check(
         g.chunk_size & (g.chunk_size - 1) == 0,
         f"model.gdn.chunk_size: must be a power of two, got {g.chunk_size}",
+    )
+
+
+def check_grad_reduction(cfg: JobConfig) -> None:
+    """The gradient reduction options against what the DeepSpeed engine can honour (train/optim.py)."""
+    t, stage = cfg.train, cfg.deepspeed.zero_stage
+    _check(
+        t.grad_reduce_bucket_mb > 0 and math.isfinite(t.grad_reduce_bucket_mb),
+        f"train.grad_reduce_bucket_mb: must be a positive number of MiB, got {t.grad_reduce_bucket_mb}",
+    )
+    _check(
+        t.reduce_bucket_elements() >= 1,
+        f"train.grad_reduce_bucket_mb: {t.grad_reduce_bucket_mb} MiB holds no whole gradient element",
+    )
+    _check(
+        not t.grad_reduce_overlap or stage == 2,
+        f"train.grad_reduce_overlap: true is not honoured at deepspeed.zero_stage={stage} (stage 0 reduces from no "
+        "gradient hooks; DeepSpeed 0.19.8's overlapped stage 1 reduces the wrong gradients once a step spans more "
+        "than one bucket); set it false or null, or use stage 2",
+    )
+    zero = cfg.deepspeed.extra.get("zero_optimization")
+    _check(
+        not isinstance(zero, dict) or not {"overlap_comm", "reduce_bucket_size"} & set(zero),
+        "deepspeed.extra: zero_optimization's overlap_comm / reduce_bucket_size are train.grad_reduce_overlap / "
+        "train.grad_reduce_bucket_mb; set those instead",
     )

@@ -262,6 +262,10 @@ class TrainConfig:
     grad_reduce_dtype: Literal["fp32", "bf16"] = (
         "fp32"  # with dtype bf16: gradients travel in this dtype when reduced over the data-parallel ranks
     )
+    grad_reduce_overlap: Optional[bool] = (
+        None  # ZeRO 2: reduce each micro-batch's buckets from the backward's gradient hooks; null = off
+    )
+    grad_reduce_bucket_mb: float = 256.0  # ZeRO 1/2: gradient reduction bucket, MiB of the gradient as it travels
     async_save: bool = False  # checkpoint: snapshot to host memory, write in the background while training goes on
     save_buffer_mb: int = 256  # checkpoint: host memory for tensors gathered and not yet written (synchronous save)
     save_staging_mb: float = 512.0  # checkpoint, async_save: pinned host buffer the snapshot is copied through (MiB)
@@ -274,6 +278,11 @@ class TrainConfig:
     def decay_steps(self) -> int:
         """lr_schedule wsd: how many final steps decay, decay_fraction × steps rounded half up to a whole step."""
         return math.floor(self.decay_fraction * self.steps + 0.5)
+
+    def reduce_bucket_elements(self) -> int:
+        """grad_reduce_bucket_mb as DeepSpeed's reduce_bucket_size: elements of the dtype the gradients travel in."""
+        travels = 2 if self.dtype == "bf16" and self.grad_reduce_dtype == "bf16" else 4
+        return int(self.grad_reduce_bucket_mb * 2**20 / travels)
 
     def grad_accum_steps(self, dp: int) -> int:
         """Micro-batches one rank accumulates per optimizer step with `dp` data-parallel ranks (checks.py's

@@ -12,6 +12,7 @@ module is imported by mesh.py, which the index-math tests load without a process
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from datetime import timedelta
@@ -206,6 +207,34 @@ def step_without_update(engine) -> bool:
         del opt.check_overflow  # back to the class's method
         opt.check_grad_overflow = saved
     return not engine.was_step_applied()
+
+
+@contextlib.contextmanager
+def zero1_keeps_its_optimizer():
+    """Within: `deepspeed.initialize` wraps ZeRO stage 1 with bf16 weights and fp32 gradient accumulation in
+    DeepSpeedZeroOptimizer, the class of every other ZeRO 1/2 run, instead of BF16_Optimizer.
+
+    deepspeed 0.19.8: `DeepSpeedEngine._do_optimizer_sanity_check` returns BFLOAT16 for exactly that combination;
+    this maps it to ZERO_OPTIMIZATION. DeepSpeedZeroOptimizer handles it itself (stage 1 with an accumulation
+    dtype other than the weights' keeps an fp32 `param.grad_accum` per parameter, `use_grad_accum_attribute`).
+    If the routing moves, the engine gets BF16_Optimizer again and `has_partitioned_fp32_state` turns false:
+    saving raises KeyError and test_private_api.py fails.
+    """
+    from deepspeed.runtime.constants import BFLOAT16
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.zero.config import ZERO_OPTIMIZATION
+
+    original = DeepSpeedEngine._do_optimizer_sanity_check
+
+    def routed(engine, basic_optimizer):
+        wrapper = original(engine, basic_optimizer)
+        return ZERO_OPTIMIZATION if wrapper == BFLOAT16 and engine.zero_optimization_stage() == 1 else wrapper
+
+    DeepSpeedEngine._do_optimizer_sanity_check = routed
+    try:
+        yield
+    finally:
+        DeepSpeedEngine._do_optimizer_sanity_check = original
 
 
 # ------------------------------------------------------------------------------ torch.distributed internals

@@ -46,7 +46,6 @@ _TP_SPLIT = (
     "embed.weight",
     "head.weight",
 )
-_REDUCE_BUCKET = 5e8  # elements: DeepSpeed's default reduce_bucket_size
 
 # The framework's memory per rank beside our tensors (docs/memory.md, "runtime"), in bytes.
 # CPU (the plan is of resident host memory): measured on this project's CPU runs, the peak of a training run of a
@@ -212,18 +211,27 @@ def memory_plan(cfg: JobConfig, world_size: int, device: str = "cuda", capacity_
     shards = (dense / replicas + expert / edp) if stage >= 1 else dense + expert
     params = (dense + expert) * w
     # Gradients held while micro-batches accumulate, and those that exist only at the accumulation boundary.
+    fp32_accumulation = w == 2 and cfg.train.grad_accum_dtype == "fp32"
     if stage == 2:
         accumulating, at_boundary = shards * 4, 0.0  # the fp32 partition; in-flight grads live in the bucket
     else:
-        accumulating = (dense + expert) * w  # p.grad of every local parameter
+        # Every local parameter's unsharded gradient: p.grad, or with bf16 weights and fp32 accumulation (ZeRO 1,
+        # one reduction per step, train/optim.py) the fp32 buffer each micro-batch's bf16 p.grad is added into.
+        accumulating = (dense + expert) * (4 if fp32_accumulation else w)
         at_boundary = shards * 4 if stage == 1 else 0.0  # stage 1: the reduced fp32 partition
     grads = accumulating + at_boundary
     optimizer = shards * 12 if stage >= 1 else (dense + expert) * 8  # ZeRO: fp32 master + m + v; 0: torch's m + v
     act = activation_bytes(cfg, tp, cp)
     transient = dict(act["transient"])
-    # The bucket holds copies of gradients in the parameter dtype, plus their fp32 casts when bf16 is reduced in fp32.
-    widen = 4 if w == 2 and cfg.train.grad_accum_dtype == "fp32" else 0
-    transient["reduce_bucket"] = min(_REDUCE_BUCKET, dense + expert) * (w + widen)
+    # train.grad_reduce_bucket_mb as elements. ZeRO 2's bucket holds copies of gradients in the parameter dtype, plus
+    # their fp32 casts when bf16 is reduced in fp32; ZeRO 1's holds the fp32 sums, plus their bf16 casts when bf16
+    # travels.
+    bucket = min(cfg.train.reduce_bucket_elements(), dense + expert)
+    bf16_travels = w == 2 and cfg.train.grad_reduce_dtype == "bf16"
+    if stage == 1:
+        transient["reduce_bucket"] = bucket * ((4 if fp32_accumulation else w) + (2 if bf16_travels else 0))
+    else:
+        transient["reduce_bucket"] = bucket * (w + (4 if fp32_accumulation else 0))
     largest = max(transient.values())
     # The peak is the larger of two phases, on top of parameters and optimizer state: the last micro-batch's
     # backward (gradients accumulating, every activation, the largest backward/logit/all-to-all buffer; ZeRO 2 also

@@ -43,7 +43,7 @@ from moe_dist.train.checkpoint import (
 )
 from moe_dist.train.guard import NonFiniteGuard, operation
 from moe_dist.train.metrics import DeadExperts, MetricsLogger, StepAccumulator
-from moe_dist.train.optim import build_optimizer, deepspeed_config
+from moe_dist.train.optim import build_optimizer, initialize_engine
 from moe_dist.train.preempt import EXIT_STOPPED, Stopped, StopRequest, stop_signals
 from moe_dist.train.shared_storage import check_shared_run_dir
 from moe_dist.train.startup import startup_report
@@ -288,7 +288,7 @@ def _train(cfg: JobConfig, run_dir: Path, resume: bool, stop: StopRequest) -> li
     if cfg.data.align_to_documents:
         data_identity["align_to_documents"] = True
 
-    import deepspeed  # here, after the input checks: importing it takes seconds
+    import deepspeed  # noqa: F401  (here, after the input checks: importing it takes seconds)
 
     timeout = cfg.parallel.timeout_s
     with operation("start-up: rendezvous with the other ranks", timeout):
@@ -311,13 +311,7 @@ def _train(cfg: JobConfig, run_dir: Path, resume: bool, stop: StopRequest) -> li
     optimizer, scheduler = build_optimizer(model, cfg)
     # restore_s: the groups DeepSpeed makes get parallel.timeout_s too (torch would give them its default).
     with operation("start-up: deepspeed.initialize", timeout, restore_s=timeout):
-        engine, _, _, _ = deepspeed.initialize(
-            model=model,
-            optimizer=optimizer,
-            lr_scheduler=scheduler,
-            config=deepspeed_config(cfg, mesh.dp, mesh.cp),
-            mpu=mesh.mpu,
-        )
+        engine = initialize_engine(model, optimizer, scheduler, cfg, mesh.dp, mesh.mpu, mesh.cp)
     checkpointer = Checkpointer(  # collective: its own process group, timeout train.save_timeout_s
         cfg, mesh, ckpt_root, on_published=lambda _, step: prune_checkpoints(ckpt_root, t.keep_last, step)
     )

@@ -70,14 +70,44 @@ def deepspeed_config(cfg: JobConfig, dp: int, cp: int = 1) -> dict:
     """The engine config. Batch sizes come from train.* only, so they cannot disagree with the data loader. Under
     context parallelism DeepSpeed's data-parallel world is dp × cp ranks, each CP rank a replica that sees the
     same micro-batches (each its pieces): its batch-size identity (batch = micro × accumulation × its world)
-    counts every sequence cp times."""
+    counts every sequence cp times.
+
+    The gradient reduction (docs/parallelism.md, "Gradient reduction once per step"). With bf16 weights and fp32
+    accumulation, ZeRO 1 is the one-reduction-per-step mode: each micro-batch's bf16 gradient is added into an fp32
+    buffer of the parameter's full size (`param.grad_accum`, the memory plan's accumulation buffer), and the step's
+    sum is reduced once, after the last micro-batch's backward, in buckets of train.grad_reduce_bucket_mb, each
+    bucket's gradients summed onto the data-parallel rank that owns their optimizer partition (reduce-scatter
+    volume; expert parameters over their expert-data-parallel group, DeepSpeed's `moe` parameter groups). It is
+    not overlapped with the backward: DeepSpeed 0.19.8's overlap_comm at ZeRO 1 reduces the wrong gradients once
+    a step spans more than one bucket (checks.py refuses it). ZeRO 2 instead reduces every micro-batch's gradient
+    (no full-size buffer; micro-batches × the bytes), overlapped with train.grad_reduce_overlap.
+
+    Why DeepSpeed's ZeRO 1 optimizer and not our own reduction: its optimizer class is the one every ZeRO 1/2 run
+    already has, so checkpoints (save, resume, resharding) read the same partitioned fp32 state unchanged, and
+    DeepSpeed keeps the reduction, clipping and step consistent. DeepSpeed would wrap this combination in
+    BF16_Optimizer instead, which all-reduces (twice the bytes of a reduce-scatter) the whole fp32 gradient after
+    the backward, overlapping nothing, and keeps state our checkpoints do not read; private_api routes it back
+    (`zero1_keeps_its_optimizer`). DeepSpeed's `engine.coalesce_grad_reduction()` was the other candidate: it
+    rejects BF16_Optimizer and, for DeepSpeedZeroOptimizer, reduces only when its block exits, after the last
+    backward, leaving the micro-batches' gradients in bf16 `param.grad` meanwhile. The updated bf16 weights'
+    all-gather (DeepSpeed's, one per parameter group after the optimizer step) overlaps nothing.
+    """
     t = cfg.train
+    stage = cfg.deepspeed.zero_stage
+    zero = {"stage": stage}
+    if stage >= 1:  # null: off (ZeRO 1 refuses true: config/checks.py's check_grad_reduction says why)
+        overlap = bool(t.grad_reduce_overlap)
+        zero.update(reduce_scatter=True, reduce_bucket_size=t.reduce_bucket_elements(), overlap_comm=overlap)
+    if stage == 1:
+        # Each bucket's slices go to their owners only (a reduce per owner: reduce-scatter volume) instead of an
+        # all-reduce of the whole bucket (twice the bytes on a ring), DeepSpeed's default.
+        zero["use_multi_rank_bucket_allreduce"] = False
     ds = {
         "train_batch_size": t.global_batch_size * cp,
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": t.grad_accum_steps(dp),
         "gradient_clipping": t.grad_clip,
-        "zero_optimization": {"stage": cfg.deepspeed.zero_stage},
+        "zero_optimization": zero,
         "bf16": {"enabled": t.dtype == "bf16"},
         # We hand DeepSpeed torch's AdamW: its own Adam ops would compile C++/CUDA extensions first.
         "zero_allow_untested_optimizer": True,
@@ -85,10 +115,20 @@ def deepspeed_config(cfg: JobConfig, dp: int, cp: int = 1) -> dict:
     }
     if t.dtype == "bf16":
         # Summing many micro-batches' bf16 gradients in bf16 loses low bits at every addition (16 micro-batches:
-        # errors of ~1e-3 relative, tests/train/test_grad_accum.py). With fp32, ZeRO 2 reduces each micro-batch's
-        # gradient over the data-parallel ranks in fp32 and adds it into an fp32 partition. (DeepSpeed routes
-        # ZeRO 1 with fp32 accumulation to another optimizer class, BF16_Optimizer: config/checks.py requires stage 2.)
+        # errors of ~1e-3 relative, tests/train/test_grad_accum.py): fp32 by default (train.grad_accum_dtype).
         ds["data_types"] = {"grad_accum_dtype": t.grad_accum_dtype}
         ds["communication_data_type"] = t.grad_reduce_dtype
     ds.update(cfg.deepspeed.extra)
     return ds
+
+
+def initialize_engine(model: nn.Module, optimizer, scheduler, cfg: JobConfig, dp: int, mpu=None, cp: int = 1):
+    """deepspeed.initialize with our config; ZeRO 1 with bf16 weights keeps DeepSpeed's ZeRO optimizer class
+    (deepspeed_config's docstring says why)."""
+    import deepspeed
+
+    with private_api.zero1_keeps_its_optimizer():
+        engine, _, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=deepspeed_config(cfg, dp, cp), mpu=mpu
+        )
+    return engine

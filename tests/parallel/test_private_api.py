@@ -151,7 +151,7 @@ class _Tiny(nn.Module):
         return self.expert(torch.tanh(self.dense(x))).square().mean()
 
 
-def _engine(zero_stage: int, expert_group: str | None):
+def _engine(zero_stage: int, expert_group: str | None, bf16: bool = False):
     import deepspeed
 
     from moe_dist.train.optim import param_groups
@@ -166,6 +166,8 @@ def _engine(zero_stage: int, expert_group: str | None):
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,
     }
+    if bf16:  # bf16 weights with fp32 gradient accumulation
+        config.update(bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"})
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
     return engine, model
 
@@ -220,6 +222,25 @@ def test_zero_engine_reduces_the_expert_group_over_its_edp_group_and_skips_witho
     engine.step()  # and a normal step still moves every parameter
     moved = _full_state(model)
     assert all(not torch.equal(before[n], moved[n]) for n, _ in model.named_parameters())
+
+
+def test_zero1_with_bf16_and_fp32_accumulation_keeps_the_zero_optimizer_within_the_routing(world):
+    """Without it DeepSpeed wraps ZeRO 1 + bf16 + fp32 accumulation in BF16_Optimizer, whose state our checkpoints
+    do not read; within it, the ZeRO optimizer with an fp32 accumulation buffer per parameter."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    engine, _ = _engine(1, None, bf16=True)
+    assert isinstance(engine.optimizer, BF16_Optimizer)
+    with private_api.zero1_keeps_its_optimizer():
+        engine, model = _engine(1, None, bf16=True)
+    assert isinstance(engine.optimizer, DeepSpeedZeroOptimizer) and engine.optimizer.use_grad_accum_attribute
+    engine.backward(engine(torch.randn(3, 4, generator=torch.Generator().manual_seed(0)).bfloat16()))
+    reduced = private_api.reduced_gradient_partitions(engine.optimizer)
+    assert reduced and all(g.dtype == torch.float32 for g in reduced)  # what the step reads: the fp32 sums
+    engine.step()
+    assert all(private_api.has_partitioned_fp32_state(p) for p in model.parameters())
+    _full_state(model)  # master weights and moments reachable, as checkpoints read them
 
 
 def test_torch_optimizer_step_is_held_back_too(world):

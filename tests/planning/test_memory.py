@@ -13,7 +13,7 @@ import torch
 from moe_dist.config import ConfigError, load_config
 from moe_dist.models.decoder import build_model, lm_loss, materialize_whole
 from moe_dist.planning.capacity import device_capacity_bytes, planned_capacity
-from moe_dist.planning.memory import activation_bytes, expert_rows_factor, memory_plan
+from moe_dist.planning.memory import GB, activation_bytes, expert_rows_factor, memory_plan
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = [
@@ -101,15 +101,20 @@ H200 = 143_771 * 2**20  # bytes: torch.cuda.mem_get_info's total on an H200 (150
 # Mixtral on one node: its shipped tp 1 · ep 8 plans over (docs/memory.md, "The shipped big configs").
 ONE_NODE_MIXTRAL = ["parallel.tp=4", "parallel.ep=2", "parallel.sequence_parallel=true"]
 ONE_NODE_GRANITE = ONE_NODE_MIXTRAL  # the same one-node layout (docs/models.md)
+# One node whose full-size fp32 accumulation buffer (ZeRO 1, one reduction per step) does not fit beside the rest
+# reduces every micro-batch instead (ZeRO 2: in-node, docs/memory.md "The shipped big configs").
+IN_NODE_ZERO2 = ["deepspeed.zero_stage=2"]
 DOCUMENTED = [  # (config, GPUs, overrides): the layouts docs/memory.md documents as fitting
     *[("mixtral_8x7b", n, []) for n in (16, 64, 256)],
-    ("mixtral_8x7b", 8, ONE_NODE_MIXTRAL),
-    *[("jamba_v0.1", n, []) for n in (8, 64, 256)],
+    ("mixtral_8x7b", 8, [*ONE_NODE_MIXTRAL, *IN_NODE_ZERO2]),
+    ("jamba_v0.1", 8, IN_NODE_ZERO2),
+    *[("jamba_v0.1", n, []) for n in (16, 64, 256)],
     ("nemotron3_nano_30b_a3b", 8, []),
     ("granite4_h_small", 16, []),
     ("granite4_h_small", 8, ONE_NODE_GRANITE),
     ("qwen3_next_80b_a3b", 32, []),
-    ("qwen3_5_35b_a3b", 8, []),
+    ("qwen3_5_35b_a3b", 8, IN_NODE_ZERO2),
+    ("qwen3_5_35b_a3b", 16, []),
 ]
 
 
@@ -127,7 +132,7 @@ def test_shipped_configs_fit_an_h200_at_their_documented_layouts(name, world, ov
 
 
 def test_plan_of_the_shipped_big_configs_on_one_h200_node():
-    for name, overrides in (("mixtral_8x7b", ONE_NODE_MIXTRAL), ("jamba_v0.1", [])):
+    for name, overrides in (("mixtral_8x7b", [*ONE_NODE_MIXTRAL, *IN_NODE_ZERO2]), ("jamba_v0.1", IN_NODE_ZERO2)):
         cfg = load_config(REPO / f"configs/{name}.json", overrides)
         mem = memory_plan(cfg, world_size=8, capacity_bytes=H200)["memory_per_rank_gb"]
         off = [*overrides, "train.activation_checkpointing=none"]
@@ -136,9 +141,9 @@ def test_plan_of_the_shipped_big_configs_on_one_h200_node():
         wider = memory_plan(cfg, world_size=64)["memory_per_rank_gb"]
         assert wider["optimizer"] == pytest.approx(mem["optimizer"] / 8, rel=0.05)  # ZeRO over 8x the replicas
     # Mixtral's shipped ep 8 on one node: over at the routing bound (4x), inside at 2x the mean (docs/memory.md).
-    shipped = load_config(REPO / "configs/mixtral_8x7b.json")
+    shipped = load_config(REPO / "configs/mixtral_8x7b.json", IN_NODE_ZERO2)
     assert not memory_plan(shipped, 8, capacity_bytes=H200)["capacity"]["fits"]
-    measured = load_config(REPO / "configs/mixtral_8x7b.json", ["plan.expert_imbalance=2"])
+    measured = load_config(REPO / "configs/mixtral_8x7b.json", ["plan.expert_imbalance=2", *IN_NODE_ZERO2])
     assert memory_plan(measured, 8, capacity_bytes=H200)["capacity"]["fits"]
 
 
@@ -210,3 +215,17 @@ def test_dry_run_prints_the_plan_with_json_last(tmp_path):
     assert json.loads(cpu.stdout.strip().splitlines()[-1])["capacity"] is None
     bad = subprocess.run([*cmd, "--dry-run", "--world-size", "12"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error: parallel.ep: 8 must divide")
+
+
+def test_one_reduction_per_step_plans_the_unsharded_fp32_accumulation_buffer():
+    """ZeRO 1 with bf16 weights (the shipped Mixtral): every local parameter's fp32 gradient sum lives until the
+    step's one reduction, ≈29 GB per rank at ep 8 however many ranks; ZeRO 2 holds only its reduced partition."""
+    for world in (16, 64):
+        one = memory_plan(load_config(REPO / "configs/mixtral_8x7b.json"), world, capacity_bytes=H200)
+        two = memory_plan(load_config(REPO / "configs/mixtral_8x7b.json", IN_NODE_ZERO2), world, capacity_bytes=H200)
+        local = sum(one["params_local"].values())
+        assert 7.0e9 < local < 7.5e9  # 1.6 B dense and 1/8 of the 45 B expert weights
+        buffer = (one["memory_per_rank_gb"]["grads"] - two["memory_per_rank_gb"]["grads"]) * GB
+        assert buffer == pytest.approx(4 * local, rel=1e-9)  # the reduced fp32 partition is in both
+    fp32 = memory_plan(load_config(REPO / "configs/mixtral_8x7b.json", ["train.grad_accum_dtype=bf16"]), 64)
+    assert fp32["memory_per_rank_gb"]["grads"] < one["memory_per_rank_gb"]["grads"] - 14  # bf16 p.grad: half

@@ -1,5 +1,5 @@
 """Worker for test_grad_accum.py, run as `python grad_accum_worker.py OUT_JSON` (a world of one, real DeepSpeed
-engines built as the training loop builds them: bf16 weights, ZeRO 2).
+engines built as the training loop builds them: bf16 weights, ZeRO 2, and ZeRO 1's one reduction per step).
 
 1. Accumulation: for train.grad_accum_dtype in (fp32, bf16), one engine accumulates 16 micro-batches; the
    gradient DeepSpeed hands the optimizer (fp32, `safe_get_full_grad`) is compared with the exact sum (fp64) of
@@ -22,7 +22,7 @@ from moe_dist.parallel.mesh import init_distributed
 from moe_dist.parallel.parallelize import parallelize
 from moe_dist.train.checkpoint import load_checkpoint, save_checkpoint, select_checkpoint
 from moe_dist.train.checkpoint.state import inner_optimizer
-from moe_dist.train.optim import build_optimizer, deepspeed_config
+from moe_dist.train.optim import build_optimizer, initialize_engine
 
 MICRO = 16
 BASE = [
@@ -42,11 +42,8 @@ BASE = [
 
 
 def engine_for(cfg, mesh, model):
-    import deepspeed
-
     opt, sched = build_optimizer(model, cfg)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=deepspeed_config(cfg, 1))
-    return engine, sched
+    return initialize_engine(model, opt, sched, cfg, 1), sched
 
 
 def loss_of(model, cfg, batch):
@@ -55,10 +52,10 @@ def loss_of(model, cfg, batch):
     return lm_loss(out.logits, batch[:, 1:]) + moe.aux_loss_coef * out.aux_loss + moe.z_loss_coef * out.z_loss
 
 
-def accumulation(mesh, accum: str) -> dict:
+def accumulation(mesh, accum: str, stage: int = 2) -> dict:
     from deepspeed.utils import safe_get_full_grad
 
-    cfg = load_config("configs/debug.json", [*BASE, f"train.grad_accum_dtype={accum}"])
+    cfg = load_config("configs/debug.json", [*BASE, f"train.grad_accum_dtype={accum}", f"deepspeed.zero_stage={stage}"])
     model = parallelize(build_model(cfg.model, mesh.device), mesh, cfg)
     ref = copy.deepcopy(model).to(torch.bfloat16)  # what the engine computes with
     engine, _ = engine_for(cfg, mesh, model)
@@ -79,11 +76,16 @@ def accumulation(mesh, accum: str) -> dict:
     num = sum(((got[n].double() - exact[n]) ** 2).sum().item() for n in exact)
     den = sum((exact[n] ** 2).sum().item() for n in exact)
     engine.step()
-    return {"rel_error": (num / den) ** 0.5, "grad_dtypes": dtypes, "param_dtype": str(next(model.parameters()).dtype)}
+    return {
+        "rel_error": (num / den) ** 0.5,
+        "grad_dtypes": dtypes,
+        "param_dtype": str(next(model.parameters()).dtype),
+        "optimizer": type(engine.optimizer).__name__,
+    }
 
 
-def resume_before_any_step(mesh) -> dict:
-    cfg = load_config("configs/debug.json", BASE)
+def resume_before_any_step(mesh, stage: int) -> dict:
+    cfg = load_config("configs/debug.json", [*BASE, f"deepspeed.zero_stage={stage}"])
     root = Path(tempfile.mkdtemp()) / "checkpoints"
     model = parallelize(build_model(cfg.model, mesh.device), mesh, cfg)
     engine, sched = engine_for(cfg, mesh, model)
@@ -123,7 +125,9 @@ def main(out: str) -> None:
     mesh = init_distributed(load_config("configs/debug.json", BASE))
     torch.set_num_threads(1)
     result = {accum: accumulation(mesh, accum) for accum in ("fp32", "bf16")}
-    result["resume"] = resume_before_any_step(mesh)
+    result["fp32_zero1"] = accumulation(mesh, "fp32", stage=1)  # one reduction per step (train/optim.py)
+    result["resume"] = resume_before_any_step(mesh, 2)
+    result["resume_zero1"] = resume_before_any_step(mesh, 1)
     Path(out).write_text(json.dumps(result))
 
 

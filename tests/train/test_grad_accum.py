@@ -1,5 +1,6 @@
-"""Numerics at many micro-batches (bf16 weights, ZeRO 2) and the optimizer state after a resume from a checkpoint
-saved before any applied step; one real process (grad_accum_worker.py) serves both."""
+"""Numerics at many micro-batches (bf16 weights, ZeRO 2 and ZeRO 1's one reduction per step) and the optimizer
+state after a resume from a checkpoint saved before any applied step; one real process (grad_accum_worker.py)
+serves both."""
 
 import json
 import subprocess
@@ -34,8 +35,17 @@ def test_fp32_accumulation_of_16_bf16_micro_batches_is_exact_where_bf16_is_not(r
     assert bf16 > 1e-4 and bf16 > 100 * fp32
 
 
-def test_resume_from_a_checkpoint_before_any_step_puts_adam_state_where_adam_keeps_it(result):
-    r = result["resume"]
+def test_zero1_accumulates_in_fp32_in_deepspeeds_zero_optimizer(result):
+    """ZeRO 1 with bf16 weights: the same fp32 accumulation, in the optimizer class whose state checkpoints read
+    (DeepSpeed alone would choose BF16_Optimizer)."""
+    zero1 = result["fp32_zero1"]
+    assert zero1["optimizer"] == "DeepSpeedZeroOptimizer" and zero1["param_dtype"] == "torch.bfloat16"
+    assert zero1["rel_error"] < 1e-6
+
+
+@pytest.mark.parametrize("key", ["resume", "resume_zero1"])
+def test_resume_from_a_checkpoint_before_any_step_puts_adam_state_where_adam_keeps_it(result, key):
+    r = result[key]
     assert r["step"] == 0 and r["loaded"]
     for group in r["loaded"]:
         dtype, device = group["param"]
