@@ -108,6 +108,7 @@ def scaling_sweep(
     gpu_counts=(8, 16, 32, 64, 128, 256, 512, 1024),
     chunk_options=(1, 2, 4),
     overlap_param_gather: bool = False,
+    overlap_grad_reduce: bool = True,
 ) -> list[dict]:
     """Predictions for every candidate layout (and the config's own) at every GPU count, each at its fastest
     `parallel.a2a_chunks` of `chunk_options` (with the unchunked all-to-all time beside it). Scaling efficiency =
@@ -123,7 +124,7 @@ def scaling_sweep(
         if valid and own not in layouts.values() and t.global_batch_size % (t.micro_batch_size * own.dp) == 0:
             layouts[f"config's layout (tp {own.tp}, ep {own.ep})"] = own
         for family, lay in layouts.items():
-            kw = dict(cost=cost, overlap_param_gather=overlap_param_gather)
+            kw = dict(cost=cost, overlap_param_gather=overlap_param_gather, overlap_grad_reduce=overlap_grad_reduce)
             plain = predict_step(cfg, lay, hw, a2a_chunks=1, **kw)
             p = min((predict_step(cfg, lay, hw, a2a_chunks=c, **kw) for c in chunk_options), key=lambda q: q.step_s)
             grad = p.overlap.get(LAST_BACKWARD, {})

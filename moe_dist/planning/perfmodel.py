@@ -472,6 +472,7 @@ def predict_step(
     cost: ModelCost | None = None,
     a2a_chunks: int | None = None,
     overlap_param_gather: bool = False,
+    overlap_grad_reduce: bool = True,
 ) -> StepPrediction:
     """Step time of `cfg` at `layout` on `hw`. ranks_per_device > 1 when ranks share one device (CPU cores);
     a2a_chunks overrides `parallel.a2a_chunks` (the row all-to-alls pipelined against the expert GEMMs).
@@ -479,14 +480,17 @@ def predict_step(
     Asynchronous calls hide behind their window (`Call.hides_behind`): the gradient reduction behind the last
     micro-batch's backward (its 2 × forward plus recompute), exposed = max(0, their time − the window); the
     parameter all-gather behind the next step's first forward only with `overlap_param_gather` (what-if: the code
-    may not overlap it), else all of it is exposed."""
+    may not overlap it), else all of it is exposed. `overlap_grad_reduce` False: the gradient reduction is exposed
+    whole, as the code runs ZeRO 1 today (DeepSpeed 0.19.8's overlapped stage 1 is refused: docs/perf_model.md)."""
     cost = cost or model_cost(cfg)
     rpn = ranks_per_node or hw.ranks_per_node
     flops = step_flops_per_rank(cfg, layout, cost)
     compute = (flops + recompute_flops_per_rank(cfg, layout, cost)) * ranks_per_device / hw.flops_per_s
     per_mb = tokens_per_micro_batch(cfg, layout) / layout.tp * ranks_per_device / hw.flops_per_s  # s per FLOP/token
     windows = {
-        LAST_BACKWARD: (2.0 * cost.fwd_flops_per_token + cost.recompute_flops_per_token) * per_mb,
+        LAST_BACKWARD: (2.0 * cost.fwd_flops_per_token + cost.recompute_flops_per_token) * per_mb
+        if overlap_grad_reduce
+        else 0.0,
         NEXT_FORWARD: cost.fwd_flops_per_token * per_mb if overlap_param_gather else 0.0,
     }
     comm = dict.fromkeys(KINDS, 0.0)

@@ -110,6 +110,11 @@ def test_reduction_hides_behind_the_last_backward_up_to_its_length():
     assert q.comm_s["all_gather"] == pytest.approx(0.5) and q.comm_s["reduce_scatter"] == pytest.approx(1.0)
     # a backward longer than the reduction hides all of it
     assert pm.predict_step(cfg, layout, _hw(37_888.0, 3048.0)).comm_s["reduce_scatter"] == 0.0
+    # not overlapped (ZeRO 1 as the code runs it): the whole 2 s of the reduction is exposed
+    r = pm.predict_step(cfg, layout, _hw(37_888.0, 1524.0), overlap_grad_reduce=False)
+    assert r.comm_s["reduce_scatter"] == pytest.approx(2.0) and r.overlap[pm.LAST_BACKWARD][
+        "exposed_s"
+    ] == pytest.approx(2.0)
 
 
 def test_recompute_lengthens_the_step_and_the_window():
