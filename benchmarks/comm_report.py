@@ -329,9 +329,13 @@ def main(argv=None) -> int:
     tokens = torch.randint(
         0, cfg.model.vocab_size, (t.micro_batch_size, t.seq_len + 1), generator=torch.Generator().manual_seed(0)
     ).to(mesh.device)
-    out = model(tokens[:, :-1])
+    inputs, targets, extra = tokens[:, :-1], tokens[:, 1:], {}
+    shard = mesh.seq_shard(t.seq_len)  # context parallelism: this rank's pieces of the sequence (None without)
+    if shard is not None:
+        inputs, targets, extra = shard.local(inputs), shard.local(targets), {"shard": shard}
+    out = model(inputs, **extra)
     where[:] = ["loss (vocab-parallel cross-entropy)", "forward"]
-    lm = lm_loss(out.logits, tokens[:, 1:]) if mesh.tp == 1 else vocab_parallel_lm_loss(out.logits, tokens[:, 1:], mesh)
+    lm = lm_loss(out.logits, targets) if mesh.tp == 1 else vocab_parallel_lm_loss(out.logits, targets, mesh)
     where[:] = ["head", "backward"]
     (lm + cfg.model.moe.aux_loss_coef * out.aux_loss).backward()
     tracer.uninstall()
@@ -341,7 +345,8 @@ def main(argv=None) -> int:
         sp = " sequence_parallel" if cfg.parallel.sequence_parallel else ""
         sp += f" etp={mesh.etp}" if mesh.tp > 1 else ""
         print(
-            f"layout dp={mesh.dp} ep={mesh.ep} tp={mesh.tp}{sp}; micro-batch {t.micro_batch_size}x{t.seq_len} tokens, "
+            f"layout dp={mesh.dp} cp={mesh.cp} ep={mesh.ep} tp={mesh.tp}{sp}; "
+            f"micro-batch {t.micro_batch_size}x{t.seq_len} tokens, "
             f"d_model {cfg.model.d_model}, {cfg.train.dtype}; blocks: {', '.join(kinds)}"
         )
         print("| layer | phase | collective | group size | calls | bytes per rank |")

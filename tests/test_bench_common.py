@@ -145,3 +145,43 @@ def test_scaling_sweep_on_one_node_writes_its_report(tmp_path):
     for r in rows[1:]:
         assert float(r["bytes_per_rank"]) == pytest.approx(float(r["predicted_bytes_per_rank"]), rel=0.15), r["name"]
         assert float(r["all_to_all_s"]) > 0 and float(r["tokens_per_s"]) > 0
+
+
+CP_HYBRID = [
+    "parallel.cp=2",
+    "model.moe.capacity_factor=null",
+    "model.mixer_pattern=A",
+    "model.ffn_pattern=E",
+    'model.layers=["attention+moe","mamba1+mlp","mamba2+moe","gdn+mlp"]',
+    "model.mamba2.head_dim=16",
+    "model.mamba2.d_state=16",
+    "model.mamba2.chunk_size=16",
+    "model.gdn.head_k_dim=16",
+    "model.gdn.head_v_dim=16",
+    "model.gdn.chunk_size=16",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_comm_report_counts_context_parallel_bytes_that_grow_only_for_attention():
+    """comm_report under parallel.cp=2 on a hybrid of every mixer, at two sequence lengths: attention all-gathers
+    K and V, each rank contributing its S / 2 positions of the KV heads (fp32), so its bytes grow with S; the
+    recurrent mixers send their conv halos and state summaries, the same bytes whatever S."""
+    per_layer = {}
+    for seq in (64, 256):
+        proc = _torchrun(
+            2, "comm_report.py", "--config", "configs/debug.json", "--set", *CP_HYBRID, f"train.seq_len={seq}"
+        )
+        rows = re.findall(
+            r"^\| (blocks\.\d)\.mixer \| forward \| all_gather\w* \| 2 \| (\d+) \| ([\d,]+) \|", proc.stdout, re.M
+        )
+        per_layer[seq] = {layer: int(nbytes.replace(",", "")) for layer, _, nbytes in rows}
+    assert set(per_layer[64]) == {f"blocks.{i}" for i in range(4)}
+    cfg = load_config(REPO / "configs" / "debug.json", CP_HYBRID)
+    a, batch = cfg.model.attention, cfg.train.micro_batch_size
+    head_dim = a.head_dim or cfg.model.d_model // a.n_heads
+    for seq in (64, 256):  # K and V: each rank contributes its S / 2 positions of the KV heads, fp32
+        assert per_layer[seq]["blocks.0"] == 2 * batch * (seq // 2) * a.n_kv_heads * head_dim * 4
+    for layer in ("blocks.1", "blocks.2", "blocks.3"):  # Mamba-1, Mamba-2, Gated DeltaNet
+        assert per_layer[64][layer] == per_layer[256][layer] > 0
