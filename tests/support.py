@@ -127,3 +127,18 @@ E2E_MODES = {
         "model.gdn.chunk_size=16",
     ],
 }
+
+# support.E2E_MODES["hybrid"] with Mamba-1 too, and two Mamba-2 groups (CP × TP needs n_groups >= tp): the context
+# parallelism tests' model (tests/parallel/test_cp_e2e.py, tests/test_bench_common.py)
+CP_HYBRID = [
+    "model.mixer_pattern=A",
+    "model.ffn_pattern=E",
+    'model.layers=["attention+moe","mamba1+mlp","mamba2+moe","gdn+mlp"]',
+    "model.mamba2.head_dim=16",
+    "model.mamba2.d_state=16",
+    "model.mamba2.chunk_size=16",
+    "model.mamba2.n_groups=2",
+    "model.gdn.head_k_dim=16",
+    "model.gdn.head_v_dim=16",
+    "model.gdn.chunk_size=16",
+]

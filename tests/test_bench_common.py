@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
-from support import free_port, load_script, torchrun
+from support import CP_HYBRID, free_port, load_script, torchrun
 
 from moe_dist.config import load_config
 from moe_dist.planning import perfmodel as pm
@@ -147,19 +147,7 @@ def test_scaling_sweep_on_one_node_writes_its_report(tmp_path):
         assert float(r["all_to_all_s"]) > 0 and float(r["tokens_per_s"]) > 0
 
 
-CP_HYBRID = [
-    "parallel.cp=2",
-    "model.moe.capacity_factor=null",
-    "model.mixer_pattern=A",
-    "model.ffn_pattern=E",
-    'model.layers=["attention+moe","mamba1+mlp","mamba2+moe","gdn+mlp"]',
-    "model.mamba2.head_dim=16",
-    "model.mamba2.d_state=16",
-    "model.mamba2.chunk_size=16",
-    "model.gdn.head_k_dim=16",
-    "model.gdn.head_v_dim=16",
-    "model.gdn.chunk_size=16",
-]
+CP_SETS = ["parallel.cp=2", "model.moe.capacity_factor=null", *CP_HYBRID]
 
 
 @pytest.mark.slow
@@ -171,14 +159,14 @@ def test_comm_report_counts_context_parallel_bytes_that_grow_only_for_attention(
     per_layer = {}
     for seq in (64, 256):
         proc = _torchrun(
-            2, "comm_report.py", "--config", "configs/debug.json", "--set", *CP_HYBRID, f"train.seq_len={seq}"
+            2, "comm_report.py", "--config", "configs/debug.json", "--set", *CP_SETS, f"train.seq_len={seq}"
         )
         rows = re.findall(
             r"^\| (blocks\.\d)\.mixer \| forward \| all_gather\w* \| 2 \| (\d+) \| ([\d,]+) \|", proc.stdout, re.M
         )
         per_layer[seq] = {layer: int(nbytes.replace(",", "")) for layer, _, nbytes in rows}
     assert set(per_layer[64]) == {f"blocks.{i}" for i in range(4)}
-    cfg = load_config(REPO / "configs" / "debug.json", CP_HYBRID)
+    cfg = load_config(REPO / "configs" / "debug.json", CP_SETS)
     a, batch = cfg.model.attention, cfg.train.micro_batch_size
     head_dim = a.head_dim or cfg.model.d_model // a.n_heads
     for seq in (64, 256):  # K and V: each rank contributes its S / 2 positions of the KV heads, fp32

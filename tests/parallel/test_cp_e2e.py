@@ -14,21 +14,9 @@ import json
 import shutil
 
 import pytest
-from support import E2E_BASE, E2E_CONFIG, E2E_SAVE, E2E_STEPS, train_records
+from support import CP_HYBRID, E2E_BASE, E2E_CONFIG, E2E_SAVE, E2E_STEPS, train_records
 
 ATOL_OF_SCALE = 3e-4  # as test_ep_e2e.py: summation order differs between layouts
-HYBRID = [  # support.E2E_MODES["hybrid"] with Mamba-1 too, and two Mamba-2 groups (CP × TP needs n_groups >= tp)
-    "model.mixer_pattern=A",
-    "model.ffn_pattern=E",
-    'model.layers=["attention+moe","mamba1+mlp","mamba2+moe","gdn+mlp"]',
-    "model.mamba2.head_dim=16",
-    "model.mamba2.d_state=16",
-    "model.mamba2.chunk_size=16",
-    "model.mamba2.n_groups=2",
-    "model.gdn.head_k_dim=16",
-    "model.gdn.head_v_dim=16",
-    "model.gdn.chunk_size=16",
-]
 MODES = {  # capacity drops (debug.json's capacity_factor 1.25) in both; packed documents in one
     # the global batch's aux-loss fractions (this step's, from the routing pre-pass) and the loss-free balancing bias
     "capacity": ["model.moe.aux_loss_scope=global_batch", "model.moe.bias_update_rate=0.01"],
@@ -54,7 +42,7 @@ def _args(run_dir, mode: str, cp: int, tp: int, ep: int, *extra: str, zero: int 
         *extra,
         "--set",
         *E2E_BASE,
-        *HYBRID,
+        *CP_HYBRID,
         *MODES[mode],
         f"parallel.cp={cp}",
         f"parallel.tp={tp}",
