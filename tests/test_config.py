@@ -384,3 +384,19 @@ def test_run_and_data_settings_are_checked_at_load(overrides, message):
 def test_memmap_mixture_without_paths_loads():
     cfg = load_config(None, ["data.source=memmap", 'data.mixture=[{"paths": ["a.json"], "weight": 2}]'])
     assert cfg.data.mixture[0].weight == 2.0 and cfg.data.paths == []
+
+
+def test_pipeline_layout_keys_are_checked():
+    cfg = load_config(REPO / "configs/debug.json", ["parallel.pp=2", "parallel.ep=2"])
+    assert check_layout(cfg, 4) == 2  # dp = world / pp
+    with pytest.raises(ConfigError, match=r"^parallel.pp: 2 does not divide the world size 3$"):
+        check_layout(cfg, 3)
+    with pytest.raises(ConfigError, match=r"^parallel.ep: 2 must divide the data-parallel degree 1 "):
+        check_layout(cfg, 2)  # an EP group never straddles stages: ep divides one stage's ranks
+    n = load_config(REPO / "configs/debug.json").model.n_layers
+    with pytest.raises(ConfigError, match=rf"^parallel.pp: pp × pp_virtual = {2 * n} stages for model.n_layers={n}"):
+        load_config(REPO / "configs/debug.json", ["parallel.pp=2", f"parallel.pp_virtual={n}"])
+    with pytest.raises(ConfigError, match=r"^parallel.pp_cut: \[2, 1, 3\] must be 3 increasing layer indices"):
+        load_config(REPO / "configs/debug.json", ["parallel.pp=4", "model.n_layers=4", "parallel.pp_cut=[2,1,3]"])
+    with pytest.raises(ConfigError, match=r"^parallel.pp_virtual: 2 needs parallel.pp > 1$"):
+        load_config(REPO / "configs/debug.json", ["parallel.pp_virtual=2"])

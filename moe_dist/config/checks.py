@@ -92,6 +92,7 @@ def validate(cfg: JobConfig) -> None:
     _check_moe_recipes(moe)
     _check(cfg.parallel.tp >= 1 and cfg.parallel.ep >= 1, "parallel.tp and parallel.ep must be >= 1")
     _check_context_parallel(cfg)
+    _check_pipeline(cfg)
     etp = cfg.parallel.etp
     _check(
         etp is None or etp in (1, cfg.parallel.tp),
@@ -173,6 +174,26 @@ def _check_context_parallel(cfg: JobConfig) -> None:
         f"model.mamba2.n_groups: {m2.n_groups} < parallel.tp={tp} is not supported with parallel.cp > 1 (a rank "
         f"would hold part of a B/C group, whose state the pieces pass)",
     )
+
+
+def _check_pipeline(cfg: JobConfig) -> None:
+    """`parallel.pp`, `pp_virtual`, `pp_cut`: the layer list cuts into pp × pp_virtual non-empty stages."""
+    pa, n = cfg.parallel, cfg.model.n_layers
+    _check(pa.pp >= 1, f"parallel.pp: must be >= 1, got {pa.pp}")
+    _check(pa.pp_virtual >= 1, f"parallel.pp_virtual: must be >= 1, got {pa.pp_virtual}")
+    _check(pa.pp > 1 or pa.pp_virtual == 1, f"parallel.pp_virtual: {pa.pp_virtual} needs parallel.pp > 1")
+    stages = pa.pp * pa.pp_virtual
+    _check(
+        stages <= n,
+        f"parallel.pp: pp × pp_virtual = {stages} stages for model.n_layers={n} (every stage needs a layer)",
+    )
+    if pa.pp_cut is not None:
+        cut = list(pa.pp_cut)
+        _check(
+            len(cut) == stages - 1 and cut == sorted(set(cut)) and all(0 < c < n for c in cut),
+            f"parallel.pp_cut: {cut} must be {stages - 1} increasing layer indices in 1..{n - 1} (the first layer of "
+            f"each stage after the first)",
+        )
 
 
 def _check_plan(p: PlanConfig) -> None:
@@ -347,7 +368,10 @@ def _check_mamba2_tp(d_model: int, mb: Mamba2Config, tp: int) -> None:
 def check_layout(cfg: JobConfig, world_size: int) -> int:
     """Validate the parallel layout against the world size; return the data-parallel degree. Each error is one
     line naming the key, its value and the world size (the launcher's WORLD_SIZE, checked before start-up)."""
-    tp, ep, etp, cp = cfg.parallel.tp, cfg.parallel.ep, cfg.parallel.expert_tp, cfg.parallel.cp
+    tp, ep, etp, cp, pp = cfg.parallel.tp, cfg.parallel.ep, cfg.parallel.expert_tp, cfg.parallel.cp, cfg.parallel.pp
+    _check(world_size % pp == 0, f"parallel.pp: {pp} does not divide the world size {world_size}")
+    world = world_size  # profile ranks count every rank; the layout checks below count one pipeline stage's
+    world_size //= pp  # ranks (pp is the outermost mesh dimension)
     _check(world_size % tp == 0, f"parallel.tp: {tp} does not divide the world size {world_size}")
     _check(
         (world_size // tp) % cp == 0,
@@ -379,8 +403,8 @@ def check_layout(cfg: JobConfig, world_size: int) -> int:
     # The engine's, checked here (at start-up) rather than in validate(): tools that build no engine (bench) take it.
     check_grad_reduction(cfg)
     check_global_batch(cfg.train.global_batch_size, cfg.train.micro_batch_size, dp, ranks)
-    bad = [r for r in cfg.train.profile_ranks if not 0 <= r < world_size]
-    _check(not bad, f"train.profile_ranks: {bad} outside the world's ranks 0..{world_size - 1}")
+    bad = [r for r in cfg.train.profile_ranks if not 0 <= r < world]
+    _check(not bad, f"train.profile_ranks: {bad} outside the world's ranks 0..{world - 1}")
     _check(
         cfg.train.eval_batches % dp == 0,
         f"train.eval_batches: {cfg.train.eval_batches} is not divisible among {ranks}",

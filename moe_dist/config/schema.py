@@ -184,6 +184,9 @@ def split_layer(entry: str) -> tuple[Optional[str], Optional[str]]:
 
 @dataclass
 class ParallelConfig:
+    pp: int = 1  # pipeline-parallel degree: the layer list cut into pp stages (the outermost mesh dimension)
+    pp_virtual: int = 1  # stages per pipeline rank: > 1 runs the interleaved 1F1B schedule (pp × pp_virtual stages)
+    pp_cut: Optional[list[int]] = None  # first layer of each stage after the first (pp·pp_virtual − 1); null: by cost
     tp: int = 1  # tensor-parallel degree
     cp: int = 1  # context-parallel degree: each sequence split over cp ranks (a head and a tail piece each)
     ep: int = 1  # expert-parallel degree (divides dp; with etp = 1 it divides dp × tp)

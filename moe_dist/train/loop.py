@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 from tqdm import tqdm
 
-from moe_dist.config import JobConfig, config_to_dict
+from moe_dist.config import ConfigError, JobConfig, config_to_dict
 from moe_dist.config.checks import check_layout
 from moe_dist.data.batches import IGNORE, Batch, TokenDataset
 from moe_dist.data.sources import load_tokens
@@ -265,6 +265,10 @@ def _train(cfg: JobConfig, run_dir: Path, resume: bool, stop: StopRequest) -> li
     # The layout against the launcher's world size before anything is read, joined or written (one line, exit 2).
     check_layout(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     check_context_parallel(cfg.model, cfg.parallel.cp)
+    if cfg.parallel.pp > 1:
+        raise ConfigError(
+            f"parallel.pp: {cfg.parallel.pp} is read by the memory plan and --dry-run only; training runs pp=1 today"
+        )
     t = cfg.train
     # The data fits the model's vocabulary and names the run's tokenizer (checked from the sidecars).
     train_tokens, val_tokens, weights = load_tokens(cfg.data, t.seq_len, cfg.model.vocab_size)
