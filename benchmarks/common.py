@@ -109,7 +109,7 @@ def measure_matmul_gflops(
 
 # ----------------------------------------------------------------------------------------------- collectives
 
-# torch.distributed function → (kind, the argument whose bytes are its payload, as moe_dist.planning.perfmodel's
+# torch.distributed function → (kind, the argument whose bytes are its payload, as moe_dist.planning.collectives's
 # collective_terms counts it: all-gather the gathered output, all-to-all and reduce-scatter the input, ...)
 COLLECTIVES = {
     "all_reduce": ("all_reduce", "tensor"),
@@ -145,7 +145,7 @@ class Collective:
     kind: str  # all_reduce | all_gather | reduce_scatter | all_to_all | other
     args: dict  # its arguments, bound to their parameter names
     group_size: int
-    payload_bytes: int  # as moe_dist.planning.perfmodel.collective_terms counts it (COLLECTIVES)
+    payload_bytes: int  # as moe_dist.planning.collectives.collective_terms counts it (COLLECTIVES)
     seconds: float  # wall clock of the call (a blocking one includes the wait for the slowest rank)
 
     @property

@@ -129,8 +129,9 @@ def memory_worker(argv: list[str]) -> None:
     from memory_check import reset_peak, rss_bytes
 
     from moe_dist.config import load_config
+    from moe_dist.planning.collectives import H200_BF16_DENSE_PEAK
     from moe_dist.planning.memory import memory_plan
-    from moe_dist.planning.perfmodel import H200_BF16_DENSE_PEAK, model_cost
+    from moe_dist.planning.workload import model_cost
     from moe_dist.train.loop import train as train_loop
 
     p = argparse.ArgumentParser()

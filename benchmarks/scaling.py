@@ -171,6 +171,7 @@ def fit_and_predict(rows: list[dict], config: str, overrides: list[str], steps: 
     from moe_dist.config import load_config
     from moe_dist.planning import fit
     from moe_dist.planning import perfmodel as pm
+    from moe_dist.planning import workload as wl
 
     runs = []
     for r in rows:
@@ -181,7 +182,7 @@ def fit_and_predict(rows: list[dict], config: str, overrides: list[str], steps: 
             fit.MeasuredRun(
                 r["name"],
                 cfg,
-                pm.Layout(r["world"], r["ep"], 1),
+                wl.Layout(r["world"], r["ep"], 1),
                 r["world"] // r["nodes"],
                 share,
                 r["step_s"],

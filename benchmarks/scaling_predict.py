@@ -10,12 +10,14 @@ from pathlib import Path
 def overlap_lines(cfg, hw) -> list[str]:
     """Per MoE layer and micro-batch: the row all-to-alls (dispatch + combine, forward + backward) unchunked and
     what `parallel.a2a_chunks` leaves exposed, beside the expert GEMMs that hide them (perfmodel.overlapped_rows_s)."""
+    from moe_dist.planning import collectives as co
     from moe_dist.planning import perfmodel as pm
+    from moe_dist.planning import workload as wl
 
-    cost = pm.model_cost(cfg)
+    cost = wl.model_cost(cfg)
     layouts = {
-        "EP8 in node (NVLink)": pm.Layout(8, 8, 1),
-        "EP8 x TP2, EP over 2 nodes (InfiniBand)": pm.Layout(8, 8, 2),
+        "EP8 in node (NVLink)": wl.Layout(8, 8, 1),
+        "EP8 x TP2, EP over 2 nodes (InfiniBand)": wl.Layout(8, 8, 2),
     }
     lines = [
         "Row all-to-alls per MoE layer and micro-batch (forward + backward), exposed ms by parallel.a2a_chunks:",
@@ -24,9 +26,9 @@ def overlap_lines(cfg, hw) -> list[str]:
         "|---|---|---|---|---|---|",
     ]
     for name, lay in layouts.items():
-        calls = pm.step_calls(cfg, lay, hw.ranks_per_node, cost)
+        calls = wl.step_calls(cfg, lay, hw.ranks_per_node, cost)
         rows = next(c for c in calls if c.label == "moe_rows")
-        per_layer = pm.Call(rows.kind, rows.label, rows.group_size, rows.ranks_per_node, rows.payload_bytes, 4)
+        per_layer = co.Call(rows.kind, rows.label, rows.group_size, rows.ranks_per_node, rows.payload_bytes, 4)
         g = pm.expert_gemm_s(cfg, lay, hw, 1, cost)
         exposed = [1e3 * pm.overlapped_rows_s(per_layer, hw, c, g) for c in (1, 2, 4, 8)]
         lines.append(f"| {name} | {3e3 * g:.2f} | " + " | ".join(f"{e:.2f}" for e in exposed) + " |")

@@ -50,7 +50,7 @@ class CollectiveTimer:
         return self._groups[key]
 
     def record(self, call: Collective) -> None:
-        from moe_dist.planning.perfmodel import bottleneck_features, collective_terms
+        from moe_dist.planning.collectives import bottleneck_features, collective_terms
 
         if self.current is None:  # outside a training step (set-up, eval, checkpoints)
             return
@@ -79,7 +79,7 @@ class CollectiveTimer:
         import torch
         import torch.distributed as dist
 
-        from moe_dist.planning.perfmodel import bottleneck_features
+        from moe_dist.planning.collectives import bottleneck_features
 
         n, (g, _) = dist.get_world_size(), self._group(None)
         if n == 1:

@@ -18,7 +18,7 @@ import torch.distributed.distributed_c10d as c10d
 from support import CP_HYBRID, free_port, load_script, torchrun
 
 from moe_dist.config import load_config
-from moe_dist.planning import perfmodel as pm
+from moe_dist.planning import workload as wl
 
 REPO = Path(__file__).resolve().parents[1]
 BENCHMARKS = REPO / "benchmarks"
@@ -84,9 +84,9 @@ def test_comm_report_matches_the_performance_model():
     rows = re.findall(r"^\| (blocks\.\d+\.\w+) \| (forward|backward) \| (\w+) \| 2 \|", proc.stdout, re.MULTILINE)
     assert {layer for layer, _, _ in rows} == {f"blocks.{i}.{p}" for i in range(4) for p in ("mixer", "ffn")}
     cfg = load_config(REPO / "configs" / "debug.json", ["parallel.tp=2"])
-    layout = pm.Layout(dp=1, ep=1, tp=2)
-    tp = [c for c in pm.step_calls(cfg, layout, ranks_per_node=2) if c.label.startswith("tp_")]
-    assert total == sum(c.payload_bytes * c.count for c in tp) / pm.micro_batches_per_rank(cfg, layout)
+    layout = wl.Layout(dp=1, ep=1, tp=2)
+    tp = [c for c in wl.step_calls(cfg, layout, ranks_per_node=2) if c.label.startswith("tp_")]
+    assert total == sum(c.payload_bytes * c.count for c in tp) / wl.micro_batches_per_rank(cfg, layout)
 
 
 @pytest.mark.slow
@@ -106,7 +106,7 @@ def test_scaling_worker_counts_the_scheduled_collectives(tmp_path):
     _torchrun(2, "scaling_worker.py", "--config", "configs/debug.json", "--set", *sets, "--run-dir", str(tmp_path))
     profiles = [json.loads((tmp_path / "profile" / f"rank{r}.json").read_text()) for r in (0, 1)]
     cfg = load_config(REPO / "configs" / "debug.json", sets)
-    a2a = sum(c.count for c in pm.step_calls(cfg, pm.Layout(2, 2, 1), ranks_per_node=2) if c.kind == "all_to_all")
+    a2a = sum(c.count for c in wl.step_calls(cfg, wl.Layout(2, 2, 1), ranks_per_node=2) if c.kind == "all_to_all")
     for prof in profiles:
         assert len(prof["steps"]) == steps
         for step in prof["steps"]:

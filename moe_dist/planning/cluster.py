@@ -5,18 +5,9 @@ from __future__ import annotations
 
 from moe_dist.config import JobConfig
 from moe_dist.planning.capacity import H200_MIB, MIB, headroom
-from moe_dist.planning.perfmodel import (
-    H200_BF16_DENSE_PEAK,
-    LAST_BACKWARD,
-    Hardware,
-    Layout,
-    Link,
-    ModelCost,
-    config_layout,
-    model_cost,
-    predict_step,
-    tokens_per_micro_batch,
-)
+from moe_dist.planning.collectives import H200_BF16_DENSE_PEAK, LAST_BACKWARD, Hardware, Link
+from moe_dist.planning.perfmodel import predict_step
+from moe_dist.planning.workload import Layout, ModelCost, config_layout, model_cost, tokens_per_micro_batch
 
 # Published figures (NVIDIA H200 Tensor Core GPU datasheet/product page, SXM): BF16 Tensor Core 1,979 TFLOPS
 # *with sparsity*, i.e. 989 TFLOPS dense; 141 GB HBM3e at 4.8 TB/s; NVLink 900 GB/s per GPU (bidirectional,

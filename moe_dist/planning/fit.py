@@ -13,7 +13,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from moe_dist.config import JobConfig
-from moe_dist.planning.perfmodel import Hardware, Layout, Link, predict_step, step_flops_per_rank
+from moe_dist.planning.collectives import Hardware, Link
+from moe_dist.planning.perfmodel import predict_step
+from moe_dist.planning.workload import Layout, step_flops_per_rank
 
 
 def fit_link(hops: np.ndarray, wire_bytes: np.ndarray, seconds: np.ndarray) -> Link:

@@ -1,7 +1,7 @@
 """Model FLOPs utilisation in the training log, and torch.profiler traces of chosen steps.
 
 MFU here is Megatron's and torchtitan's "model FLOPs": 3 × the forward FLOPs per token of the model as
-configured (planning.perfmodel.model_cost: every matmul weight a token touches, routed experts at top_k / E,
+configured (planning.workload.model_cost: every matmul weight a token touches, routed experts at top_k / E,
 causal attention scores, the SSM and delta-rule scans), times tokens per second, per device, over the device's
 dense peak in the training dtype. Recomputation under activation checkpointing is not counted (it is hardware
 work, not model work), so MFU falls when recompute is on, as it should.
@@ -79,7 +79,7 @@ def device_peak(device: torch.device, dtype: str) -> Peak:
 
 def model_flops_per_token(cfg) -> float:
     """Training FLOPs per token (forward + backward = 3 × forward) of the model as configured."""
-    from moe_dist.planning.perfmodel import model_cost
+    from moe_dist.planning.workload import model_cost
 
     return 3.0 * model_cost(cfg).fwd_flops_per_token
 

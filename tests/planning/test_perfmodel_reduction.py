@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 
 from moe_dist.config import load_config
+from moe_dist.planning import collectives as co
 from moe_dist.planning import perfmodel as pm
+from moe_dist.planning import workload as wl
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -50,10 +52,10 @@ def by_label(calls):
 
 
 def test_tiny_model_costs_what_its_shapes_say():
-    cost = pm.model_cost(tiny())
+    cost = wl.model_cost(tiny())
     assert (cost.dense_params, cost.expert_params) == (DENSE, EXPERT)
     assert cost.fwd_flops_per_token == FWD and cost.recompute_flops_per_token == 0
-    full = pm.model_cost(tiny("train.activation_checkpointing=full"))
+    full = wl.model_cost(tiny("train.activation_checkpointing=full"))
     assert full.fwd_flops_per_token == FWD and full.recompute_flops_per_token == RECOMPUTE
 
 
@@ -63,42 +65,42 @@ def test_bf16_reduces_once_per_step_what_the_code_sends(reduce_dtype, grad_bytes
     data-parallel ranks and one of the expert gradients over the 2 expert-data-parallel ranks, in
     train.grad_reduce_dtype, then the bf16 parameters' all-gathers, whatever the number of micro-batches."""
     cfg = tiny(f"train.grad_reduce_dtype={reduce_dtype}")
-    layout = pm.Layout(dp=4, ep=2, tp=1)
-    assert pm.micro_batches_per_rank(cfg, layout) == 4
-    calls = by_label(pm.step_calls(cfg, layout, ranks_per_node=2))
+    layout = wl.Layout(dp=4, ep=2, tp=1)
+    assert wl.micro_batches_per_rank(cfg, layout) == 4
+    calls = by_label(wl.step_calls(cfg, layout, ranks_per_node=2))
     [dense] = calls[("dense_grad", "reduce_scatter")]
     [expert] = calls[("expert_grad", "reduce_scatter")]
     assert (dense.count, dense.group_size, dense.ranks_per_node, dense.payload_bytes) == (1, 4, 2, DENSE * grad_bytes)
     assert (expert.count, expert.group_size, expert.ranks_per_node) == (1, 2, 1)  # ranks 0 and 2: two nodes
     assert expert.payload_bytes == EXPERT / 2 * grad_bytes
-    assert dense.hides_behind == expert.hides_behind == pm.LAST_BACKWARD
+    assert dense.hides_behind == expert.hides_behind == co.LAST_BACKWARD
     [dparam] = calls[("dense_param", "all_gather")]
     [eparam] = calls[("expert_param", "all_gather")]
     assert (dparam.payload_bytes, eparam.payload_bytes) == (DENSE * 2, EXPERT / 2 * 2)
     assert ("dense_grad", "all_reduce") not in calls
     # bytes one rank sends per step: (n−1)/n of each buffer
-    p = pm.predict_step(cfg, layout, pm.Hardware("x", 1e12, 2, pm.Link(0, 1e9), pm.Link(0, 1e9)))
+    p = pm.predict_step(cfg, layout, co.Hardware("x", 1e12, 2, co.Link(0, 1e9), co.Link(0, 1e9)))
     assert p.bytes_per_rank["reduce_scatter"] == 3 / 4 * DENSE * grad_bytes + 1 / 2 * EXPERT / 2 * grad_bytes
     assert p.bytes_per_rank["all_gather"] == 3 / 4 * DENSE * 2 + 1 / 2 * EXPERT
 
 
 def test_fp32_training_keeps_the_measured_all_reduce_schedule():
     cfg = tiny("train.dtype=fp32")  # ZeRO-2: DeepSpeed reduces every micro-batch, nothing overlapped
-    calls = by_label(pm.step_calls(cfg, pm.Layout(dp=4, ep=2, tp=1), ranks_per_node=2))
+    calls = by_label(wl.step_calls(cfg, wl.Layout(dp=4, ep=2, tp=1), ranks_per_node=2))
     [dense] = calls[("dense_grad", "all_reduce")]
     assert (dense.count, dense.payload_bytes, dense.hides_behind) == (4, DENSE * 4, None)
 
 
-def _hw(flops_per_s: float, beta: float) -> pm.Hardware:
-    return pm.Hardware("hand", flops_per_s, 2, pm.Link(0.0, beta), pm.Link(0.0, beta))
+def _hw(flops_per_s: float, beta: float) -> co.Hardware:
+    return co.Hardware("hand", flops_per_s, 2, co.Link(0.0, beta), co.Link(0.0, beta))
 
 
 def test_reduction_hides_behind_the_last_backward_up_to_its_length():
     """The last micro-batch's backward: 2 × 2368 FLOPs × 8 tokens = 37,888 FLOPs; at 37,888 FLOP/s it lasts 1 s.
     In flight: 3/4 · 504 · 4 + 1/2 · 768 · 4 = 1512 + 1536 = 3048 bytes; at 1524 B/s, 2 s: 1 s exposed."""
-    cfg, layout = tiny(), pm.Layout(dp=4, ep=2, tp=1)
+    cfg, layout = tiny(), wl.Layout(dp=4, ep=2, tp=1)
     p = pm.predict_step(cfg, layout, _hw(37_888.0, 1524.0))
-    grad = p.overlap[pm.LAST_BACKWARD]
+    grad = p.overlap[co.LAST_BACKWARD]
     assert grad["window_s"] == pytest.approx(1.0) and grad["in_flight_s"] == pytest.approx(2.0)
     assert grad["exposed_s"] == pytest.approx(1.0) and p.comm_s["reduce_scatter"] == pytest.approx(1.0)
     # compute: 4 micro-batches × 8 tokens × 3 × 2368 FLOPs = 227,328 FLOPs = 6 s
@@ -112,7 +114,7 @@ def test_reduction_hides_behind_the_last_backward_up_to_its_length():
     assert pm.predict_step(cfg, layout, _hw(37_888.0, 3048.0)).comm_s["reduce_scatter"] == 0.0
     # not overlapped (ZeRO 1 as the code runs it): the whole 2 s of the reduction is exposed
     r = pm.predict_step(cfg, layout, _hw(37_888.0, 1524.0), overlap_grad_reduce=False)
-    assert r.comm_s["reduce_scatter"] == pytest.approx(2.0) and r.overlap[pm.LAST_BACKWARD][
+    assert r.comm_s["reduce_scatter"] == pytest.approx(2.0) and r.overlap[co.LAST_BACKWARD][
         "exposed_s"
     ] == pytest.approx(2.0)
 
@@ -120,10 +122,10 @@ def test_reduction_hides_behind_the_last_backward_up_to_its_length():
 def test_recompute_lengthens_the_step_and_the_window():
     """Full checkpointing: compute 4 × 8 × (3 · 2368 + 2048) = 292,864 FLOPs; the backward window
     8 · (2 · 2368 + 2048) = 54,272 FLOPs: at 54,272 FLOP/s, 1 s."""
-    cfg, layout = tiny("train.activation_checkpointing=full"), pm.Layout(dp=4, ep=2, tp=1)
+    cfg, layout = tiny("train.activation_checkpointing=full"), wl.Layout(dp=4, ep=2, tp=1)
     p = pm.predict_step(cfg, layout, _hw(54_272.0, 1524.0))
     assert p.compute_s == pytest.approx(292_864 / 54_272)
-    assert p.overlap[pm.LAST_BACKWARD]["window_s"] == pytest.approx(1.0)
+    assert p.overlap[co.LAST_BACKWARD]["window_s"] == pytest.approx(1.0)
     assert p.mfu is None
 
 
@@ -131,10 +133,10 @@ def test_context_parallel_collectives_and_placement():
     """cp 2 (dp 2, tp 1): per attention layer and micro-batch an all-gather of the whole sequence's K and of its V
     (1 KV head × 4 dims × 8 positions × 2 bytes = 64 bytes each), their gradients reduce-scattered backward; each
     rank runs 4 of the 8 positions; ZeRO and the dense reduction span dp × cp = 4 ranks."""
-    cfg, layout = tiny(), pm.Layout(dp=2, ep=1, tp=1, cp=2)
+    cfg, layout = tiny(), wl.Layout(dp=2, ep=1, tp=1, cp=2)
     assert layout.world == 4 and str(layout) == "dp2-cp2-ep1-tp1"
-    assert pm.tokens_per_micro_batch(cfg, layout) == 4
-    calls = by_label(pm.step_calls(cfg, layout, ranks_per_node=4))
+    assert wl.tokens_per_micro_batch(cfg, layout) == 4
+    calls = by_label(wl.step_calls(cfg, layout, ranks_per_node=4))
     [gather] = calls[("cp_kv", "all_gather")]
     [scatter] = calls[("cp_kv", "reduce_scatter")]
     micro = 16 // (1 * 2)
@@ -142,13 +144,13 @@ def test_context_parallel_collectives_and_placement():
     assert (scatter.payload_bytes, scatter.count) == (64, 2 * micro)
     assert calls[("dense_grad", "reduce_scatter")][0].group_size == 4
     # the recompute of a checkpointed attention gathers K and V again
-    ckpt = by_label(pm.step_calls(tiny("train.activation_checkpointing=full"), layout, ranks_per_node=4))
+    ckpt = by_label(wl.step_calls(tiny("train.activation_checkpointing=full"), layout, ranks_per_node=4))
     assert ckpt[("cp_kv", "all_gather")][0].count == 4 * micro
     assert ckpt[("cp_kv", "reduce_scatter")][0].count == 2 * micro
     # FLOPs per rank: 16 sequences × 8 tokens / (dp 2 · cp 2) × 3 × 2368
-    assert pm.step_flops_per_rank(cfg, layout) == 16 * 8 / 4 * 3 * FWD
+    assert wl.step_flops_per_rank(cfg, layout) == 16 * 8 / 4 * 3 * FWD
     # rank = (dp_rank · cp + cp_rank) · tp + tp_rank, 4 ranks per node
-    shapes = pm.group_shapes(pm.Layout(dp=2, ep=2, tp=2, cp=2), ranks_per_node=4)
+    shapes = wl.group_shapes(wl.Layout(dp=2, ep=2, tp=2, cp=2), ranks_per_node=4)
     assert shapes["tp"] == (2, 2) and shapes["cp"] == (2, 2)  # ranks 0, 1 and ranks 0, 2
     assert shapes["dp"] == (4, 2)  # ranks 0, 2, 4, 6
     assert shapes["ep"] == (2, 2) and shapes["edp"] == (2, 1)  # ranks 0, 2 and ranks 0, 4
@@ -160,7 +162,7 @@ def test_recurrent_state_passing_bytes_do_not_grow_with_the_sequence(seq_len, ha
     states and decays (2 · 16 · 4 · 4 = 512 bytes a piece) and one of their bf16 conv halos, the last
     min(d_conv − 1, S / 4) inputs of 16 channels: 2 positions of the 2-long pieces at S = 8, then 3 whatever S."""
     cfg = tiny("model.mixer_pattern=M", "model.mamba.d_state=4", f"train.seq_len={seq_len}")
-    calls = by_label(pm.step_calls(cfg, pm.Layout(dp=1, ep=1, tp=1, cp=2), ranks_per_node=2))
+    calls = by_label(wl.step_calls(cfg, wl.Layout(dp=1, ep=1, tp=1, cp=2), ranks_per_node=2))
     for label, per_piece in (("cp_state", 512), ("cp_halo", halo_positions * 16 * 2)):
         [gather] = calls[(label, "all_gather")]
         [scatter] = calls[(label, "reduce_scatter")]
@@ -174,7 +176,7 @@ def test_delta_rule_summary_carries_the_transition_operator():
     (2·2·4 + 4·4 = 32 channels) in bf16 = 192 bytes."""
     sets = ['model.layers=["gdn+moe"]', "model.gdn.n_k_heads=2", "model.gdn.n_v_heads=4"]
     sets += ["model.gdn.head_k_dim=4", "model.gdn.head_v_dim=4", "train.seq_len=16"]
-    calls = by_label(pm.step_calls(tiny(*sets), pm.Layout(dp=1, ep=1, tp=1, cp=2), ranks_per_node=2))
+    calls = by_label(wl.step_calls(tiny(*sets), wl.Layout(dp=1, ep=1, tp=1, cp=2), ranks_per_node=2))
     assert calls[("cp_state", "all_gather")][0].payload_bytes == 4 * 512
     assert calls[("cp_halo", "all_gather")][0].payload_bytes == 4 * 192
 
@@ -184,24 +186,24 @@ def test_mamba2_groups_spanning_tp_ranks_gather_b_c_and_norm_statistics():
     8 positions (8 · 1 · 4 · 2 bytes = 64 each) all-gathered forward and reduce-scattered backward, and the gated
     norm's fp32 sums of squares (8 positions × 2 ranks × 4 bytes = 64) the same; none with 2 groups."""
     sets = ['model.layers=["mamba2+moe"]', "model.mamba2.head_dim=4", "model.mamba2.d_state=4"]
-    layout = pm.Layout(dp=1, ep=1, tp=2)
-    calls = by_label(pm.step_calls(tiny(*sets, "model.mamba2.n_groups=1"), layout, ranks_per_node=2))
+    layout = wl.Layout(dp=1, ep=1, tp=2)
+    calls = by_label(wl.step_calls(tiny(*sets, "model.mamba2.n_groups=1"), layout, ranks_per_node=2))
     micro = 16
     [bc] = calls[("tp_ssd_groups", "all_gather")]
     assert (bc.payload_bytes, bc.count) == (64, 2 * micro)
     assert calls[("tp_ssd_groups", "reduce_scatter")][0].count == 2 * micro
     [norm] = calls[("tp_ssd_norm", "all_gather")]
     assert (norm.payload_bytes, norm.count) == (64, micro)
-    two = by_label(pm.step_calls(tiny(*sets, "model.mamba2.n_groups=2"), layout, ranks_per_node=2))
+    two = by_label(wl.step_calls(tiny(*sets, "model.mamba2.n_groups=2"), layout, ranks_per_node=2))
     assert not any(label.startswith("tp_ssd") for label, _ in two)
 
 
 def test_config_layout_reads_the_configs_parallel_keys():
     cfg = load_config(CONFIGS / "jamba_v0.1.json")  # tp 4, ep 2
-    assert pm.config_layout(cfg, 64) == pm.Layout(dp=16, ep=2, tp=4)
-    assert pm.config_layout(cfg, 6) is None
+    assert wl.config_layout(cfg, 64) == wl.Layout(dp=16, ep=2, tp=4)
+    assert wl.config_layout(cfg, 6) is None
     mixtral = load_config(CONFIGS / "mixtral_8x7b.json")  # tp 1: whole experts either way, the plain EP layout
-    assert pm.config_layout(mixtral, 64) == pm.Layout(dp=64, ep=8, tp=1)
+    assert wl.config_layout(mixtral, 64) == wl.Layout(dp=64, ep=8, tp=1)
 
 
 def test_scalar_all_reduces_take_a_tree_on_the_gpu_cluster_and_a_ring_elsewhere():
@@ -209,8 +211,8 @@ def test_scalar_all_reduces_take_a_tree_on_the_gpu_cluster_and_a_ring_elsewhere(
     (NCCL), the ring's 2 · 1023 hops where it does not (gloo, as calibrated)."""
     from moe_dist.planning.cluster import h200_cluster
 
-    call = pm.Call("all_reduce", "scalars", 1024, 8, 8.0, 1, tree=True)
+    call = co.Call("all_reduce", "scalars", 1024, 8, 8.0, 1, tree=True)
     wire = 2 * 1023 / 1024 * 8 / (0.9 * 50e9)
-    assert pm.call_time(call, h200_cluster()) == pytest.approx(20 * 8e-6 + wire)
-    ring = pm.Hardware("gloo", 1e9, 8, pm.Link(3e-6, 1e9), pm.Link(8e-6, 1e9))
-    assert pm.call_time(call, ring) == pytest.approx(2 * 1023 * 8e-6 + 2 * 1023 / 1024 * 8 / 1e9)
+    assert co.call_time(call, h200_cluster()) == pytest.approx(20 * 8e-6 + wire)
+    ring = co.Hardware("gloo", 1e9, 8, co.Link(3e-6, 1e9), co.Link(8e-6, 1e9))
+    assert co.call_time(call, ring) == pytest.approx(2 * 1023 * 8e-6 + 2 * 1023 / 1024 * 8 / 1e9)

@@ -1,0 +1,314 @@
+"""The workload side of the performance model: a layout of ranks, the model's FLOPs per token, and the list of
+collectives one training step issues (`step_calls`).
+
+Invariant: `step_calls` mirrors what a training step of this repository issues (EP, TP, CP, the data-parallel
+reduction) and the rank placement of moe_dist.parallel.mesh; a change to either must change this file too
+(docs/perf_model.md, "The model"; checked against benchmarks/scaling.py's instrumented runs by
+tests/test_bench_common.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from moe_dist.config import JobConfig
+from moe_dist.models.activation_checkpointing import checkpointed_parts
+from moe_dist.planning.collectives import LAST_BACKWARD, NEXT_FORWARD, SCALAR_ALL_REDUCES_PER_STEP, Call
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int
+    ep: int
+    tp: int
+    etp: int | None = None  # expert tensor-parallel size: tp (None) or 1 (whole experts, EP spans dp × cp × tp)
+    cp: int = (
+        1  # context parallelism: each sequence split over cp ranks (rank = (dp_rank · cp + cp_rank) · tp + tp_rank)
+    )
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.cp * self.tp
+
+    @property
+    def zero(self) -> int:
+        """Ranks holding the same dense weights, over which ZeRO shards and the dense gradients are reduced."""
+        return self.dp * self.cp
+
+    @property
+    def folded(self) -> bool:
+        return self.etp == 1 and self.tp > 1
+
+    def __str__(self) -> str:
+        cp = f"-cp{self.cp}" if self.cp > 1 else ""
+        return f"dp{self.dp}{cp}-ep{self.ep}-tp{self.tp}" + ("-etp1" if self.folded else "")
+
+
+def config_layout(cfg: JobConfig, world: int) -> Layout | None:
+    """The config's own layout at `world` ranks (None where its tp × cp does not divide the world)."""
+    par = cfg.parallel
+    cp = par.cp
+    if world % (par.tp * cp):
+        return None
+    folded = par.tp > 1 and par.expert_tp == 1
+    return Layout(world // (par.tp * cp), par.ep, par.tp, 1 if folded else None, cp)
+
+
+# activation_checkpointing's part name of each mixer kind (MoE layers recompute only their experts).
+_MIXER_PART = {"attention": "attention", "mamba1": "mamba", "mamba2": "mamba2", "gdn": "gdn"}
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """What a model costs per token, from its meta-built parameters (no memory allocated)."""
+
+    fwd_flops_per_token: float
+    dense_params: int  # everything but expert weights (embeddings, attention/Mamba, router, norms, dense FFN)
+    expert_params: int  # stacked expert weights, all experts
+    n_moe_layers: int
+    n_layers: int
+    d_model: int
+    n_mamba_layers: int = 0
+    ssm_proj_width: int = 0  # x_proj's output per token: dt_rank + 2 · d_state
+    recompute_flops_per_token: float = 0.0  # the forward FLOPs activation checkpointing repeats in the backward
+    recomputed: frozenset = frozenset()  # train.activation_checkpointing's parts
+    n_attn_layers: int = 0
+    n_mamba2_layers: int = 0
+    n_gdn_layers: int = 0
+
+
+def mixer_flops_per_token(cfg: JobConfig, kind: str) -> float:
+    """Forward FLOPs per token of a mixer beyond its weights: causal attention scores, or the recurrent scan."""
+    m, S = cfg.model, cfg.train.seq_len
+    if kind == "attention":  # QKᵀ and AV, causal: half of 4·S·H·Dh per token
+        return 2.0 * S * m.attention.n_heads * (m.attention.head_dim or m.d_model // m.attention.n_heads)
+    if kind == "mamba1":  # discretize + recurrence + readout (Mamba §3)
+        return 9.0 * m.mamba.expand * m.d_model * m.mamba.d_state
+    if kind == "mamba2":
+        # Chunked SSD: intra-chunk C·Bᵀ and its use (2·chunk·(N + P) per head, half for causality) plus the state
+        # update and readout (4·P·N per head): the quadratic-in-chunk plus linear-in-state terms of Mamba-2.
+        m2 = m.mamba2
+        return m2.heads(m.d_model) * (2.0 * m2.chunk_size * (m2.d_state + m2.head_dim) + 4.0 * m2.head_dim * m2.d_state)
+    if kind == "gdn":
+        # Chunked gated delta rule per value head: the same shape with dk for N and dv for P, plus the WY
+        # correction (the chunk's triangular solve and k·S products, about 2·chunk·dk + 4·dk·dv).
+        g = m.gdn
+        dk, dv = g.head_k_dim, g.head_v_dim
+        return g.n_v_heads * (2.0 * g.chunk_size * (2 * dk + dv) + 8.0 * dk * dv)
+    return 0.0
+
+
+def model_cost(cfg: JobConfig) -> ModelCost:
+    """Forward FLOPs per token: 2 · (matmul weights a token touches) + attention scores + the SSM scans; and the
+    part of them activation checkpointing runs again in the backward (models/activation_checkpointing.py: each
+    checkpointed mixer and dense FFN whole, of an MoE layer only its experts)."""
+    from moe_dist.models.decoder import build_model
+
+    m = cfg.model
+    model = build_model(m)
+    kinds = m.layer_kinds()
+    parts = frozenset(checkpointed_parts(cfg.train))
+
+    def recomputed(name: str) -> bool:
+        if not name.startswith("blocks."):
+            return False  # embedding, final norm, LM head
+        _, i, sub, *rest = name.split(".")
+        mixer, ffn = kinds[int(i)]
+        if sub == "mixer":
+            return _MIXER_PART[mixer] in parts
+        if sub == "ffn":
+            return ("moe_experts" in parts and rest[0] == "experts") if ffn == "moe" else "mlp" in parts
+        return False  # the blocks' norms
+
+    matmul = dense = expert = again = 0.0
+    for name, p in model.named_parameters():
+        is_expert = ".experts." in name
+        if is_expert:
+            expert += p.numel()
+        else:
+            dense += p.numel()
+        if p.ndim < 2 or name.endswith("A_log") or (name.startswith("embed.") and not m.tie_embeddings):
+            continue  # vectors, the SSM's A and the embedding lookup cost no matmul FLOPs
+        flops = p.numel() * (m.moe.top_k / m.moe.num_experts if is_expert else 1.0)
+        matmul += flops
+        again += flops if recomputed(name) else 0.0
+    count = {k: sum(mixer == k for mixer, _ in kinds) for k in _MIXER_PART}
+    mixers = {k: count[k] * mixer_flops_per_token(cfg, k) for k in _MIXER_PART}
+    fwd = 2.0 * matmul + sum(mixers.values())
+    again = 2.0 * again + sum(v for k, v in mixers.items() if _MIXER_PART[k] in parts)
+    n_moe = sum(ffn == "moe" for _, ffn in kinds)
+    dt_rank = m.mamba.dt_rank or math.ceil(m.d_model / 16)
+    return ModelCost(
+        fwd,
+        int(dense),
+        int(expert),
+        n_moe,
+        m.n_layers,
+        m.d_model,
+        count["mamba1"],
+        dt_rank + 2 * m.mamba.d_state,
+        again,
+        parts,
+        count["attention"],
+        count["mamba2"],
+        count["gdn"],
+    )
+
+
+def _group_placement(ranks: list[int], ranks_per_node: int) -> tuple[int, int]:
+    """(group size, most ranks of the group on one node)."""
+    per_node: dict[int, int] = {}
+    for r in ranks:
+        per_node[r // ranks_per_node] = per_node.get(r // ranks_per_node, 0) + 1
+    return len(ranks), max(per_node.values())
+
+
+def group_shapes(layout: Layout, ranks_per_node: int) -> dict[str, tuple[int, int]]:
+    """(size, ranks per node) of rank 0's tp, cp, ep, dp (ZeRO: dp × cp) and edp groups under mesh.py's rank order
+    rank = q · tp + tp_rank with q = dp_rank · cp + cp_rank: EP groups are blocks of ep consecutive q (of ep
+    consecutive ranks with etp = 1), the EDP groups stride across them."""
+    tp, ep, q = layout.tp, layout.ep, layout.zero
+    rank = lambda q, t: q * tp + t  # noqa: E731
+    folded = layout.folded
+    return {
+        "tp": _group_placement([rank(0, t) for t in range(tp)], ranks_per_node),
+        "cp": _group_placement([rank(c, 0) for c in range(layout.cp)], ranks_per_node),
+        "ep": _group_placement(list(range(ep)) if folded else [rank(d, 0) for d in range(ep)], ranks_per_node),
+        "dp": _group_placement([rank(d, 0) for d in range(q)], ranks_per_node),
+        "edp": _group_placement(
+            list(range(0, layout.world, ep)) if folded else [rank(d, 0) for d in range(0, q, ep)], ranks_per_node
+        ),
+    }
+
+
+def micro_batches_per_rank(cfg: JobConfig, layout: Layout) -> int:
+    t = cfg.train
+    return t.global_batch_size // (t.micro_batch_size * layout.dp)
+
+
+def tokens_per_micro_batch(cfg: JobConfig, layout: Layout) -> int:
+    """Positions one rank runs per micro-batch: its 1/cp of each of the micro-batch's sequences."""
+    return cfg.train.micro_batch_size * cfg.train.seq_len // layout.cp
+
+
+def step_flops_per_rank(cfg: JobConfig, layout: Layout, cost: ModelCost | None = None) -> float:
+    """Model FLOPs (forward + 2 × backward, no recompute: what MFU counts) one rank executes per optimizer step."""
+    cost = cost or model_cost(cfg)
+    tokens = cfg.train.global_batch_size * cfg.train.seq_len / layout.dp
+    return 3.0 * cost.fwd_flops_per_token * tokens / (layout.tp * layout.cp)
+
+
+def recompute_flops_per_rank(cfg: JobConfig, layout: Layout, cost: ModelCost | None = None) -> float:
+    """The forward FLOPs activation checkpointing repeats in the backward, per rank and optimizer step."""
+    cost = cost or model_cost(cfg)
+    tokens = cfg.train.global_batch_size * cfg.train.seq_len / layout.dp
+    return cost.recompute_flops_per_token * tokens / (layout.tp * layout.cp)
+
+
+def cp_piece_bytes(cfg: JobConfig, kind: str, tp: int, cp: int) -> tuple[float, float]:
+    """(summary, halo) bytes of one piece of one sequence that a recurrent mixer all-gathers under CP, per rank (its
+    1/tp of the channels), as parallel/state_passing.py sends them: the summary packs the piece's final state and its
+    transition in fp32 (a per-channel decay for Mamba-1, a per-head one for Mamba-2, the dk × dk operator per value
+    head for the delta rule); the conv halo is its last min(d_conv − 1, piece length) conv inputs, in the
+    activation dtype, in a second all-gather. Neither grows with the sequence once pieces are d_conv − 1 long."""
+    m = cfg.model
+    act = 2 if cfg.train.dtype == "bf16" else 4
+    piece = cfg.train.seq_len // (2 * cp)
+    if kind == "mamba1":
+        di, n = m.mamba.expand * m.d_model // tp, m.mamba.d_state
+        return 4.0 * 2 * di * n, act * min(m.mamba.d_conv - 1, piece) * di
+    if kind == "mamba2":
+        m2 = m.mamba2
+        heads, conv = m2.heads(m.d_model) // tp, (m2.d_inner(m.d_model) + 2 * m2.n_groups * m2.d_state) // tp
+        return 4.0 * heads * (m2.head_dim * m2.d_state + 1), act * min(m2.d_conv - 1, piece) * conv
+    g = m.gdn  # gdn
+    hv, conv = g.n_v_heads // tp, (2 * g.n_k_heads * g.head_k_dim + g.n_v_heads * g.head_v_dim) // tp
+    return 4.0 * hv * g.head_k_dim * (g.head_v_dim + g.head_k_dim), act * min(g.conv_size - 1, piece) * conv
+
+
+def step_calls(cfg: JobConfig, layout: Layout, ranks_per_node: int, cost: ModelCost | None = None) -> list[Call]:
+    """Every collective one rank issues in one optimizer step (docs/perf_model.md, section "The model")."""
+    cost = cost or model_cost(cfg)
+    m, t, moe = cfg.model, cfg.train, cfg.model.moe
+    act = 2 if t.dtype == "bf16" else 4  # activations (and, in fp32 training, the gradients) in the training dtype
+    micro = micro_batches_per_rank(cfg, layout)
+    tokens_mb = tokens_per_micro_batch(cfg, layout)
+    tp, cp = layout.tp, layout.cp
+    shapes = group_shapes(layout, ranks_per_node)
+    calls: list[Call] = []
+    # A collective inside a checkpointed mixer's own forward runs again in its recompute (activation_checkpointing.py).
+    fwd = lambda part: micro * (2 if part in cost.recomputed else 1)  # noqa: E731
+
+    def add(kind, label, group, payload, count, hides_behind=None):
+        n, g = shapes[group]
+        if n > 1 and count > 0:
+            calls.append(Call(kind, label, n, g, float(payload), float(count), hides_behind))
+
+    # Expert parallelism: the micro-batch's rows, k assignments each, 1/tp of them from each TP rank.
+    rows_bytes = tokens_mb * moe.top_k * cost.d_model * act / tp
+    etp = 1 if layout.folded else tp
+    add("all_to_all", "moe_counts", "ep", moe.num_experts * etp * 8, micro * cost.n_moe_layers)
+    add("all_to_all", "moe_rows", "ep", rows_bytes, 4 * micro * cost.n_moe_layers)
+    if layout.ep > 1 and etp > 1:  # the TP peers' received rows, gathered and reduce-scattered (tp · rows_bytes in all)
+        add("all_gather", "moe_tp_rows", "tp", rows_bytes * tp, 2 * micro * cost.n_moe_layers)
+        add("reduce_scatter", "moe_tp_rows", "tp", rows_bytes * tp, 2 * micro * cost.n_moe_layers)
+    # Tensor parallelism: all-reduces at the region boundaries, see the docstring (sequence parallelism replaces each
+    # by an all-gather and a reduce-scatter: the same hops and bytes).
+    add("all_reduce", "tp_act", "tp", tokens_mb * cost.d_model * act, micro * (4 * cost.n_layers + 2))
+    add(
+        "all_reduce",
+        "tp_ssm",
+        "tp",
+        tokens_mb * cost.ssm_proj_width * act,
+        (fwd("mamba") + micro) * cost.n_mamba_layers,
+    )
+    add("all_reduce", "tp_router", "tp", tokens_mb * moe.top_k * 4, micro * cost.n_moe_layers)
+    add("all_reduce", "tp_loss", "tp", tokens_mb * 4, 3 * micro)
+    m2 = m.mamba2
+    if cost.n_mamba2_layers and m2.n_groups < tp:  # a B/C group spans tp / n_groups ranks (apply_tp's _mamba2)
+        bc = tokens_mb * m2.n_groups * m2.d_state * act  # B or C, all groups, gathered before the scan
+        add("all_gather", "tp_ssd_groups", "tp", bc, 2 * fwd("mamba2") * cost.n_mamba2_layers)
+        add("reduce_scatter", "tp_ssd_groups", "tp", bc, 2 * micro * cost.n_mamba2_layers)
+        norm = tokens_mb * tp * 4  # the gated norm's fp32 sums of squares, one per rank and token
+        add("all_gather", "tp_ssd_norm", "tp", norm, fwd("mamba2") * cost.n_mamba2_layers)
+        add("reduce_scatter", "tp_ssd_norm", "tp", norm, micro * cost.n_mamba2_layers)
+    # Context parallelism: attention all-gathers the whole sequence's K and V (this rank's KV heads), backward
+    # reduce-scatters their gradients to the owners; a recurrent layer gathers the 2·cp pieces' summaries and conv
+    # halos (parallel/state_passing.py); every gather's backward reduce-scatters its gradient.
+    if cp > 1:
+        head_dim = m.attention.head_dim or m.d_model // m.attention.n_heads
+        kv = t.micro_batch_size * t.seq_len * (m.attention.n_kv_heads // tp) * head_dim * act  # K or V, whole
+        add("all_gather", "cp_kv", "cp", kv, 2 * fwd("attention") * cost.n_attn_layers)
+        add("reduce_scatter", "cp_kv", "cp", kv, 2 * micro * cost.n_attn_layers)
+        for kind, n_layers in (
+            ("mamba1", cost.n_mamba_layers),
+            ("mamba2", cost.n_mamba2_layers),
+            ("gdn", cost.n_gdn_layers),
+        ):
+            for label, per_piece in zip(("cp_state", "cp_halo"), cp_piece_bytes(cfg, kind, tp, cp), strict=True):
+                payload = 2 * cp * t.micro_batch_size * per_piece  # every piece of the micro-batch's sequences
+                add("all_gather", label, "cp", payload, fwd(_MIXER_PART[kind]) * n_layers)
+                add("reduce_scatter", label, "cp", payload, micro * n_layers)
+    # Data parallelism (dense over dp × cp, experts over the EDP group; docs/perf_model.md, "The reduction").
+    dense_local = cost.dense_params / tp
+    expert_local = cost.expert_params / (layout.ep * etp)
+    stage = cfg.deepspeed.zero_stage
+    if t.dtype == "bf16":  # fp32 accumulation, one reduction per step in train.grad_reduce_dtype, behind the backward
+        g = 4 if t.grad_reduce_dtype == "fp32" else 2
+        kind = "reduce_scatter" if stage >= 1 else "all_reduce"
+        add(kind, "dense_grad", "dp", dense_local * g, 1, LAST_BACKWARD)
+        add(kind, "expert_grad", "edp", expert_local * g, 1, LAST_BACKWARD)
+        if stage >= 1:  # every rank's updated bf16 shard back to every rank
+            add("all_gather", "dense_param", "dp", dense_local * 2, 1, NEXT_FORWARD)
+            add("all_gather", "expert_param", "edp", expert_local * 2, 1, NEXT_FORWARD)
+    else:  # fp32: DeepSpeed's ZeRO all-reduce after the backward (ZeRO-2: every micro-batch), as measured on gloo
+        reduces = micro if stage >= 2 else 1
+        add("all_reduce", "dense_grad", "dp", dense_local * act, reduces)
+        add("all_reduce", "expert_grad", "edp", expert_local * act, reduces)
+        add("all_gather", "dense_param", "dp", dense_local * act, 1)
+        add("all_gather", "expert_param", "edp", expert_local * act, 1)
+    if layout.world > 1:
+        n, g = layout.world, min(layout.world, ranks_per_node)
+        calls.append(Call("all_reduce", "scalars", n, g, 8.0, SCALAR_ALL_REDUCES_PER_STEP, tree=True))
+    return calls
