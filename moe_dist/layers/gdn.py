@@ -19,12 +19,12 @@ from torch import nn
 from moe_dist.config import GDNConfig
 from moe_dist.layers.delta_rule import chunk_gated_delta_rule
 from moe_dist.layers.kernel_choice import Kernel, resolve, why_no_fla
+from moe_dist.layers.step_size import inverse_softplus_step_sizes
 from moe_dist.parallel import state_passing as sp
 from moe_dist.parallel.context_parallel import SeqShard
 
-# Initial step size range, sampled log-uniformly per value head (fla's GatedDeltaNet, as Mamba-2), and the
-# range of A = exp(A_log) (Qwen3-Next: U(0.01, 16), kept away from 0 so log A is finite).
-_DT_MIN, _DT_MAX, _DT_FLOOR = 1e-3, 1e-1, 1e-4
+# The range of A = exp(A_log) at init (Qwen3-Next: U(0.01, 16), kept away from 0 so log A is finite); the step
+# size's is step_size.py's (fla's GatedDeltaNet, as Mamba's).
 _A_MIN, _A_MAX = 0.01, 16.0
 _L2_EPS = 1e-6  # q, k ← x / sqrt(Σx² + eps), as Qwen3-Next and fla normalise them
 
@@ -127,10 +127,7 @@ class GatedDeltaNet(nn.Module):
             nn.init.kaiming_uniform_(self.conv1d.weight, a=math.sqrt(5))
             a = torch.empty_like(self.A_log, dtype=torch.float32).uniform_(_A_MIN, _A_MAX)
             self.A_log.copy_(torch.log(a))
-            log_dt = torch.rand(self.n_v_heads, device=self.dt_bias.device, dtype=torch.float32)
-            log_dt = log_dt * (math.log(_DT_MAX) - math.log(_DT_MIN)) + math.log(_DT_MIN)
-            dt = torch.exp(log_dt).clamp(min=_DT_FLOOR)
-            self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+            self.dt_bias.copy_(inverse_softplus_step_sizes(self.n_v_heads, self.dt_bias.device))
             self.norm.init_weights()
 
     def new_state(self, batch: int, device: torch.device, dtype: torch.dtype) -> GDNState:

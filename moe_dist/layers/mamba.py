@@ -19,11 +19,9 @@ from moe_dist.config import MambaConfig
 from moe_dist.layers.kernel_choice import Kernel, resolve
 from moe_dist.layers.norm import RMSNorm
 from moe_dist.layers.scan import initial_state_outputs, selective_scan
+from moe_dist.layers.step_size import inverse_softplus_step_sizes
 from moe_dist.parallel import state_passing as sp
 from moe_dist.parallel.context_parallel import SeqShard
-
-# Initial step size Δ range, sampled log-uniformly per channel (mamba_ssm: dt_min, dt_max, dt_init_floor).
-_DT_MIN, _DT_MAX, _DT_FLOOR = 1e-3, 1e-1, 1e-4
 
 
 def scan_kernel(impl: str, device: torch.device | str = "cpu", chunk_size: int = 16) -> Kernel:
@@ -104,11 +102,7 @@ class Mamba(nn.Module):
 
             bound = self.dt_rank**-0.5
             nn.init.uniform_(self.dt_proj.weight, -bound, bound)
-            # Initial Δ = softplus(bias) is log-uniform in [dt_min, dt_max]: store its inverse softplus.
-            log_dt = torch.rand(self.d_inner, device=self.D.device, dtype=torch.float32)
-            log_dt = log_dt * (math.log(_DT_MAX) - math.log(_DT_MIN)) + math.log(_DT_MIN)
-            dt = torch.exp(log_dt).clamp(min=_DT_FLOOR)
-            self.dt_proj.bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+            self.dt_proj.bias.copy_(inverse_softplus_step_sizes(self.d_inner, self.D.device))
 
             # S4D-Real init: A_n = -(n + 1) for every channel.
             a = torch.arange(1, self.d_state + 1, device=self.A_log.device, dtype=torch.float32)

@@ -21,6 +21,7 @@ from torch import nn
 from moe_dist.config import Mamba2Config, check_mamba2
 from moe_dist.layers.kernel_choice import Kernel, resolve, why_no_fla
 from moe_dist.layers.ssd import ssd_scan
+from moe_dist.layers.step_size import inverse_softplus_step_sizes
 from moe_dist.parallel import state_passing as sp
 from moe_dist.parallel.context_parallel import SeqShard
 
@@ -131,10 +132,7 @@ class Mamba2(nn.Module):
             nn.init.kaiming_uniform_(self.conv1d.weight, a=math.sqrt(5))  # nn.Conv1d's own default
             if self.conv1d.bias is not None:
                 self.conv1d.bias.zero_()
-            # Initial dt = softplus(dt_bias) is log-uniform in [dt_min, dt_max]: store its inverse softplus.
-            log_dt = torch.rand(self.n_heads, device=self.dt_bias.device, dtype=torch.float32)
-            dt = torch.exp(log_dt * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)).clamp(min=dt_floor)
-            self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+            self.dt_bias.copy_(inverse_softplus_step_sizes(self.n_heads, self.dt_bias.device, dt_min, dt_max, dt_floor))
             a = torch.empty(self.n_heads, device=self.A_log.device, dtype=torch.float32).uniform_(1.0, 16.0)
             self.A_log.copy_(torch.log(a))
             self.D.fill_(1.0)
