@@ -18,6 +18,24 @@ REPO = Path(__file__).resolve().parents[1]
 TRAIN = str(REPO / "launch" / "train.py")
 
 
+def _import_pypi_kernels() -> None:
+    """`python -m pytest` puts the repository root first on sys.path, where our kernels/ folder (installed as
+    moe_dist.kernels) shadows the PyPI package `kernels` that transformers imports when it is installed (a
+    dependency of transformers since 5.2x): load the real one first, with the root off the path, so that every later
+    `import kernels` finds it in sys.modules."""
+    saved = sys.path[:]
+    sys.path[:] = [p for p in saved if Path(p or ".").resolve() != REPO]
+    try:
+        import kernels  # noqa: F401
+    except ImportError:
+        pass  # not installed: transformers then does not import it either
+    finally:
+        sys.path[:] = saved
+
+
+_import_pypi_kernels()
+
+
 class Runner:
     """Runs launch/train.py under a real launcher and returns the completed process (timeout = test failure),
     with the rendezvous port it used as `master_port` (None for a single process)."""
