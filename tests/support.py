@@ -95,6 +95,14 @@ E2E_BASE = [
     "train.eval_batches=4",
     ONE_THREAD,
 ]
+
+
+def e2e_args(run_dir, *overrides: str, flags: tuple[str, ...] = ()) -> list[str]:
+    """launch/train.py's arguments of an end-to-end run: E2E_CONFIG in `run_dir` with E2E_BASE, then `overrides`
+    (later keys win); `flags` (e.g. --resume) go before --set."""
+    return ["--config", E2E_CONFIG, "--run-dir", str(run_dir), *flags, "--set", *E2E_BASE, *overrides]
+
+
 E2E_MODES = {
     "capacity": [],
     "kv4": ["model.attention.n_kv_heads=4"],  # capacity, with kv heads that tp = 4 divides

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from support import E2E_BASE, E2E_CONFIG, E2E_MODES, E2E_STEPS, train_records
+from support import E2E_MODES, E2E_STEPS, e2e_args, train_records
 
 
 def _checkpoint_tensors(step_dir: Path) -> dict[str, torch.Tensor]:
@@ -102,11 +102,7 @@ def reference(tmp_path_factory, run_train):
 
     def get(mode: str) -> Path:
         if mode not in done:
-            run_train(
-                "python",
-                1,
-                ["--config", E2E_CONFIG, "--run-dir", str(root / mode), "--set", *E2E_BASE, *E2E_MODES[mode]],
-            )
+            run_train("python", 1, e2e_args(root / mode, *E2E_MODES[mode]))
             done[mode] = root / mode
         return done[mode]
 

@@ -14,7 +14,7 @@ import json
 import shutil
 
 import pytest
-from support import CP_HYBRID, E2E_BASE, E2E_CONFIG, E2E_SAVE, E2E_STEPS, train_records
+from support import CP_HYBRID, E2E_SAVE, E2E_STEPS, e2e_args, train_records
 
 ATOL_OF_SCALE = 3e-4  # as test_ep_e2e.py: summation order differs between layouts
 MODES = {  # capacity drops (debug.json's capacity_factor 1.25) in both; packed documents in one
@@ -33,22 +33,9 @@ LAYOUTS = {  # (world, cp, tp, ep, mode): ZeRO stage (the references: 1)
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 
-def _args(run_dir, mode: str, cp: int, tp: int, ep: int, *extra: str, zero: int = 1) -> list[str]:
-    return [
-        "--config",
-        E2E_CONFIG,
-        "--run-dir",
-        str(run_dir),
-        *extra,
-        "--set",
-        *E2E_BASE,
-        *CP_HYBRID,
-        *MODES[mode],
-        f"parallel.cp={cp}",
-        f"parallel.tp={tp}",
-        f"parallel.ep={ep}",
-        f"deepspeed.zero_stage={zero}",
-    ]
+def _args(run_dir, mode: str, cp: int, tp: int, ep: int, *flags: str, zero: int = 1) -> list[str]:
+    layout = [f"parallel.cp={cp}", f"parallel.tp={tp}", f"parallel.ep={ep}", f"deepspeed.zero_stage={zero}"]
+    return e2e_args(run_dir, *CP_HYBRID, *MODES[mode], *layout, flags=flags)
 
 
 @pytest.fixture(scope="module")

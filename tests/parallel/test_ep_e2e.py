@@ -14,7 +14,7 @@ import re
 import shutil
 
 import pytest
-from support import E2E_BASE, E2E_CONFIG, E2E_MODES, E2E_SAVE, E2E_STEPS, train_records
+from support import E2E_MODES, E2E_SAVE, E2E_STEPS, e2e_args, train_records
 
 NUM_EXPERTS = 4  # configs/debug.json
 # fp32, of each tensor's largest magnitude: summation order differs between layouts, and Adam amplifies it where
@@ -37,20 +37,9 @@ LAYOUTS = {  # (world, ep, mode, zero stage, parallel.a2a_chunks): launcher
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 
-def _args(run_dir, mode: str, ep: int, zero: int, *extra: str, chunks: int = 1) -> list[str]:
-    return [
-        "--config",
-        E2E_CONFIG,
-        "--run-dir",
-        str(run_dir),
-        *extra,
-        "--set",
-        *E2E_BASE,
-        *E2E_MODES[mode],
-        f"parallel.ep={ep}",
-        f"deepspeed.zero_stage={zero}",
-        f"parallel.a2a_chunks={chunks}",
-    ]
+def _args(run_dir, mode: str, ep: int, zero: int, *flags: str, chunks: int = 1) -> list[str]:
+    layout = [f"parallel.ep={ep}", f"deepspeed.zero_stage={zero}", f"parallel.a2a_chunks={chunks}"]
+    return e2e_args(run_dir, *E2E_MODES[mode], *layout, flags=flags)
 
 
 def _check_against_reference(run_dir, ref_dir, ep: int, first_step, read, same_trajectory, same_final_state):

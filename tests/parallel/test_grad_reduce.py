@@ -16,7 +16,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from support import E2E_BASE, E2E_CONFIG, E2E_SAVE, E2E_STEPS, torchrun, train_records
+from support import E2E_CONFIG, E2E_SAVE, E2E_STEPS, e2e_args, torchrun, train_records
 
 REPO = Path(__file__).resolve().parents[2]
 COMM_REPORT = REPO / "benchmarks" / "comm_report.py"
@@ -94,7 +94,7 @@ def test_a_step_of_4_micro_batches_reduces_one_steps_gradients(tmp_path):
 
 
 def _args(run_dir: Path, *extra: str) -> list[str]:
-    return ["--config", E2E_CONFIG, "--run-dir", str(run_dir), "--set", *E2E_BASE, *BF16, *extra]
+    return e2e_args(run_dir, *BF16, *extra)
 
 
 def _final_tensors(run_dir: Path):

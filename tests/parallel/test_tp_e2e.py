@@ -13,7 +13,7 @@ import shutil
 
 import pytest
 import torch
-from support import E2E_BASE, E2E_CONFIG, E2E_MODES, E2E_SAVE, train_records
+from support import E2E_MODES, E2E_SAVE, e2e_args, train_records
 
 LAYOUTS = {  # dp-ep-tp: world size, overrides
     "dp1-ep1-tp2": (2, ["parallel.tp=2"]),
@@ -84,16 +84,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 
 def _args(run_dir, *overrides: str, resume: bool = False) -> list[str]:
-    return [
-        "--config",
-        E2E_CONFIG,
-        "--run-dir",
-        str(run_dir),
-        *(["--resume"] if resume else []),
-        "--set",
-        *E2E_BASE,
-        *overrides,
-    ]
+    return e2e_args(run_dir, *overrides, flags=("--resume",) if resume else ())
 
 
 @pytest.fixture(scope="module")
