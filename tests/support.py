@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -46,6 +47,13 @@ def run_torchrun_worker(worker: Path, out: Path, nproc: int = 2, timeout: float 
         if proc.returncode == 0 or TEARDOWN_ABORT not in proc.stderr:
             break
     assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def worker_results(worker: Path, out: Path, nproc: int = 2) -> list[dict]:
+    """`run_torchrun_worker` with the folder `out`, where rank r of the worker writes rank{r}.json: every rank's
+    result, in rank order."""
+    run_torchrun_worker(worker, out, nproc)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
 
 
 def shm_buffers(port: int) -> list[str]:

@@ -121,8 +121,7 @@ def main(out_path: str) -> None:
             for n, grad in dw.items():
                 dist.all_reduce(grad, group=group)
                 results[f"{name}.cp{cp}.grad.{n}"] = compare(grad, ref_dw[n])
-    with open(f"{out_path}.rank{rank}", "w") as f:
-        json.dump(results, f)
+    Path(out_path, f"rank{rank}.json").write_text(json.dumps(results))
     dist.barrier()
     dist.destroy_process_group()
 

@@ -6,12 +6,11 @@ gradient. Single-process: the SDPA query-offset path (`_sdpa_offset`) of one pie
 SDPA with the dense mask."""
 
 import importlib.util
-import json
 from pathlib import Path
 
 import pytest
 import torch
-from support import run_torchrun_worker
+from support import worker_results
 
 import moe_dist.layers.attention as attention
 from moe_dist.layers.attention import _sdpa, _sdpa_offset
@@ -25,9 +24,7 @@ CASES = list(WORKER_MODULE.CASES)
 
 @pytest.fixture(scope="module")
 def cp_results(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("cp_attention") / "out.json"
-    run_torchrun_worker(WORKER, out, nproc=4)
-    return [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(4)]
+    return worker_results(WORKER, tmp_path_factory.mktemp("cp_attention"), nproc=4)
 
 
 @pytest.mark.slow

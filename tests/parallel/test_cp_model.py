@@ -4,11 +4,10 @@ with the adversarial layouts (a document boundary exactly at a piece edge, a pie
 pieces shorter than d_conv − 1): this rank's logits, the loss and every parameter's gradient (summed over the CP
 group, divided by cp: the loss as the training loop forms it), tokens and drops per expert (summed over the group)."""
 
-import json
 from pathlib import Path
 
 import pytest
-from support import run_torchrun_worker
+from support import worker_results
 
 WORKER = Path(__file__).with_name("cp_model_worker.py")
 CASES = [f"cp{cp}_{docs}" for cp in (2, 4) for docs in ("nodocs", "docs")]
@@ -17,9 +16,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("cp_model")
-    run_torchrun_worker(WORKER, out, nproc=4)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
+    return worker_results(WORKER, tmp_path_factory.mktemp("cp_model"), nproc=4)
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -5,11 +5,10 @@ parameter's gradient, with documents off and on (a boundary at a piece edge, a p
 a start inside a piece, pieces shorter than d_conv − 1). One spawned world runs every case
 (cp_recurrent_worker.py)."""
 
-import json
 from pathlib import Path
 
 import pytest
-from support import run_torchrun_worker
+from support import worker_results
 
 WORKER = Path(__file__).with_name("cp_recurrent_worker.py")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -23,9 +22,7 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("cp_recurrent")
-    run_torchrun_worker(WORKER, out, nproc=4)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
+    return worker_results(WORKER, tmp_path_factory.mktemp("cp_recurrent"), nproc=4)
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -2,12 +2,11 @@
 its single-device version, forward and backward: outputs, input gradients and every parameter's gradient (sharded
 ones against the matching slice)."""
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
-from support import run_torchrun_worker
+from support import worker_results
 
 from moe_dist.parallel.tensor_parallel import shard, shard_ranges, unshard
 
@@ -25,9 +24,7 @@ CASES = [(v, layer) for v in VARIANTS for layer in LAYERS] + [(v, layer) for v i
 
 @pytest.fixture(scope="module")
 def tp_results(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("tp") / "out.json"
-    run_torchrun_worker(WORKER, out)
-    return [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(2)]
+    return worker_results(WORKER, tmp_path_factory.mktemp("tp"))
 
 
 @pytest.mark.slow

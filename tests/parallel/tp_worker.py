@@ -11,6 +11,7 @@ largest magnitude; the test asserts on them.
 import copy
 import json
 import sys
+from pathlib import Path
 
 import torch
 
@@ -182,8 +183,7 @@ def main(path: str) -> None:
         out[f"{variant}.model.logits"] = _diff(o_tp.logits.detach(), logits_shard)
         _compare_grads(ref, tp_model, mesh, f"{variant}.model", out)
         _documents(overrides, mesh, variant, out)
-    with open(f"{path}.rank{mesh.rank}", "w") as f:
-        json.dump(out, f)
+    Path(path, f"rank{mesh.rank}.json").write_text(json.dumps(out))
 
 
 if __name__ == "__main__":
