@@ -201,6 +201,29 @@ def _tensors(path) -> dict[str, torch.Tensor]:
     return out
 
 
+def _same_tensors(original: dict, exported_dir) -> None:
+    """The exported directory holds exactly `original`'s tensors, bit for bit."""
+    exported = _tensors(exported_dir)
+    assert sorted(original) == sorted(exported)
+    assert all(torch.equal(original[k], exported[k]) for k in original)
+
+
+@torch.no_grad()
+def _transformers_reloads_to(exported_dir, hf_model, seed: int) -> None:
+    """transformers loads what we exported, offline, to the source model's logits exactly."""
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(exported_dir).eval()
+    tokens = _tokens(seed)
+    assert torch.equal(reloaded(tokens).logits, hf_model(tokens).logits)
+
+
+def _greedy_as_transformers(ours, hf_model, prompt, n: int) -> None:
+    """Our greedy decoding (KV cache, recurrent state) gives transformers' tokens, n new ones each."""
+    theirs = hf_model.generate(
+        prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0, eos_token_id=None
+    )
+    assert torch.equal(generate(ours, prompt, n, temperature=0), theirs)
+
+
 @pytest.mark.parametrize("arch", ["mixtral", "jamba"])
 def test_export_import_round_trip_is_the_identity(arch, request, tmp_path):
     hf_model, path = request.getfixturevalue(arch)
@@ -275,12 +298,7 @@ def test_unrepresentable_configs_are_refused(mixtral, tmp_path):
 @pytest.mark.parametrize("arch", ["mixtral", "jamba"])
 def test_greedy_generation_matches_transformers(arch, request):
     hf_model, path = request.getfixturevalue(arch)
-    prompt = _tokens(6, (1, 5))
-    ours = generate(load_hf_model(path), prompt, 12, temperature=0)
-    theirs = hf_model.generate(
-        prompt, max_new_tokens=12, do_sample=False, min_new_tokens=12, pad_token_id=0, eos_token_id=None
-    )
-    assert torch.equal(ours, theirs)
+    _greedy_as_transformers(load_hf_model(path), hf_model, _tokens(6, (1, 5)), 12)
 
 
 def test_converted_checkpoint_resumes_training(jamba, tmp_path):

@@ -9,10 +9,17 @@ import json
 import pytest
 import torch
 import transformers
-from test_hf import _max_diff, _perturb, _tensors, _tokens
+from test_hf import (
+    _greedy_as_transformers,
+    _max_diff,
+    _perturb,
+    _same_tensors,
+    _tensors,
+    _tokens,
+    _transformers_reloads_to,
+)
 
 from moe_dist.hf import HFConfigError, config_from_hf, load_hf_model, save_hf_model
-from moe_dist.models.decoder import generate
 
 ATOL = 1e-5  # fp32; measured max |logit difference| is printed by each test (-s)
 COMMON = dict(
@@ -97,26 +104,16 @@ def test_export_import_round_trip_is_bit_identical(family, tmp_path):
     kind, hf_model, path = family
     ours = load_hf_model(path)
     save_hf_model(ours, tmp_path / "exported")
-    original, exported = _tensors(path), _tensors(tmp_path / "exported")
-    assert original.keys() == exported.keys()
-    assert all(torch.equal(original[k], exported[k]) for k in original)
+    _same_tensors(_tensors(path), tmp_path / "exported")
     out = json.loads((tmp_path / "exported" / "config.json").read_text())
     assert out["model_type"] == kind
     assert config_from_hf(out) == config_from_hf(json.loads((path / "config.json").read_text()))
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "exported").eval()
-    tokens = _tokens(3)
-    with torch.no_grad():
-        assert torch.equal(reloaded(tokens).logits, hf_model(tokens).logits)
+    _transformers_reloads_to(tmp_path / "exported", hf_model, 3)
 
 
 def test_greedy_generation_matches_transformers(family):
     _, hf_model, path = family
-    prompt = _tokens(6, (1, 5))
-    ours = generate(load_hf_model(path), prompt, 12, temperature=0)
-    theirs = hf_model.generate(
-        prompt, max_new_tokens=12, do_sample=False, min_new_tokens=12, pad_token_id=0, eos_token_id=None
-    )
-    assert torch.equal(ours, theirs)
+    _greedy_as_transformers(load_hf_model(path), hf_model, _tokens(6, (1, 5)), 12)
 
 
 def test_what_we_cannot_express_is_refused_by_name(family, tmp_path):

@@ -12,11 +12,11 @@ import pytest
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
-from test_hf import _perturb, _tensors, _tokens
+from test_hf import _greedy_as_transformers, _perturb, _same_tensors, _tensors, _tokens, _transformers_reloads_to
 
 from moe_dist.config import ModelConfig
 from moe_dist.hf import HFConfigError, config_from_hf, config_to_hf, load_hf_model, save_hf_model
-from moe_dist.models.decoder import build_model, generate, materialize_whole
+from moe_dist.models.decoder import build_model, materialize_whole
 
 ATOL = 1e-5  # fp32; the measured max |logit difference| is printed (-s)
 MAMBA = dict(chunk_size=8)  # several chunks over the test's 20 tokens
@@ -127,26 +127,14 @@ def test_export_import_round_trip_is_bit_identical(family, tmp_path):
     _, _, path = family
     ours = load_hf_model(path)
     save_hf_model(ours, tmp_path, template=json.loads((path / "config.json").read_text()))
-    before, after = _tensors(path), _tensors(tmp_path)
-    assert sorted(before) == sorted(after)
-    assert all(torch.equal(before[k], after[k]) for k in before)
-    again = load_hf_model(tmp_path)
-    assert again.cfg == ours.cfg
-    # and transformers loads what we wrote, to the same logits
-    cls = FAMILIES[family[0]][0]
-    reloaded = cls.from_pretrained(tmp_path).eval()
-    tokens = _tokens(1)
-    with torch.no_grad():
-        assert torch.equal(reloaded(tokens).logits, family[1](tokens).logits)
+    _same_tensors(_tensors(path), tmp_path)
+    assert load_hf_model(tmp_path).cfg == ours.cfg
+    _transformers_reloads_to(tmp_path, family[1], 1)
 
 
 def test_greedy_generation_matches_transformers(family):
     _, hf_model, path = family
-    ours = load_hf_model(path)
-    prompt = _tokens(2, (2, 7))
-    expected = hf_model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
-    got = generate(ours, prompt, 6, temperature=0)
-    assert torch.equal(got, expected)
+    _greedy_as_transformers(load_hf_model(path), hf_model, _tokens(2, (2, 7)), 6)
 
 
 def test_our_hybrid_models_export_to_transformers(tmp_path):

@@ -15,12 +15,20 @@ import pytest
 import torch
 import transformers
 from safetensors.torch import save_file
-from test_hf import _max_diff, _perturb, _tensors, _tokens
+from test_hf import (
+    _greedy_as_transformers,
+    _max_diff,
+    _perturb,
+    _same_tensors,
+    _tensors,
+    _tokens,
+    _transformers_reloads_to,
+)
 
 from moe_dist.config import load_config
 from moe_dist.hf import HFConfigError, config_from_hf, config_to_hf, load_hf_model, save_hf_model
 from moe_dist.hf.format import family_of
-from moe_dist.models.decoder import build_model, generate
+from moe_dist.models.decoder import build_model
 from moe_dist.planning.memory import memory_plan
 
 ATOL = 1e-5  # fp32; measured max |logit difference| is printed by each test (-s)
@@ -111,31 +119,22 @@ def test_export_import_round_trip_is_bit_identical(family, tmp_path):
     ours = _load(path)[0]
     source = json.loads((path / "config.json").read_text())
     save_hf_model(ours, tmp_path / "exported", template=source)
-    original, exported = _tensors(path), _tensors(tmp_path / "exported")
+    original = _tensors(path)
     if kind == "qwen3_5_moe":
         original = {k.replace("model.language_model.", "model."): t for k, t in original.items() if ".visual." not in k}
-    assert original.keys() == exported.keys()
-    assert all(torch.equal(original[k], exported[k]) for k in original)
+    _same_tensors(original, tmp_path / "exported")
     out = json.loads((tmp_path / "exported" / "config.json").read_text())
     assert out["model_type"] == ("qwen3_5_moe_text" if kind == "qwen3_5_moe" else kind)
     assert "vision_config" not in out and "text_config" not in out
     assert config_from_hf(out) == config_from_hf(source)
     again = _load(tmp_path / "exported")[0]
     assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), again.state_dict().values()))
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "exported").eval()
-    tokens = _tokens(3)
-    with torch.no_grad():
-        assert torch.equal(reloaded(tokens).logits, hf_model(tokens).logits)
+    _transformers_reloads_to(tmp_path / "exported", hf_model, 3)
 
 
 def test_greedy_generation_matches_transformers(family):
     _, hf_model, path = family
-    prompt = _tokens(6, (1, 5))
-    ours = generate(_load(path)[0], prompt, 12, temperature=0)
-    theirs = hf_model.generate(
-        prompt, max_new_tokens=12, do_sample=False, min_new_tokens=12, pad_token_id=0, eos_token_id=None
-    )
-    assert torch.equal(ours, theirs)
+    _greedy_as_transformers(_load(path)[0], hf_model, _tokens(6, (1, 5)), 12)
 
 
 def test_multi_token_prediction_tensors_are_dropped_with_one_warning(family, tmp_path, capsys):
