@@ -78,11 +78,20 @@ def main(argv=None) -> int:
             return 2
         lay, mem = plan["layout"], plan["memory_per_rank_gb"]
         cp_part = f" x cp {lay['cp']}" if lay["cp"] > 1 else ""
+        pp_part = f"pp {lay['pp']} x " if lay["pp"] > 1 else ""
         print(
-            f"layout: world {world} = dp {lay['dp']}{cp_part} x tp {lay['tp']}, "
+            f"layout: world {world} = {pp_part}dp {lay['dp']}{cp_part} x tp {lay['tp']}, "
             f"ep {lay['ep']}, ZeRO {lay['zero_stage']}, "
             f"activation checkpointing {cfg.train.activation_checkpointing}"
         )
+        if "pipeline" in plan:
+            pipe = plan["pipeline"]
+            print(
+                f"pipeline: {len(pipe['stage_starts'])} stages starting at layers {pipe['stage_starts']} "
+                f"(pp_virtual {cfg.parallel.pp_virtual}); total per pipeline rank (GB) "
+                + ", ".join(f"{t:.2f}" for t in pipe["total_gb_by_pp_rank"])
+                + f"; below: pipeline rank {lay['pp_rank']}, {lay['micro_batches_in_flight']:g} micro-batches in flight"
+            )
         print("per rank (GB): " + ", ".join(f"{k} {v:.2f}" for k, v in mem.items()))
         print(
             "activations by part (GB): " + ", ".join(f"{k} {v:.2f}" for k, v in plan["activations_by_part_gb"].items())

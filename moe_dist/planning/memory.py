@@ -14,6 +14,7 @@ Every term and the activation table: docs/memory.md, sections "The plan", "Activ
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 from moe_dist.config import JobConfig
 from moe_dist.config.checks import check_layout
@@ -62,10 +63,15 @@ NCCL_PER_GROUP = 1.6e9
 NCCL_ALL_TO_ALL_PER_PEER = 3.3e9 / 7
 
 
-def local_param_counts(cfg: JobConfig, tp: int, ep: int, etp: int | None = None) -> tuple[int, int]:
-    """(dense, expert) parameters one rank holds (etp: the expert tensor-parallel size, default tp)."""
+def local_param_counts(
+    cfg: JobConfig, tp: int, ep: int, etp: int | None = None, holds: Callable[[str], bool] | None = None
+) -> tuple[int, int]:
+    """(dense, expert) parameters one rank holds (etp: the expert tensor-parallel size, default tp; `holds`: which
+    parameters by name, a pipeline rank's stages; default all)."""
     dense = expert = 0
     for name, p in build_model(cfg.model, "meta").named_parameters():
+        if holds is not None and not holds(name):
+            continue
         if ".experts." in name:
             expert += p.numel() // (ep * (tp if etp is None else etp))
         elif tp > 1 and name.endswith(_TP_SPLIT) and not name.endswith("norm.weight"):
@@ -75,13 +81,16 @@ def local_param_counts(cfg: JobConfig, tp: int, ep: int, etp: int | None = None)
     return dense, expert
 
 
-def activation_bytes(cfg: JobConfig, tp: int = 1, cp: int = 1) -> dict[str, float]:
+def activation_bytes(
+    cfg: JobConfig, tp: int = 1, cp: int = 1, layers: set[int] | None = None, head: bool = True
+) -> dict[str, float]:
     """Bytes autograd keeps for one micro-batch on one rank, by part, and the largest transient buffers. Under
     context parallelism (`cp`) a rank holds S / cp positions of each sequence, so every per-token term is of its
     T / cp tokens, except what an attention layer gathers: the keys and values of the whole sequence (its KV heads),
     kept for the backward, cp times the local K/V per local token. (The recurrent mixers' per-piece summaries are
     O(state), not per token; the MoE capacity is the whole micro-batch's, cf · K · T / E per expert, of which a rank's
-    pieces take their share: planned at K·T/cp·cf rows, the balanced share.)"""
+    pieces take their share: planned at K·T/cp·cf rows, the balanced share.) `layers` and `head` restrict it to a
+    pipeline rank's layers and whether it holds the LM head (default: the whole model)."""
     m, t = cfg.model, cfg.train
     a = 2 if t.dtype == "bf16" else 4
     T = t.micro_batch_size * t.seq_len // cp
@@ -125,7 +134,9 @@ def activation_bytes(cfg: JobConfig, tp: int = 1, cp: int = 1) -> dict[str, floa
     )
     out = {"attention": 0.0, "mamba": 0.0, "mamba2": 0.0, "gdn": 0.0, "mlp": 0.0, "moe": 0.0}
     largest = 0.0  # the largest one sublayer's interior: its backward's working set (and its recompute)
-    for mixer, ffn in layer_kinds(m):
+    for i, (mixer, ffn) in enumerate(layer_kinds(m)):
+        if layers is not None and i not in layers:
+            continue
         if mixer == "attention":
             inner = (2 * hq + 2 * cp * hkv) * hd * a + 4 * hq  # under CP: the gathered K/V of the whole sequence
             if m.attention.output_gate:  # the gate and its sigmoid, for the product's backward
@@ -153,10 +164,10 @@ def activation_bytes(cfg: JobConfig, tp: int = 1, cp: int = 1) -> dict[str, floa
             out["moe"] += norm_full + router + K * (cf * D * a + rho * expert_kept)
             largest = max(largest, K * rho * 4 * f_moe * a)
     v = m.vocab_size // tp
-    out["head"] = norm_full + 4 * v + 16
+    out["head"] = norm_full + 4 * v + 16 if head else 0.0
     per_token = {k: val * T for k, val in out.items()}
     transient = {
-        "logits": 3 * 4 * v * T,  # fp32 logits, log-softmax and its gradient at the start of the backward
+        "logits": 3 * 4 * v * T if head else 0.0,  # fp32 logits, log-softmax and its gradient at the backward's start
         # One sublayer's backward: its interior (recomputed first, under recompute) and the gradients of it.
         "layer_backward": (2 if parts else 1) * largest * T,
         # The rows sent (token side) and received (expert side).
@@ -183,29 +194,73 @@ def expert_rows_factor(cfg: JobConfig) -> float:
     return most if cfg.plan.expert_imbalance is None else min(cfg.plan.expert_imbalance, most)
 
 
-def runtime_bytes(device: str, world_size: int, dp: int, tp: int, ep: int, edp: int, cp: int = 1) -> float:
+def runtime_bytes(device: str, world_size: int, dp: int, tp: int, ep: int, edp: int, cp: int = 1, pp: int = 1) -> float:
     """The framework's memory on one rank of `device` ("cuda" or "cpu"): a constant per process on the CPU; on
     CUDA the context plus NCCL's buffers for each process group that communicates (world, dp (the dp × cp
-    replicas), tp, cp, expert-data-parallel: ring/tree collectives; ep: the all-to-all, per peer)."""
+    replicas), tp, cp, expert-data-parallel: ring/tree collectives; ep: the all-to-all, per peer; pp: one pair of
+    point-to-point communicators, to the previous and the next stage)."""
     if device == "cpu":
         return CPU_RUNTIME
     if device != "cuda":
         raise ValueError(f"memory plan: device must be 'cuda' or 'cpu', got {device!r}")
-    groups = [n for n in (world_size, dp if dp != world_size else 1, tp, cp, edp) if n > 1]
+    groups = [n for n in (world_size, dp if dp != world_size else 1, tp, cp, edp, pp, pp) if n > 1]
     return CUDA_CONTEXT + NCCL_PER_GROUP * len(groups) + NCCL_ALL_TO_ALL_PER_PEER * (ep - 1)
 
 
-def memory_plan(cfg: JobConfig, world_size: int, device: str = "cuda", capacity_bytes: int | None = None) -> dict:
+def pipeline_share(cfg: JobConfig, pp_rank: int, micro_batches: int):
+    """What pipeline rank `pp_rank` holds: (its layers, which parameters by name, whether it holds the LM head, the
+    micro-batches whose activations it keeps at once). Its stages are s ≡ pp_rank (mod pp) of stage_cut's cut; the
+    embedding sits on the first rank, the final norm and head on the last (a tied embedding on both).
+    In flight: 1F1B's warm-up leaves pp − r micro-batches' activations on rank r; the interleaved schedule's leaves
+    (v − 1)·pp + 2·(pp − 1 − r) + 1 stage-chunks of 1/v of the rank's layers (pp + (pp − 1)/v micro-batches' worth
+    on rank 0, Megatron-LM's figure for its interleaved schedule); never more than the step's micro-batches."""
+    from moe_dist.planning.stage_cut import stage_starts
+
+    pa, n = cfg.parallel, cfg.model.n_layers
+    if pa.pp == 1:
+        return None, None, True, 1.0
+    starts = stage_starts(cfg)
+    ends = [*starts[1:], n]
+    layers = {i for s in range(pp_rank, len(starts), pa.pp) for i in range(starts[s], ends[s])}
+    first, last = pp_rank == 0, pp_rank == pa.pp - 1
+
+    def holds(name: str) -> bool:
+        if name.startswith("blocks."):
+            return int(name.split(".")[1]) in layers
+        if name.startswith("embed."):
+            return first or (last and cfg.model.tie_embeddings)
+        return last  # the final norm and the LM head
+
+    v = pa.pp_virtual
+    chunks = pa.pp - pp_rank if v == 1 else ((v - 1) * pa.pp + 2 * (pa.pp - 1 - pp_rank) + 1) / v
+    return layers, holds, last, float(min(chunks, micro_batches))
+
+
+def memory_plan(
+    cfg: JobConfig, world_size: int, device: str = "cuda", capacity_bytes: int | None = None, pp_rank: int | None = None
+) -> dict:
     """The plan for one rank at `world_size` under the config's layout (checked as at start-up), on `device`
     ("cuda": device memory of a GPU rank; "cpu": resident memory of a CPU rank, as measured in docs/memory.md).
     On CUDA, `capacity` holds the total against one GPU's memory (`capacity_bytes`, else capacity.py's
-    `planned_capacity`) less the fragmentation margin; None on the CPU (ranks share the host's memory)."""
+    `planned_capacity`) less the fragmentation margin; None on the CPU (ranks share the host's memory).
+    Under pipeline parallelism the plan is of the pipeline rank that needs the most (`pipeline` lists every rank's
+    total and the cut), or of `pp_rank`."""
     dp = check_layout(cfg, world_size)
+    pp = cfg.parallel.pp
+    if pp > 1 and pp_rank is None:
+        from moe_dist.planning.stage_cut import stage_starts
+
+        plans = [memory_plan(cfg, world_size, device, capacity_bytes, r) for r in range(pp)]
+        worst = max(plans, key=lambda plan: plan["memory_per_rank_gb"]["total"])
+        totals = [plan["memory_per_rank_gb"]["total"] for plan in plans]
+        return {**worst, "pipeline": {"stage_starts": stage_starts(cfg), "total_gb_by_pp_rank": totals}}
+    micro_batches = cfg.train.grad_accum_steps(dp)
+    layers, holds, head, in_flight = pipeline_share(cfg, pp_rank or 0, micro_batches)
     tp, ep, etp, cp = cfg.parallel.tp, cfg.parallel.ep, cfg.parallel.expert_tp, cfg.parallel.cp
     replicas = dp * cp  # ranks of a tp_rank holding the same weights: ZeRO partitions over them
     edp = replicas * tp // (ep * etp)  # the ranks holding the same experts
-    runtime = runtime_bytes(device, world_size, replicas, tp, ep, edp, cp)
-    dense, expert = local_param_counts(cfg, tp, ep, etp)
+    runtime = runtime_bytes(device, world_size, replicas, tp, ep, edp, cp, pp)
+    dense, expert = local_param_counts(cfg, tp, ep, etp, holds)
     w = 2 if cfg.train.dtype == "bf16" else 4
     stage = cfg.deepspeed.zero_stage
     shards = (dense / replicas + expert / edp) if stage >= 1 else dense + expert
@@ -221,7 +276,13 @@ def memory_plan(cfg: JobConfig, world_size: int, device: str = "cuda", capacity_
         at_boundary = shards * 4 if stage == 1 else 0.0  # stage 1: the reduced fp32 partition
     grads = accumulating + at_boundary
     optimizer = shards * 12 if stage >= 1 else (dense + expert) * 8  # ZeRO: fp32 master + m + v; 0: torch's m + v
-    act = activation_bytes(cfg, tp, cp)
+    act = activation_bytes(cfg, tp, cp, layers, head)
+    if pp > 1:  # the micro-batches in flight, each with its received activation and gradient (p2p buffers)
+        t = cfg.train
+        p2p = 2 * t.micro_batch_size * t.seq_len // cp * cfg.model.d_model * w
+        act = {**act, **{k: v * in_flight for k, v in act.items() if k != "transient"}}
+        act["p2p"] = p2p * in_flight
+        act["total"] += act["p2p"]
     transient = dict(act["transient"])
     # train.grad_reduce_bucket_mb as elements. ZeRO 2's bucket holds copies of gradients in the parameter dtype, plus
     # their fp32 casts when bf16 is reduced in fp32; ZeRO 1's holds the fp32 sums, plus their bf16 casts when bf16
@@ -247,6 +308,9 @@ def memory_plan(cfg: JobConfig, world_size: int, device: str = "cuda", capacity_
     return {
         "layout": {
             "world_size": world_size,
+            "pp": pp,
+            "pp_rank": pp_rank or 0,
+            "micro_batches_in_flight": in_flight,
             "dp": dp,
             "cp": cp,
             "tp": tp,
