@@ -225,3 +225,14 @@ def test_checkpoint_of_another_model_fails_every_rank_without_hanging(existing, 
     assert proc.returncode != 0
     assert errors and all("different model" in line for line in errors), out[-3000:]
     assert _snapshot(run) == before
+
+
+def test_pipeline_parallel_training_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
+    """parallel.pp is planned (--dry-run) but not trained: a layout that passes the checks still stops, exit 2,
+    before anything is read or written."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    run = tmp_path / "run"
+    main = runpy.run_path(TRAIN)["main"]
+    assert main(["--config", CONFIG, "--run-dir", str(run), "--set", *SMALL, "parallel.pp=2"]) == 2
+    _check_one_line(capsys.readouterr().err, "parallel.pp: 2 is read by the memory plan and --dry-run only")
+    assert not run.exists()
