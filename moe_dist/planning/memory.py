@@ -132,6 +132,9 @@ def activation_bytes(
         + 5 * g.n_v_heads * g_L * 4
         + 12 * 4 * g.n_v_heads * g.head_k_dim * g.head_v_dim / g_L
     )
+    # An FFN keeps per hidden unit: SwiGLU the gate and up outputs, SiLU(gate) and their product (4); relu(x)² the
+    # ReLU's output (its own backward and the square's) and the square (the down projection's input) (2).
+    hidden = 2 if m.ffn_activation == "relu2" else 4
     out = {"attention": 0.0, "mamba": 0.0, "mamba2": 0.0, "gdn": 0.0, "mlp": 0.0, "moe": 0.0}
     largest = 0.0  # the largest one sublayer's interior: its backward's working set (and its recompute)
     for i, (mixer, ffn) in enumerate(layer_kinds(m)):
@@ -154,15 +157,15 @@ def activation_bytes(
             out["mamba"] += norm_kept if "mamba" in parts else norm_full + inner
             largest = max(largest, inner)
         if ffn == "mlp":
-            out["mlp"] += norm_kept if "mlp" in parts else norm_full + 4 * f_dense * a
-            largest = max(largest, 4 * f_dense * a)
+            out["mlp"] += norm_kept if "mlp" in parts else norm_full + hidden * f_dense * a
+            largest = max(largest, hidden * f_dense * a)
         elif ffn == "moe":
             router = 8 * E + 12 + (D * 4 if a == 2 else 0)  # the router's fp32 copy of its input under bf16
             # The combine keeps the expert outputs in token order (token side); the experts keep their input rows
             # and, without recompute, their gate/up, SiLU and product (expert side).
-            expert_kept = D * a if "moe_experts" in parts else (D + 4 * f_moe) * a
+            expert_kept = D * a if "moe_experts" in parts else (D + hidden * f_moe) * a
             out["moe"] += norm_full + router + K * (cf * D * a + rho * expert_kept)
-            largest = max(largest, K * rho * 4 * f_moe * a)
+            largest = max(largest, K * rho * hidden * f_moe * a)
     v = m.vocab_size // tp
     out["head"] = norm_full + 4 * v + 16 if head else 0.0
     per_token = {k: val * T for k, val in out.items()}

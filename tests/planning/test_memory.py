@@ -54,10 +54,13 @@ def _kept_bytes(cfg) -> int:
 
 
 @pytest.mark.parametrize(
-    "layers", [("A", "D"), ("M", "D"), ("A", "E"), ("M", "E"), ("A", "D", "gated")], ids=lambda p: "".join(p)
+    "layers",
+    [("A", "D"), ("M", "D"), ("A", "E"), ("M", "E"), ("A", "D", "gated"), ("A", "D", "relu2"), ("A", "E", "relu2")],
+    ids=lambda p: "".join(p),
 )
 def test_activation_terms_match_what_autograd_keeps(one_thread, layers):
     gated = ["model.attention.output_gate=true"] if "gated" in layers else []  # Qwen3-Next's gated attention
+    gated += ["model.ffn_activation=relu2"] if "relu2" in layers else []  # Nemotron-H's FFNs: no gate
     cfg = load_config(
         "configs/debug.json", [*SMALL, f"model.mixer_pattern={layers[0]}", f"model.ffn_pattern={layers[1]}", *gated]
     )
