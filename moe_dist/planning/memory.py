@@ -144,6 +144,11 @@ def activation_bytes(
             inner = (2 * hq + 2 * cp * hkv) * hd * a + 4 * hq  # under CP: the gathered K/V of the whole sequence
             if m.attention.output_gate:  # the gate and its sigmoid, for the product's backward
                 inner += 2 * hq * hd * a
+            qk = (hq + hkv) * hd * a  # one copy of this rank's q and k
+            if m.attention.qk_norm != "none":  # the norms' input, normalised and output (head) / two (full), rstd
+                inner += (3 if m.attention.qk_norm == "head" else 2) * qk + 4 * (hq + hkv)
+            elif m.attention.rope_fraction < 1:  # partial RoPE keeps a copy of the unrotated channels (with a q/k
+                inner += (1 - m.attention.rope_fraction) * qk  # norm, its output kept above is that copy)
             out["attention"] += norm_kept if "attention" in parts else norm_full + inner
             largest = max(largest, inner)
         elif mixer in ("mamba2", "gdn"):

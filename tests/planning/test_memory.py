@@ -68,6 +68,21 @@ def test_activation_terms_match_what_autograd_keeps(one_thread, layers):
     assert planned == pytest.approx(kept, rel=0.05), (planned, kept)
 
 
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["model.attention.qk_norm=head"],  # Qwen3
+        ["model.attention.qk_norm=full"],  # OLMoE
+        ["model.attention.rope_fraction=0.25"],  # Qwen3-Next's partial RoPE
+        ["model.attention.qk_norm=head", "model.attention.rope_fraction=0.25", "model.attention.output_gate=true"],
+    ],
+    ids=["qk_head", "qk_full", "partial_rope", "qwen3_next"],
+)
+def test_attention_options_match_what_autograd_keeps(one_thread, extra):
+    cfg = load_config("configs/debug.json", [*SMALL, "model.mixer_pattern=A", "model.ffn_pattern=D", *extra])
+    assert activation_bytes(cfg)["total"] == pytest.approx(_kept_bytes(cfg), rel=0.05)
+
+
 @pytest.mark.parametrize("kind", ["mamba2", "gdn"])
 def test_activation_terms_of_the_new_mixers_match_what_autograd_keeps(one_thread, kind):
     """The per-token estimates of Mamba-2 and Gated DeltaNet layers (counted term by term, not exact: within 10%
