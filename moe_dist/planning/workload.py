@@ -294,11 +294,15 @@ def step_calls(cfg: JobConfig, layout: Layout, ranks_per_node: int, cost: ModelC
     dense_local = cost.dense_params / tp
     expert_local = cost.expert_params / (layout.ep * etp)
     stage = cfg.deepspeed.zero_stage
-    if t.dtype == "bf16":  # fp32 accumulation, one reduction per step in train.grad_reduce_dtype, behind the backward
+    if t.dtype == "bf16":  # reduced in train.grad_reduce_dtype
         g = 4 if t.grad_reduce_dtype == "fp32" else 2
         kind = "reduce_scatter" if stage >= 1 else "all_reduce"
-        add(kind, "dense_grad", "dp", dense_local * g, 1, LAST_BACKWARD)
-        add(kind, "expert_grad", "edp", expert_local * g, 1, LAST_BACKWARD)
+        # ZeRO 0/1: fp32 accumulation and one reduction per step, behind the last backward. ZeRO 2 reduces each
+        # micro-batch's gradient into the partitions (train/optim.py), charged whole: with train.grad_reduce_overlap
+        # each would hide behind its own backward, which this one-window model does not split (an upper bound).
+        reduces, window = (micro, None) if stage >= 2 else (1, LAST_BACKWARD)
+        add(kind, "dense_grad", "dp", dense_local * g, reduces, window)
+        add(kind, "expert_grad", "edp", expert_local * g, reduces, window)
         if stage >= 1:  # every rank's updated bf16 shard back to every rank
             add("all_gather", "dense_param", "dp", dense_local * 2, 1, NEXT_FORWARD)
             add("all_gather", "expert_param", "edp", expert_local * 2, 1, NEXT_FORWARD)

@@ -30,7 +30,7 @@ TINY = [
     "train.micro_batch_size=1",
     "train.global_batch_size=16",
     "train.eval_batches=4",
-    "deepspeed.zero_stage=2",
+    "deepspeed.zero_stage=1",  # with bf16 weights: fp32 accumulation, one reduction per step
 ]
 # embed 16·8 + mixer norm 8 + wq 8·8 + wk 4·8 + wv 4·8 + wo 8·8 + ffn norm 8 + router 4·8 + final norm 8 + head 16·8
 DENSE = 128 + 8 + 64 + 32 + 32 + 64 + 8 + 32 + 8 + 128  # 504
@@ -85,10 +85,22 @@ def test_bf16_reduces_once_per_step_what_the_code_sends(reduce_dtype, grad_bytes
 
 
 def test_fp32_training_keeps_the_measured_all_reduce_schedule():
-    cfg = tiny("train.dtype=fp32")  # ZeRO-2: DeepSpeed reduces every micro-batch, nothing overlapped
+    cfg = tiny("train.dtype=fp32", "deepspeed.zero_stage=2")  # DeepSpeed reduces every micro-batch, nothing overlapped
     calls = by_label(wl.step_calls(cfg, wl.Layout(dp=4, ep=2, tp=1), ranks_per_node=2))
     [dense] = calls[("dense_grad", "all_reduce")]
     assert (dense.count, dense.payload_bytes, dense.hides_behind) == (4, DENSE * 4, None)
+
+
+def test_zero2_with_bf16_reduces_every_micro_batch():
+    """ZeRO 2 keeps no full-size fp32 buffer: each of the 4 micro-batches' gradients is reduce-scattered into the
+    partitions as the code does (train/optim.py), four times the bytes of ZeRO 1's one reduction, charged exposed."""
+    layout = wl.Layout(dp=4, ep=2, tp=1)
+    once = by_label(wl.step_calls(tiny(), layout, ranks_per_node=2))
+    every = by_label(wl.step_calls(tiny("deepspeed.zero_stage=2"), layout, ranks_per_node=2))
+    for label in ("dense_grad", "expert_grad"):
+        [one], [each] = once[(label, "reduce_scatter")], every[(label, "reduce_scatter")]
+        assert (one.count, each.count) == (1, 4) and one.payload_bytes == each.payload_bytes
+        assert (one.hides_behind, each.hides_behind) == (co.LAST_BACKWARD, None)
 
 
 def _hw(flops_per_s: float, beta: float) -> co.Hardware:
