@@ -26,8 +26,10 @@ from moe_dist.planning.collectives import (
 from moe_dist.planning.workload import (
     Layout,
     ModelCost,
+    micro_batches_per_rank,
     model_cost,
     recompute_flops_per_rank,
+    stage_share,
     step_calls,
     step_flops_per_rank,
     tokens_per_micro_batch,
@@ -73,6 +75,7 @@ class StepPrediction:
     calls: list[Call] = field(default_factory=list)
     a2a_chunks: int = 1
     overlap: dict[str, dict[str, float]] = field(default_factory=dict)  # per window: in_flight_s, window_s, exposed_s
+    bubble_s: float = 0.0  # pipeline parallelism: the stages' idle time in the schedule's fill and drain
 
 
 def predict_step(
@@ -94,7 +97,7 @@ def predict_step(
     parameter all-gather behind the next step's first forward only with `overlap_param_gather` (what-if: the code
     may not overlap it), else all of it is exposed. `overlap_grad_reduce` False: the gradient reduction is exposed
     whole, as the code runs ZeRO 1 today (DeepSpeed 0.19.8's overlapped stage 1 is refused: docs/perf_model.md)."""
-    cost = cost or model_cost(cfg)
+    cost = stage_share(cost or model_cost(cfg), layout.pp)  # one pipeline stage's part
     rpn = ranks_per_node or hw.ranks_per_node
     flops = step_flops_per_rank(cfg, layout, cost)
     compute = (flops + recompute_flops_per_rank(cfg, layout, cost)) * ranks_per_device / hw.flops_per_s
@@ -126,7 +129,9 @@ def predict_step(
             comm[kind] += s * exposed / in_flight
         if parts:
             overlap[w] = {"in_flight_s": in_flight, "window_s": windows[w], "exposed_s": exposed}
-    step = compute + sum(comm.values())
+    # 1F1B idles each stage (pp − 1) micro-batch slots of m in fill and drain; v virtual stages cut the slot by v.
+    bubble = compute * (layout.pp - 1) / (micro_batches_per_rank(cfg, layout) * cfg.parallel.pp_virtual)
+    step = compute + bubble + sum(comm.values())
     tokens = cfg.train.global_batch_size * cfg.train.seq_len
     mfu = flops / step / hw.peak_flops_per_s if hw.peak_flops_per_s else None
-    return StepPrediction(layout, compute, comm, sent, step, tokens / step, mfu, calls, chunks, overlap)
+    return StepPrediction(layout, compute, comm, sent, step, tokens / step, mfu, calls, chunks, overlap, bubble)

@@ -10,7 +10,7 @@ tests/test_bench_common.py).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from moe_dist.config import JobConfig
 from moe_dist.models.activation_checkpointing import checkpointed_parts
@@ -26,10 +26,11 @@ class Layout:
     cp: int = (
         1  # context parallelism: each sequence split over cp ranks (rank = (dp_rank · cp + cp_rank) · tp + tp_rank)
     )
+    pp: int = 1  # pipeline stages, the outermost dimension: every field above is of one stage's world / pp ranks
 
     @property
     def world(self) -> int:
-        return self.dp * self.cp * self.tp
+        return self.pp * self.dp * self.cp * self.tp
 
     @property
     def zero(self) -> int:
@@ -42,17 +43,30 @@ class Layout:
 
     def __str__(self) -> str:
         cp = f"-cp{self.cp}" if self.cp > 1 else ""
-        return f"dp{self.dp}{cp}-ep{self.ep}-tp{self.tp}" + ("-etp1" if self.folded else "")
+        pp = f"pp{self.pp}-" if self.pp > 1 else ""
+        return f"{pp}dp{self.dp}{cp}-ep{self.ep}-tp{self.tp}" + ("-etp1" if self.folded else "")
 
 
 def config_layout(cfg: JobConfig, world: int) -> Layout | None:
-    """The config's own layout at `world` ranks (None where its tp × cp does not divide the world)."""
+    """The config's own layout at `world` ranks (None where its pp × tp × cp does not divide the world)."""
     par = cfg.parallel
-    cp = par.cp
-    if world % (par.tp * cp):
+    cp, pp = par.cp, par.pp
+    if world % (pp * par.tp * cp):
         return None
     folded = par.tp > 1 and par.expert_tp == 1
-    return Layout(world // (par.tp * cp), par.ep, par.tp, 1 if folded else None, cp)
+    return Layout(world // (pp * par.tp * cp), par.ep, par.tp, 1 if folded else None, cp, pp)
+
+
+def stage_share(cost: ModelCost, pp: int) -> ModelCost:
+    """What one pipeline rank runs and holds of the model: 1/pp of its FLOPs, parameters and layers of each kind (the
+    cost-balanced cut of planning/stage_cut.py makes the stages' FLOPs about equal; the embedding and head are
+    spread with them here)."""
+    if pp == 1:
+        return cost
+    share = 1.0 / pp
+    scaled = ("fwd_flops_per_token", "dense_params", "expert_params", "n_moe_layers", "n_layers", "n_mamba_layers")
+    scaled += ("recompute_flops_per_token", "n_attn_layers", "n_mamba2_layers", "n_gdn_layers")
+    return replace(cost, **{name: getattr(cost, name) * share for name in scaled})
 
 
 # activation_checkpointing's part name of each mixer kind (MoE layers recompute only their experts).
@@ -312,6 +326,10 @@ def step_calls(cfg: JobConfig, layout: Layout, ranks_per_node: int, cost: ModelC
         add("all_reduce", "expert_grad", "edp", expert_local * act, reduces)
         add("all_gather", "dense_param", "dp", dense_local * act, 1)
         add("all_gather", "expert_param", "edp", expert_local * act, 1)
+    if layout.pp > 1:  # each micro-batch's hidden state to the next stage and its gradient back, per virtual stage
+        same_node = layout.world // layout.pp < ranks_per_node  # neighbouring stages are world / pp ranks apart
+        hidden = tokens_mb * cost.d_model * act
+        calls.append(Call("other", "pp_p2p", 2, 2 if same_node else 1, hidden, 2 * micro * cfg.parallel.pp_virtual))
     if layout.world > 1:
         n, g = layout.world, min(layout.world, ranks_per_node)
         calls.append(Call("all_reduce", "scalars", n, g, 8.0, SCALAR_ALL_REDUCES_PER_STEP, tree=True))

@@ -228,3 +228,25 @@ def test_scalar_all_reduces_take_a_tree_on_the_gpu_cluster_and_a_ring_elsewhere(
     assert co.call_time(call, h200_cluster()) == pytest.approx(20 * 8e-6 + wire)
     ring = co.Hardware("gloo", 1e9, 8, co.Link(3e-6, 1e9), co.Link(8e-6, 1e9))
     assert co.call_time(call, ring) == pytest.approx(2 * 1023 * 8e-6 + 2 * 1023 / 1024 * 8 / 1e9)
+
+
+def test_pipeline_stages_bubble_and_transfers():
+    """pp 2 over dp 4 (world 8): each rank runs half the FLOPs and reduces half the gradients; the schedule idles
+    (pp − 1)/(m · v) of the compute (m = 4 micro-batches: a quarter; v = 2 virtual stages: an eighth), and each
+    micro-batch's hidden state (8 tokens × 8 × 2 bytes) goes to the next stage and its gradient back, per virtual
+    stage, across nodes (the stages are 4 ranks apart, 2 ranks per node)."""
+    cfg, hw = tiny(), _hw(37_888.0, 1524.0)
+    one, two = wl.Layout(dp=4, ep=2, tp=1), wl.Layout(dp=4, ep=2, tp=1, pp=2)
+    assert two.world == 8 and str(two) == "pp2-dp4-ep2-tp1"
+    p1, p2 = pm.predict_step(cfg, one, hw), pm.predict_step(cfg, two, hw)
+    assert p1.bubble_s == 0.0 and p2.compute_s == pytest.approx(p1.compute_s / 2)
+    assert p2.bubble_s == pytest.approx(p2.compute_s / 4)
+    calls = by_label(p2.calls)
+    [p2p] = calls[("pp_p2p", "other")]
+    assert (p2p.count, p2p.payload_bytes, p2p.group_size, p2p.ranks_per_node) == (8, 8 * 8 * 2, 2, 1)
+    [dense] = calls[("dense_grad", "reduce_scatter")]
+    assert dense.payload_bytes == pytest.approx(DENSE / 2 * 4)
+    assert p2.step_s == pytest.approx(p2.compute_s + p2.bubble_s + sum(p2.comm_s.values()))
+    cfg.parallel.pp_virtual = 2
+    assert pm.predict_step(cfg, two, hw).bubble_s == pytest.approx(p2.compute_s / 8)
+    assert ("pp_p2p", "other") not in by_label(p1.calls)
