@@ -236,17 +236,20 @@ def _same_run(got: list[dict], ref: list[dict]) -> None:
         assert [m["tokens_per_expert"] for m in g["moe"]] == [m["tokens_per_expert"] for m in r["moe"]]
 
 
-def test_torchrun_job_equals_torchrun(slurm, tmp_path, debug_run, metrics):
-    """2 nodes x 1 process under sbatch equal 2 processes under torchrun on one node, step by step."""
+@pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])
+def test_job_equals_torchrun(slurm, tmp_path, debug_run, metrics, launcher):
+    """2 nodes x 1 process under sbatch, one torchrun or one `deepspeed --no_ssh` per node, equal 2 processes
+    under torchrun on one node, step by step (one reference run for both)."""
     ref = train_records(metrics(debug_run("torchrun")))
     tic = time.perf_counter()
-    job_id = slurm.submit("train_torchrun.sbatch", [*TRAIN_ARGS, "--run-dir", str(tmp_path / "run")], tmp_path / "out")
+    args = [*TRAIN_ARGS, "--run-dir", str(tmp_path / "run")]
+    job_id = slurm.submit(f"train_{launcher}.sbatch", args, tmp_path / "out")
     job = slurm.wait(job_id, _finished)
-    print(f"Slurm job, 2 nodes x 1 process: {time.perf_counter() - tic:.1f} s from sbatch to the end")
+    print(f"Slurm job, {launcher}, 2 nodes x 1 process: {time.perf_counter() - tic:.1f} s from sbatch to the end")
     log = (tmp_path / "out").read_text()
     print("\n".join(line for line in log.splitlines() if line.startswith("moe_dist:")))
     assert (job["JobState"], job["ExitCode"]) == ("COMPLETED", "0:0"), log[-4000:]
-    assert f"2 nodes x 1 processes = world 2, torchrun, master {SUBNET}.1:" in log
+    assert f"2 nodes x 1 processes = world 2, {launcher}, master {SUBNET}.1:" in log
     _same_run(train_records(metrics(tmp_path / "run")), ref)
 
 
