@@ -16,7 +16,7 @@ from moe_dist.config import (
     config_to_dict,
     load_config,
 )
-from moe_dist.config.checks import check_layout
+from moe_dist.config.parallel_checks import check_layout
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((REPO / "configs").glob("*.json"))

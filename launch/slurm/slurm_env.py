@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 
 from moe_dist.config import ConfigError, load_config
-from moe_dist.config.checks import check_layout
+from moe_dist.config.parallel_checks import check_layout
 
 
 class AllocationError(ValueError):

@@ -17,6 +17,12 @@ class ConfigError(ValueError):
     """A configuration problem; the message is one line naming the dotted key."""
 
 
+def require(cond: bool, message: str) -> None:
+    """A config rule: `message` (one line naming the key) as a ConfigError unless `cond` holds."""
+    if not cond:
+        raise ConfigError(message)
+
+
 @dataclass
 class AttentionConfig:
     n_heads: int = 8  # query heads
@@ -69,7 +75,7 @@ class Mamba2Config:
     impl: Literal["auto", "torch", "triton"] = "auto"  # SSD scan: torch = chunked; triton = fla-core's (extra `fla`)
 
     def d_inner(self, d_model: int) -> int:
-        """The SSM width, n_heads * head_dim (checks.py's `check_mamba2` makes the default n_heads exact)."""
+        """The SSM width, n_heads * head_dim (parallel_checks.py's `check_mamba2` makes the default n_heads exact)."""
         return self.heads(d_model) * self.head_dim
 
     def heads(self, d_model: int) -> int:
@@ -288,7 +294,7 @@ class TrainConfig:
         return int(self.grad_reduce_bucket_mb * 2**20 / travels)
 
     def grad_accum_steps(self, dp: int) -> int:
-        """Micro-batches one rank accumulates per optimizer step with `dp` data-parallel ranks (checks.py's
+        """Micro-batches one rank accumulates per optimizer step with `dp` data-parallel ranks (parallel_checks.py's
         `check_global_batch` makes the division exact)."""
         return self.global_batch_size // (self.micro_batch_size * dp)
 

@@ -15,7 +15,7 @@ from typing import Optional, Union
 import numpy as np
 import torch
 
-from moe_dist.config.checks import check_global_batch
+from moe_dist.config.parallel_checks import check_global_batch
 from moe_dist.data.shards import Stream, array_stream, check_length, document_starts
 from moe_dist.data.tokenizer import BYTES_EOS
 

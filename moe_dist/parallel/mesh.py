@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from moe_dist.config import ConfigError, JobConfig
-from moe_dist.config.checks import check_layout
+from moe_dist.config.parallel_checks import check_layout
 from moe_dist.parallel import private_api
 from moe_dist.parallel.context_parallel import SeqShard
 

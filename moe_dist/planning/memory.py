@@ -17,7 +17,7 @@ import math
 from typing import Callable
 
 from moe_dist.config import JobConfig
-from moe_dist.config.checks import check_layout
+from moe_dist.config.parallel_checks import check_layout
 from moe_dist.models.activation_checkpointing import checkpointed_parts
 from moe_dist.models.decoder import build_model, layer_kinds
 from moe_dist.planning.capacity import headroom

@@ -20,7 +20,7 @@ import torch
 from tqdm import tqdm
 
 from moe_dist.config import ConfigError, JobConfig, config_to_dict
-from moe_dist.config.checks import check_layout
+from moe_dist.config.parallel_checks import check_layout
 from moe_dist.data.batches import IGNORE, Batch, TokenDataset
 from moe_dist.data.sources import load_tokens
 from moe_dist.data.tokenizer import copy_tokenizer, tokenizer_identity

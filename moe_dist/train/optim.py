@@ -79,8 +79,8 @@ def deepspeed_config(cfg: JobConfig, dp: int, cp: int = 1) -> dict:
     bucket's gradients summed onto the data-parallel rank that owns their optimizer partition (reduce-scatter
     volume; expert parameters over their expert-data-parallel group, DeepSpeed's `moe` parameter groups). It is
     not overlapped with the backward: DeepSpeed 0.19.8's overlap_comm at ZeRO 1 reduces the wrong gradients once
-    a step spans more than one bucket (checks.py refuses it). ZeRO 2 instead reduces every micro-batch's gradient
-    (no full-size buffer; micro-batches × the bytes), overlapped with train.grad_reduce_overlap.
+    a step spans more than one bucket (config/parallel_checks.py refuses it). ZeRO 2 instead reduces every
+    micro-batch's gradient (no full-size buffer; micro-batches × the bytes), overlapped with train.grad_reduce_overlap.
 
     Why DeepSpeed's ZeRO 1 optimizer and not our own reduction: its optimizer class is the one every ZeRO 1/2 run
     already has, so checkpoints (save, resume, resharding) read the same partitioned fp32 state unchanged, and
@@ -95,7 +95,7 @@ def deepspeed_config(cfg: JobConfig, dp: int, cp: int = 1) -> dict:
     t = cfg.train
     stage = cfg.deepspeed.zero_stage
     zero = {"stage": stage}
-    if stage >= 1:  # null: off (ZeRO 1 refuses true: config/checks.py's check_grad_reduction says why)
+    if stage >= 1:  # null: off (ZeRO 1 refuses true: config/parallel_checks.py's check_grad_reduction says why)
         overlap = bool(t.grad_reduce_overlap)
         zero.update(reduce_scatter=True, reduce_bucket_size=t.reduce_bucket_elements(), overlap_comm=overlap)
     if stage == 1:

@@ -181,7 +181,7 @@ def test_relu2_moe_matches_a_per_token_loop():
 
 def test_relu2_refuses_megablocks_and_tensor_parallelism_by_name():
     from moe_dist.config import ConfigError, config_from_dict
-    from moe_dist.config.checks import check_layout
+    from moe_dist.config.parallel_checks import check_layout
 
     with pytest.raises(ConfigError, match="model.moe.backend"):
         MoE(16, 8, MoEConfig(backend="megablocks"), init_std=0.02, n_layers=2, activation="relu2")

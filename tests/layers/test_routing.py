@@ -330,7 +330,7 @@ def test_node_groups_must_be_the_nodes_of_the_ep_group():
 
 
 def test_ep_rank_groups_must_be_the_ep_ranks():
-    from moe_dist.config.checks import check_layout
+    from moe_dist.config.parallel_checks import check_layout
 
     groups = ["model.moe.group_by=ep_rank", "model.moe.top_k=1", "parallel.ep=2"]
     assert check_layout(load_config("configs/debug.json", [*groups, "model.moe.n_groups=2"]), 2) == 2

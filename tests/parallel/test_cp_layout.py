@@ -11,7 +11,7 @@ import torch
 from support import DEBUG_CONFIG
 
 from moe_dist.config import ConfigError, load_config
-from moe_dist.config.checks import check_layout
+from moe_dist.config.parallel_checks import check_layout
 from moe_dist.models.decoder import MIXER_CLASSES, Decoder, check_context_parallel
 from moe_dist.parallel.context_parallel import SeqShard, takes_shard
 from moe_dist.parallel.mesh import ep_rank_of, layout_groups

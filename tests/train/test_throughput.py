@@ -75,7 +75,7 @@ def test_profiler_traces_only_the_chosen_step_and_ranks(tmp_path):
 
 def test_profile_ranks_outside_the_world_are_refused_at_start_up():
     from moe_dist.config import ConfigError
-    from moe_dist.config.checks import check_layout
+    from moe_dist.config.parallel_checks import check_layout
 
     with pytest.raises(ConfigError, match=r"^train.profile_ranks: \[2\] outside the world's ranks 0..1$"):
         check_layout(load_config(DEBUG_CONFIG, ["train.profile_ranks=[0, 2]"]), 2)

@@ -1,0 +1,262 @@
+"""The parallel layout's rules, each stated once: `check_parallel` those that need only the config (validate runs
+it), `check_layout` those that need the world size too (the launcher's WORLD_SIZE, at start-up and in --dry-run).
+Each failure is a ConfigError of one line naming the key. Depends on schema.py only."""
+
+from __future__ import annotations
+
+import math
+
+from moe_dist.config.schema import JobConfig, Mamba2Config, require
+
+
+def check_parallel(cfg: JobConfig) -> None:
+    """The layout's rules that need no world size: each degree's own constraints, what TP, CP and PP split evenly, and
+    what the engine needs under EP and bf16."""
+    moe, t = cfg.model.moe, cfg.train
+    require(cfg.parallel.tp >= 1 and cfg.parallel.ep >= 1, "parallel.tp and parallel.ep must be >= 1")
+    _check_context_parallel(cfg)
+    _check_pipeline(cfg)
+    etp = cfg.parallel.etp
+    require(
+        etp is None or etp in (1, cfg.parallel.tp),
+        f"parallel.etp: must be 1 or parallel.tp={cfg.parallel.tp} (or null: tp), got {etp}",
+    )
+    require(
+        etp != 1 or cfg.parallel.tp == 1 or cfg.parallel.ep > 1,
+        f"parallel.etp: 1 with parallel.tp={cfg.parallel.tp} needs parallel.ep > 1 (whole experts replicated over "
+        "TP would compute every token tp times); set parallel.ep or leave parallel.etp null",
+    )
+    if cfg.parallel.tp > 1:
+        _check_tensor_parallel(cfg)
+        require(
+            not t.compile,
+            "train.compile: not supported with parallel.tp > 1 (the tensor-parallel region hooks "
+            "issue collectives inside the compiled modules)",
+        )
+    require(
+        cfg.parallel.ep == 1 or cfg.deepspeed.zero_stage >= 1,
+        "deepspeed.zero_stage: expert parallelism (parallel.ep > 1) needs ZeRO stage 1 or 2 (stage 0's gradient "
+        "clipping in DeepSpeed averages per-rank norms instead of computing the global norm)",
+    )
+    require(
+        t.dtype == "fp32" or cfg.deepspeed.zero_stage >= 1,
+        "deepspeed.zero_stage: bf16 training needs ZeRO stage 1 or 2 here (checkpoints read its fp32 master weights)",
+    )
+    require(
+        moe.num_experts % cfg.parallel.ep == 0,
+        f"parallel.ep: must divide model.moe.num_experts={moe.num_experts}, got {cfg.parallel.ep}",
+    )
+
+
+def _check_context_parallel(cfg: JobConfig) -> None:
+    """`parallel.cp`: the sequence splits into 2·cp equal pieces, and what CP does not support is refused. (Whether
+    every mixer of the model has a shard-aware forward is checked where the layers are known:
+    parallel/context_parallel.check_mixers.)"""
+    cp, t = cfg.parallel.cp, cfg.train
+    require(cp >= 1, f"parallel.cp: must be >= 1, got {cp}")
+    if cp == 1:
+        return
+    require(
+        t.seq_len % (2 * cp) == 0,
+        f"parallel.cp: train.seq_len={t.seq_len} must be divisible by 2·cp = {2 * cp} (a head and a tail piece "
+        f"per rank)",
+    )
+    require(
+        not cfg.parallel.sequence_parallel,
+        "parallel.sequence_parallel: not supported with parallel.cp > 1 (the TP sequence split of CP pieces is "
+        "untested)",
+    )
+    require(
+        cfg.model.moe.drop_policy != "probability" or cfg.model.moe.capacity_factor is None,
+        "model.moe.drop_policy: 'probability' is not supported with parallel.cp > 1 (drops in global score order "
+        "would need every piece's scores); use 'position' or capacity_factor=null",
+    )
+    require(not t.compile, "train.compile: not supported with parallel.cp > 1 (CP exchanges run inside the mixers)")
+    tp, m2 = cfg.parallel.tp, cfg.model.mamba2
+    require(
+        tp == 1 or not cfg.model.has_kind("mamba2") or m2.n_groups >= tp,
+        f"model.mamba2.n_groups: {m2.n_groups} < parallel.tp={tp} is not supported with parallel.cp > 1 (a rank "
+        f"would hold part of a B/C group, whose state the pieces pass)",
+    )
+
+
+def _check_pipeline(cfg: JobConfig) -> None:
+    """`parallel.pp`, `pp_virtual`, `pp_cut`: the layer list cuts into pp × pp_virtual non-empty stages."""
+    pa, n = cfg.parallel, cfg.model.n_layers
+    require(pa.pp >= 1, f"parallel.pp: must be >= 1, got {pa.pp}")
+    require(pa.pp_virtual >= 1, f"parallel.pp_virtual: must be >= 1, got {pa.pp_virtual}")
+    require(pa.pp > 1 or pa.pp_virtual == 1, f"parallel.pp_virtual: {pa.pp_virtual} needs parallel.pp > 1")
+    stages = pa.pp * pa.pp_virtual
+    require(
+        stages <= n,
+        f"parallel.pp: pp × pp_virtual = {stages} stages for model.n_layers={n} (every stage needs a layer)",
+    )
+    if pa.pp_cut is not None:
+        cut = list(pa.pp_cut)
+        require(
+            len(cut) == stages - 1 and cut == sorted(set(cut)) and all(0 < c < n for c in cut),
+            f"parallel.pp_cut: {cut} must be {stages - 1} increasing layer indices in 1..{n - 1} (the first layer of "
+            f"each stage after the first)",
+        )
+
+
+def _check_tensor_parallel(cfg: JobConfig) -> None:
+    """Every dimension tensor parallelism splits must divide evenly by parallel.tp (see parallel/tensor_parallel.py)."""
+    m, tp = cfg.model, cfg.parallel.tp
+    a, mb, moe = m.attention, m.mamba, m.moe
+
+    def divides(value: int, key: str, what: str) -> None:
+        require(value % tp == 0, f"{key}: {what} {value} is not divisible by parallel.tp={tp}")
+
+    divides(m.vocab_size, "model.vocab_size", "the vocabulary (split across tensor-parallel ranks)")
+    require(
+        m.ffn_activation == "swiglu",
+        f"model.ffn_activation: {m.ffn_activation!r} FFNs do not support tensor parallelism yet (parallel.tp > 1)",
+    )
+    if m.has_kind("mamba2"):
+        _check_mamba2_tp(m.d_model, m.mamba2, tp)
+    if m.has_kind("gdn"):  # each key head keeps its value heads (a multiple of n_k_heads, so they split too)
+        divides(m.gdn.n_k_heads, "model.gdn.n_k_heads", "Gated DeltaNet key heads")
+    if m.has_kind("attention"):
+        require(
+            a.qk_norm != "full",
+            "model.attention.qk_norm: 'full' (one norm over all heads) is not supported with parallel.tp > 1",
+        )
+        divides(a.n_heads, "model.attention.n_heads", "query heads")
+        divides(a.n_kv_heads, "model.attention.n_kv_heads", "key/value heads")
+    if m.has_kind("mamba1"):
+        divides(mb.expand * m.d_model, "model.mamba.expand", "d_inner = expand * d_model =")
+        require(
+            not mb.proj_bias,
+            "model.mamba.proj_bias: biases of Mamba's in/out projections are not supported with parallel.tp > 1",
+        )
+    if m.has_kind("mlp"):
+        divides(m.d_ff, "model.d_ff", "the dense FFN hidden size")
+    if m.has_kind("moe"):
+        if cfg.parallel.expert_tp > 1:  # parallel.etp=1 keeps the experts whole
+            divides(moe.d_ff or m.d_ff, "model.moe.d_ff", "the expert hidden size")
+        if moe.shared_hidden(m.d_ff):
+            divides(moe.shared_hidden(m.d_ff), "model.moe.shared_d_ff", "the shared experts' hidden size")
+    if cfg.parallel.sequence_parallel:
+        divides(cfg.train.seq_len, "train.seq_len", "with parallel.sequence_parallel, the sequence length")
+
+
+def _check_mamba2_tp(d_model: int, mb: Mamba2Config, tp: int) -> None:
+    """Mamba-2 under TP (parallel/tensor_parallel.py, `_mamba2`): heads split; whole groups per rank, or one group
+    spread over tp / n_groups ranks, each holding 1/(tp / n_groups) of its B/C state channels."""
+    heads, g = mb.heads(d_model), mb.n_groups
+    require(
+        heads % tp == 0,
+        f"model.mamba2.n_heads: the {heads} Mamba-2 heads (n_heads, or expand * d_model / head_dim) are not "
+        f"divisible by parallel.tp={tp}",
+    )
+    require(
+        g % tp == 0 or tp % g == 0,
+        f"model.mamba2.n_groups: {g} groups must be a multiple or a divisor of parallel.tp={tp}",
+    )
+    if g < tp:
+        require(
+            mb.d_state % (tp // g) == 0,
+            f"model.mamba2.d_state: {mb.d_state} is not divisible by parallel.tp / n_groups = {tp // g} (each group's "
+            "B and C are split over that many ranks)",
+        )
+    require(
+        not mb.proj_bias,
+        "model.mamba2.proj_bias: biases of Mamba-2's in/out projections are not supported with parallel.tp > 1",
+    )
+
+
+def check_layout(cfg: JobConfig, world_size: int) -> int:
+    """Validate the parallel layout against the world size; return the data-parallel degree. Each error is one
+    line naming the key, its value and the world size (the launcher's WORLD_SIZE, checked before start-up)."""
+    tp, ep, etp, cp, pp = cfg.parallel.tp, cfg.parallel.ep, cfg.parallel.expert_tp, cfg.parallel.cp, cfg.parallel.pp
+    require(world_size % pp == 0, f"parallel.pp: {pp} does not divide the world size {world_size}")
+    world = world_size  # profile ranks count every rank; the layout checks below count one pipeline stage's
+    world_size //= pp  # ranks (pp is the outermost mesh dimension)
+    require(world_size % tp == 0, f"parallel.tp: {tp} does not divide the world size {world_size}")
+    require(
+        (world_size // tp) % cp == 0,
+        f"parallel.cp: {cp} does not divide world size / parallel.tp = {world_size} / {tp} = {world_size // tp}",
+    )
+    dp = world_size // (tp * cp)
+    if etp == tp:  # expert parallelism spans the ranks holding the same weights: dp × cp of them per tp_rank
+        require(
+            (dp * cp) % ep == 0,
+            f"parallel.ep: {ep} must divide the data-parallel degree {dp * cp} (world {world_size} / tp {tp}"
+            f"{', dp × cp with parallel.cp' if cp > 1 else ''}; parallel.etp=1 lets it divide dp × tp)",
+        )
+    else:
+        require(
+            world_size % ep == 0,
+            f"parallel.ep: {ep} must divide dp × tp = world size {world_size} with parallel.etp=1 (tp {tp})",
+        )
+    chunks = cfg.parallel.a2a_chunks
+    require(chunks >= 1, f"parallel.a2a_chunks: must be at least 1, got {chunks}")
+    if cfg.parallel.a2a_dedup != "none" and ep > 1:
+        require(
+            chunks == 1, f"parallel.a2a_dedup: {cfg.parallel.a2a_dedup!r} takes parallel.a2a_chunks=1, got {chunks}"
+        )
+        require(
+            cfg.parallel.expert_tp == 1,
+            f"parallel.a2a_dedup: {cfg.parallel.a2a_dedup!r} needs whole experts: parallel.tp=1 or parallel.etp=1 "
+            f"(got tp {tp}, etp {cfg.parallel.etp})",
+        )
+    cp_part = f" / parallel.cp={cp}" if cp > 1 else ""
+    ranks = f"{dp} data-parallel ranks (world size {world_size} / parallel.tp={tp}{cp_part})"
+    # The engine's, checked here (at start-up) rather than in validate(): tools that build no engine (bench) take it.
+    check_grad_reduction(cfg)
+    check_global_batch(cfg.train.global_batch_size, cfg.train.micro_batch_size, dp, ranks)
+    bad = [r for r in cfg.train.profile_ranks if not 0 <= r < world]
+    require(not bad, f"train.profile_ranks: {bad} outside the world's ranks 0..{world - 1}")
+    require(
+        cfg.train.eval_batches % dp == 0,
+        f"train.eval_batches: {cfg.train.eval_batches} is not divisible among {ranks}",
+    )
+    if ep > 1 and cfg.model.moe.group_by == "ep_rank":
+        require(
+            cfg.model.moe.n_groups == ep,
+            f"model.moe.n_groups: group_by 'ep_rank' needs one group per EP rank, n_groups = parallel.ep = {ep}, "
+            f"got {cfg.model.moe.n_groups}",
+        )
+    return dp
+
+
+def check_global_batch(global_batch_size: int, micro_batch_size: int, dp: int, ranks: str = "") -> None:
+    """The global batch is cut into whole micro-batches, dealt evenly to the `dp` data-parallel ranks (the rule
+    of the data's micro_batch_rows; `ranks` describes the layout in the message)."""
+    require(
+        micro_batch_size > 0 and global_batch_size % micro_batch_size == 0,
+        f"train.global_batch_size: must be a multiple of train.micro_batch_size={micro_batch_size}, "
+        f"got {global_batch_size}",
+    )
+    micro = global_batch_size // micro_batch_size
+    require(
+        micro % dp == 0,
+        f"train.global_batch_size: {global_batch_size} sequences = {micro} micro-batches of "
+        f"train.micro_batch_size={micro_batch_size}, not divisible among {ranks or f'{dp} data-parallel ranks'}",
+    )
+
+
+def check_grad_reduction(cfg: JobConfig) -> None:
+    """The gradient reduction options against what the DeepSpeed engine can honour (train/optim.py)."""
+    t, stage = cfg.train, cfg.deepspeed.zero_stage
+    require(
+        t.grad_reduce_bucket_mb > 0 and math.isfinite(t.grad_reduce_bucket_mb),
+        f"train.grad_reduce_bucket_mb: must be a positive number of MiB, got {t.grad_reduce_bucket_mb}",
+    )
+    require(
+        t.reduce_bucket_elements() >= 1,
+        f"train.grad_reduce_bucket_mb: {t.grad_reduce_bucket_mb} MiB holds no whole gradient element",
+    )
+    require(
+        not t.grad_reduce_overlap or stage == 2,
+        f"train.grad_reduce_overlap: true is not honoured at deepspeed.zero_stage={stage} (stage 0 reduces from no "
+        "gradient hooks; DeepSpeed 0.19.8's overlapped stage 1 reduces the wrong gradients once a step spans more "
+        "than one bucket); set it false or null, or use stage 2",
+    )
+    zero = cfg.deepspeed.extra.get("zero_optimization")
+    require(
+        not isinstance(zero, dict) or not {"overlap_comm", "reduce_bucket_size"} & set(zero),
+        "deepspeed.extra: zero_optimization's overlap_comm / reduce_bucket_size are train.grad_reduce_overlap / "
+        "train.grad_reduce_bucket_mb; set those instead",
+    )
