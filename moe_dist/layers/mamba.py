@@ -158,12 +158,13 @@ class Mamba(nn.Module):
             x = self._document_conv(x.transpose(1, 2), document_ids)  # (B, Di, L)
             reset = torch.zeros_like(document_ids, dtype=torch.bool)  # (B, L): True at a document start
             reset[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
-        y, *_ = self._conv_out_scan(x, z, reset)  # (B, Di, L)
+        y = self._conv_out_scan(x, z, reset)[0]  # (B, Di, L)
         return self.out_proj(y.transpose(1, 2))  # (B, L, d_model)
 
     def _conv_out_scan(self, x: torch.Tensor, z: torch.Tensor, reset: Optional[torch.Tensor], final: bool = False):
-        """The selective scan of the conv output x (B, Di, L) gated by z (B, L, Di): (y (B, Di, L), and with `final`
-        the last state (B, Di, N) fp32, dt (B, L, Di), C (B, L, N), A). The whole sequence and a CP piece share it."""
+        """The selective scan of the conv output x (B, Di, L) gated by z (B, L, Di): (the scan's output — y (B, Di, L),
+        or with `final` (y, the last state (B, Di, N) fp32) — dt (B, L, Di), C (B, L, N), A). The whole sequence and
+        a CP piece share it."""
         x = F.silu(x)
         dt, B, C, A = self._ssm_inputs(x.transpose(1, 2))
         out = self.scan(
@@ -179,7 +180,7 @@ class Mamba(nn.Module):
             **({"return_final_state": True} if final else {}),
             **({} if reset is None else {"reset": reset}),
         )
-        return (*out, dt, C, A) if final else (out,)
+        return out, dt, C, A
 
     def _forward_cp(self, x: torch.Tensor, shard: SeqShard, document_ids: Optional[torch.Tensor]) -> torch.Tensor:
         """Context parallelism by state passing (moe_dist/parallel/state_passing.py): both local pieces run from a
@@ -195,7 +196,7 @@ class Mamba(nn.Module):
         else:
             x = self._document_conv(window, window_ids)[..., K - 1 :]
         reset = sp.piece_resets(shard, document_ids)  # (2B, c) or None
-        y, final, dt, C, A = self._conv_out_scan(x, z, reset, final=True)  # (2B, Di, c), (2B, Di, N) fp32
+        (y, final), dt, C, A = self._conv_out_scan(x, z, reset, final=True)  # (2B, Di, c), (2B, Di, N) fp32
         compute = final.dtype
         delta_sum = F.softplus(dt.to(compute) + self.dt_proj.bias.to(compute)).cumsum(1)  # (2B, c, Di): Σ_{s≤t} Δ_s
         keep = None if reset is None else (reset.cumsum(1) == 0).to(compute)  # (2B, c): before the first start
