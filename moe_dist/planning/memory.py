@@ -21,6 +21,7 @@ from moe_dist.config.parallel_checks import check_layout
 from moe_dist.models.activation_checkpointing import checkpointed_parts
 from moe_dist.models.decoder import build_model, layer_kinds
 from moe_dist.planning.capacity import headroom
+from moe_dist.planning.stage_cut import stage_starts
 
 GB = 1e9
 # Parameters apply_tp splits over tensor-parallel ranks (parallel/tensor_parallel.py), by name suffix.
@@ -215,19 +216,16 @@ def runtime_bytes(device: str, world_size: int, dp: int, tp: int, ep: int, edp: 
     return CUDA_CONTEXT + NCCL_PER_GROUP * len(groups) + NCCL_ALL_TO_ALL_PER_PEER * (ep - 1)
 
 
-def pipeline_share(cfg: JobConfig, pp_rank: int, micro_batches: int):
+def pipeline_share(cfg: JobConfig, pp_rank: int, micro_batches: int, starts: list[int] | None):
     """What pipeline rank `pp_rank` holds: (its layers, which parameters by name, whether it holds the LM head, the
-    micro-batches whose activations it keeps at once). Its stages are s ≡ pp_rank (mod pp) of stage_cut's cut; the
+    micro-batches whose activations it keeps at once). Its stages are s ≡ pp_rank (mod pp) of the cut `starts`; the
     embedding sits on the first rank, the final norm and head on the last (a tied embedding on both).
     In flight: 1F1B's warm-up leaves pp − r micro-batches' activations on rank r; the interleaved schedule's leaves
     (v − 1)·pp + 2·(pp − 1 − r) + 1 stage-chunks of 1/v of the rank's layers (pp + (pp − 1)/v micro-batches' worth
     on rank 0, Megatron-LM's figure for its interleaved schedule); never more than the step's micro-batches."""
-    from moe_dist.planning.stage_cut import stage_starts
-
     pa, n = cfg.parallel, cfg.model.n_layers
     if pa.pp == 1:
         return None, None, True, 1.0
-    starts = stage_starts(cfg)
     ends = [*starts[1:], n]
     layers = {i for s in range(pp_rank, len(starts), pa.pp) for i in range(starts[s], ends[s])}
     first, last = pp_rank == 0, pp_rank == pa.pp - 1
@@ -245,25 +243,30 @@ def pipeline_share(cfg: JobConfig, pp_rank: int, micro_batches: int):
 
 
 def memory_plan(
-    cfg: JobConfig, world_size: int, device: str = "cuda", capacity_bytes: int | None = None, pp_rank: int | None = None
+    cfg: JobConfig,
+    world_size: int,
+    device: str = "cuda",
+    capacity_bytes: int | None = None,
+    pp_rank: int | None = None,
+    starts: list[int] | None = None,
 ) -> dict:
     """The plan for one rank at `world_size` under the config's layout (checked as at start-up), on `device`
     ("cuda": device memory of a GPU rank; "cpu": resident memory of a CPU rank, as measured in docs/memory.md).
     On CUDA, `capacity` holds the total against one GPU's memory (`capacity_bytes`, else capacity.py's
     `planned_capacity`) less the fragmentation margin; None on the CPU (ranks share the host's memory).
     Under pipeline parallelism the plan is of the pipeline rank that needs the most (`pipeline` lists every rank's
-    total and the cut), or of `pp_rank`."""
+    total and the cut `starts`, stage_cut's unless given), or of `pp_rank`."""
     dp = check_layout(cfg, world_size)
     pp = cfg.parallel.pp
+    if pp > 1 and starts is None:
+        starts = stage_starts(cfg)  # once: every pipeline rank's share reads the same cut
     if pp > 1 and pp_rank is None:
-        from moe_dist.planning.stage_cut import stage_starts
-
-        plans = [memory_plan(cfg, world_size, device, capacity_bytes, r) for r in range(pp)]
+        plans = [memory_plan(cfg, world_size, device, capacity_bytes, r, starts) for r in range(pp)]
         worst = max(plans, key=lambda plan: plan["memory_per_rank_gb"]["total"])
         totals = [plan["memory_per_rank_gb"]["total"] for plan in plans]
-        return {**worst, "pipeline": {"stage_starts": stage_starts(cfg), "total_gb_by_pp_rank": totals}}
+        return {**worst, "pipeline": {"stage_starts": starts, "total_gb_by_pp_rank": totals}}
     micro_batches = cfg.train.grad_accum_steps(dp)
-    layers, holds, head, in_flight = pipeline_share(cfg, pp_rank or 0, micro_batches)
+    layers, holds, head, in_flight = pipeline_share(cfg, pp_rank or 0, micro_batches, starts)
     tp, ep, etp, cp = cfg.parallel.tp, cfg.parallel.ep, cfg.parallel.expert_tp, cfg.parallel.cp
     replicas = dp * cp  # ranks of a tp_rank holding the same weights: ZeRO partitions over them
     edp = replicas * tp // (ep * etp)  # the ranks holding the same experts

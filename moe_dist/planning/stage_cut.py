@@ -11,8 +11,6 @@ stage, since that stage sets the pipeline's pace; `parallel.pp_cut` overrides it
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 from moe_dist.config import ConfigError, JobConfig
 from moe_dist.planning.workload import mixer_flops_per_token
 
@@ -67,12 +65,6 @@ def _best_cut(costs: tuple[float, ...], stages: int) -> tuple[float, list[int]]:
     return best[stages][n], starts[::-1]
 
 
-@lru_cache(maxsize=64)
-def _cached_cut(costs: tuple[float, ...], stages: int) -> tuple[float, tuple[int, ...]]:
-    bottleneck, starts = _best_cut(costs, stages)
-    return bottleneck, tuple(starts)
-
-
 def stage_costs(cfg: JobConfig, starts: list[int]) -> list[float]:
     """Forward FLOPs per token of each stage under the cut `starts` (the LM head on the last)."""
     layers, head = layer_costs(cfg)
@@ -93,7 +85,7 @@ def stage_starts(cfg: JobConfig) -> list[int]:
         return [0, *pa.pp_cut]
     layers, head = layer_costs(cfg)
     costs = [*layers[:-1], layers[-1] + head]  # the head rides with the last layer: it cannot move elsewhere
-    bottleneck, starts = _cached_cut(tuple(costs), stages)
+    bottleneck, starts = _best_cut(tuple(costs), stages)
     mean = sum(costs) / stages
     if bottleneck > MAX_IMBALANCE * mean:
         ends = [*starts[1:], len(costs)]
@@ -104,4 +96,4 @@ def stage_starts(cfg: JobConfig) -> list[int]:
             f"cut's costliest stage (layers {starts[worst]}..{end}) costs {bottleneck / mean:.2f} × the mean "
             f"(limit {MAX_IMBALANCE}); use fewer stages or set parallel.pp_cut"
         )
-    return list(starts)
+    return starts
