@@ -26,7 +26,8 @@ from moe_dist.parallel.mesh import Mesh, layout_groups
 def check_node_groups(n_groups: int, mesh: Mesh) -> None:
     """`model.moe.group_by` "node": the expert groups must be the nodes the EP group spans (ranks of a node are
     consecutive, so each node holds a contiguous block of experts), bounding the nodes a token is sent to."""
-    ep_ranks = next(g for g in layout_groups(mesh.dp, mesh.ep, mesh.tp, mesh.etp, mesh.cp)["ep"] if mesh.rank in g)
+    groups = layout_groups(mesh.dp, mesh.ep, mesh.tp, mesh.etp, mesh.cp, mesh.pp)
+    ep_ranks = next(g for g in groups["ep"] if mesh.rank in g)
     nodes = len({r // mesh.local_world_size for r in ep_ranks})
     if n_groups != nodes:
         raise ConfigError(

@@ -1,5 +1,9 @@
-"""Process start-up and the parallel layout: world = dp × cp × tp, with ep dividing dp × cp, or dp × cp × tp when
+"""Process start-up and the parallel layout: world = pp × dp × cp × tp, with ep dividing dp × cp, or dp × cp × tp when
 the experts are whole (`parallel.etp` = 1).
+
+Pipeline stages are the outermost dimension: pipeline rank p holds the ranks p · S … (p + 1) · S − 1, S = world / pp,
+and every other group lies inside one stage (an EP group never straddles stages), laid out there as below. The pp
+group of a rank links the ranks at its position in every stage.
 
 Invariants: ranks are tp-innermost, then cp, then dp: rank = (dp_rank · cp + cp_rank) · tp + tp_rank (a TP group is
 `tp` neighbouring ranks, a CP group the `cp` ranks of one dp_rank and tp_rank, inside a node while cp · tp ≤ its
@@ -68,6 +72,10 @@ class Mesh:
     cp: int = 1  # context-parallel degree: each sequence split over `cp` ranks
     cp_rank: int = 0  # which pieces of every sequence this rank holds (context_parallel.piece_chunks)
     cp_group: dist.ProcessGroup | None = None  # the `cp` ranks of this dp_rank and tp_rank (None when cp == 1)
+    pp: int = 1  # pipeline-parallel degree: stages of the layer list, the outermost dimension
+    pp_rank: int = 0  # which stage(s) this rank runs (stage s runs on pipeline rank s mod pp)
+    pp_group: dist.ProcessGroup | None = None  # this rank's position in every stage (None when pp == 1)
+    mp_group: dist.ProcessGroup | None = None  # pp > 1: the tp × pp ranks of this replica (DeepSpeed's model-parallel)
 
     @property
     def replicas(self) -> int:
@@ -90,32 +98,40 @@ class Mesh:
 
     @property
     def mpu(self) -> "ModelParallelUnit | None":
-        """What deepspeed.initialize needs to see the TP layout (its data-parallel group excludes TP peers; it
-        holds the dp × cp replicas). Without TP the replicas are the world, DeepSpeed's default group."""
-        return ModelParallelUnit(self) if self.tp > 1 else None
+        """What deepspeed.initialize needs to see the TP and pipeline layout (its data-parallel group excludes TP
+        peers and other stages; it holds the dp × cp replicas of one stage). Without either the replicas are the
+        world, DeepSpeed's default group."""
+        return ModelParallelUnit(self) if self.tp > 1 or self.pp > 1 else None
 
 
 class ModelParallelUnit:
-    """The Megatron-style `mpu` interface DeepSpeed queries: the TP group is its model-parallel group.
+    """The Megatron-style `mpu` interface DeepSpeed queries: the TP group is its tensor-parallel group, and the
+    TP × pipeline ranks of one replica its model-parallel group (the TP group when pp = 1).
 
-    ZeRO then reduces gradients over the DP group only, and its gradient norm sums the squares of parameters
-    marked `model_parallel` (TP shards) on every TP rank and of the others (replicated) on tp_rank 0 alone."""
+    ZeRO then reduces gradients over the DP group only, and its gradient norm sums over the model-parallel group
+    the squares of parameters marked `model_parallel` (TP shards) on every TP rank and of the others (replicated
+    over TP) on tp_rank 0 alone: each stage's parameters are counted once."""
 
     def __init__(self, mesh: Mesh):
         self.mesh = mesh
 
     def get_model_parallel_rank(self) -> int:
-        return self.mesh.tp_rank
+        return self.mesh.pp_rank * self.mesh.tp + self.mesh.tp_rank
 
     def get_model_parallel_world_size(self) -> int:
-        return self.mesh.tp
+        return self.mesh.pp * self.mesh.tp
 
     def get_model_parallel_group(self) -> dist.ProcessGroup:
-        return self.mesh.tp_group
+        return self.mesh.tp_group if self.mesh.pp == 1 else self.mesh.mp_group
 
-    get_tensor_model_parallel_rank = get_model_parallel_rank
-    get_tensor_model_parallel_world_size = get_model_parallel_world_size
-    get_tensor_model_parallel_group = get_model_parallel_group
+    def get_tensor_model_parallel_rank(self) -> int:
+        return self.mesh.tp_rank
+
+    def get_tensor_model_parallel_world_size(self) -> int:
+        return self.mesh.tp
+
+    def get_tensor_model_parallel_group(self) -> dist.ProcessGroup:
+        return self.mesh.tp_group
 
     def get_data_parallel_rank(self) -> int:
         return self.mesh.replica_rank
@@ -134,10 +150,25 @@ def ep_layout(dp: int, ep: int) -> tuple[list[list[int]], list[list[int]]]:
     return ep_groups, edp_groups
 
 
-def layout_groups(dp: int, ep: int, tp: int, etp: int | None = None, cp: int = 1) -> dict[str, list[list[int]]]:
-    """Every group of the layout as lists of global ranks (rank = (dp_rank · cp + cp_rank) · tp + tp_rank); pure
-    index math. "dp" is the replica group of each tp_rank (dp × cp ranks: ZeRO's), "cp" the CP groups (cp > 1).
+def layout_groups(
+    dp: int, ep: int, tp: int, etp: int | None = None, cp: int = 1, pp: int = 1
+) -> dict[str, list[list[int]]]:
+    """Every group of the layout as lists of global ranks (rank = pp_rank · S + (dp_rank · cp + cp_rank) · tp +
+    tp_rank, S = dp · cp · tp ranks per stage); pure index math. "dp" is the replica group of each tp_rank (dp × cp
+    ranks: ZeRO's), "cp" the CP groups (cp > 1), "pp" (pp > 1) the ranks at one position of every stage.
     etp (default tp): experts split over TP, EP inside each tp_rank's replicas; 1: EP over consecutive ranks."""
+    stage = _stage_groups(dp, ep, tp, etp, cp)
+    if pp == 1:
+        return stage
+    size = dp * cp * tp
+    groups = {kind: [[p * size + r for r in g] for p in range(pp) for g in gs] for kind, gs in stage.items()}
+    groups["pp"] = [[p * size + r for p in range(pp)] for r in range(size)]
+    groups["mp"] = [[p * size + r * tp + t for p in range(pp) for t in range(tp)] for r in range(dp * cp)]
+    return groups
+
+
+def _stage_groups(dp: int, ep: int, tp: int, etp: int | None, cp: int) -> dict[str, list[list[int]]]:
+    """layout_groups of one stage (pipeline rank 0's ranks)."""
     cp_groups = [[(d * cp + c) * tp + t for c in range(cp)] for d in range(dp) for t in range(tp)]
     dp = dp * cp  # from here on: replicas, indexed by dp_rank · cp + cp_rank
     groups = {
@@ -367,13 +398,18 @@ def init_distributed(cfg: JobConfig, timeout_s: float | None = None) -> Mesh:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     _unlink_deepspeed_shm(rank, world_size)
     dp = check_layout(cfg, world_size)
-    ep, tp, etp, cp = cfg.parallel.ep, cfg.parallel.tp, cfg.parallel.expert_tp, cfg.parallel.cp
-    dp_rank = rank // (tp * cp)
+    ep, tp, etp, cp, pp = cfg.parallel.ep, cfg.parallel.tp, cfg.parallel.expert_tp, cfg.parallel.cp, cfg.parallel.pp
+    stage_rank = rank % (world_size // pp)  # the position inside this rank's stage, which the layout below indexes
+    dp_rank = stage_rank // (tp * cp)
     name = f"ep_size_{ep}" if etp == tp else f"ep_size_{ep}_etp_{etp}"
-    layout = layout_groups(dp, ep, tp, etp, cp)
-    tp_group = dp_group = ep_group = edp_group = cp_group = None
+    layout = layout_groups(dp, ep, tp, etp, cp, pp)
+    tp_group = dp_group = ep_group = edp_group = cp_group = pp_group = mp_group = None
+    if pp > 1:
+        pp_group, _ = _new_groups(layout["pp"], rank)
+        mp_group, _ = _new_groups(layout["mp"], rank)
     if tp > 1:
         tp_group, _ = _new_groups(layout["tp"], rank)
+    if tp > 1 or pp > 1:  # else the replicas are the world
         dp_group, _ = _new_groups(layout["dp"], rank)
     if cp > 1:
         cp_group, _ = _new_groups(layout["cp"], rank)
@@ -396,7 +432,7 @@ def init_distributed(cfg: JobConfig, timeout_s: float | None = None) -> Mesh:
         dp=dp,
         dp_rank=dp_rank,
         ep=ep,
-        ep_rank=ep_rank_of(rank, ep, tp, etp),
+        ep_rank=ep_rank_of(stage_rank, ep, tp, etp),
         ep_group=ep_group,
         edp_group=edp_group,
         ep_group_name=name,
@@ -409,4 +445,8 @@ def init_distributed(cfg: JobConfig, timeout_s: float | None = None) -> Mesh:
         cp=cp,
         cp_rank=(rank // tp) % cp,
         cp_group=cp_group,
+        pp=pp,
+        pp_rank=rank // (world_size // pp),
+        pp_group=pp_group,
+        mp_group=mp_group,
     )

@@ -142,3 +142,16 @@ def test_bad_cp_input_exits_2_and_writes_nothing(tmp_path, capsys, monkeypatch, 
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and expected in err[0], err
     assert not run.exists()
+
+
+def test_pipeline_stages_are_the_outermost_dimension():
+    """world 16 = pp 2 × (dp 2 × tp 4), ep 2: stage p holds ranks 8p … 8p + 7, laid out inside as without pp; the pp
+    groups link the same position of both stages; DeepSpeed's model-parallel group is tp × pp of one replica."""
+    g, one = layout_groups(2, 2, 4, None, pp=2), layout_groups(2, 2, 4, None)
+    for kind in ("tp", "dp", "ep", "edp"):
+        assert g[kind] == one[kind] + [[r + 8 for r in grp] for grp in one[kind]], kind
+        assert all(len({r // 8 for r in grp}) == 1 for grp in g[kind]), kind  # never straddles stages
+    assert g["pp"] == [[r, r + 8] for r in range(8)]
+    assert g["mp"] == [[0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15]]
+    for kind in ("tp", "dp", "ep", "edp", "pp", "mp"):
+        assert sorted(r for grp in g[kind] for r in grp) == list(range(16)), kind
