@@ -100,6 +100,43 @@ def _check_pipeline(cfg: JobConfig) -> None:
         )
 
 
+def check_pipeline_runtime(cfg: JobConfig) -> None:
+    """Training only (plans take any layout): what the pipeline runtime (parallel/pipeline.py) does not run yet is
+    refused rather than run wrong."""
+    pa = cfg.parallel
+    if pa.pp > 1:
+        for unsupported, what in (
+            (pa.tp > 1, f"parallel.tp={pa.tp}"),
+            (pa.cp > 1, f"parallel.cp={pa.cp}"),
+            (cfg.model.tie_embeddings, "model.tie_embeddings=true"),
+            (cfg.train.compile, "train.compile=true"),
+        ):
+            require(not unsupported, f"parallel.pp: {pa.pp} does not run with {what} yet")
+        moe = cfg.model.moe
+        require(
+            not (moe.aux_loss_scope == "global_batch" and moe.global_batch_load == "this_step"),
+            "model.moe.global_batch_load: 'this_step' needs a routing pre-pass of the whole step, which "
+            "parallel.pp > 1 does not run; use 'previous_step'",
+        )
+
+
+def _check_pipeline_micro_batches(cfg: JobConfig, micro: int) -> None:
+    """The schedule's need: 1F1B fills the pipeline with pp micro-batches; interleaved 1F1B also runs them in
+    rounds of pp (torch.distributed.pipelining's rule: the count a multiple of the rounds, max(1, m // pp))."""
+    pp, v = cfg.parallel.pp, cfg.parallel.pp_virtual
+    require(
+        micro >= pp,
+        f"train.global_batch_size: {cfg.train.global_batch_size} gives {micro} micro-batches per pipeline, fewer than "
+        f"parallel.pp={pp} stages need (global_batch_size >= pp × micro_batch_size × data-parallel ranks)",
+    )
+    rounds = max(1, micro // pp)
+    require(
+        v == 1 or micro % rounds == 0,
+        f"train.global_batch_size: {micro} micro-batches per pipeline is not a multiple of the interleaved schedule's "
+        f"{rounds} rounds of parallel.pp={pp} (parallel.pp_virtual={v})",
+    )
+
+
 def _check_tensor_parallel(cfg: JobConfig) -> None:
     """Every dimension tensor parallelism splits must divide evenly by parallel.tp (see parallel/tensor_parallel.py)."""
     m, tp = cfg.model, cfg.parallel.tp
@@ -206,6 +243,8 @@ def check_layout(cfg: JobConfig, world_size: int) -> int:
     # The engine's, checked here (at start-up) rather than in validate(): tools that build no engine (bench) take it.
     check_grad_reduction(cfg)
     check_global_batch(cfg.train.global_batch_size, cfg.train.micro_batch_size, dp, ranks)
+    if pp > 1:
+        _check_pipeline_micro_batches(cfg, cfg.train.grad_accum_steps(dp))
     bad = [r for r in cfg.train.profile_ranks if not 0 <= r < world]
     require(not bad, f"train.profile_ranks: {bad} outside the world's ranks 0..{world - 1}")
     require(

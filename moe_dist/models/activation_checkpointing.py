@@ -23,6 +23,7 @@ from moe_dist.layers.mamba import Mamba
 from moe_dist.layers.mamba2 import Mamba2
 from moe_dist.layers.mlp import SwiGLU
 from moe_dist.layers.moe import MoE
+from moe_dist.models.decoder import held_blocks
 
 PARTS = ("attention", "mamba", "mamba2", "gdn", "moe_experts", "mlp")
 # The mixer part each mixer class answers to.
@@ -55,7 +56,7 @@ def _recompute(module: nn.Module, takes_cache: bool = False) -> None:
 def apply_activation_checkpointing(model: nn.Module, t: TrainConfig) -> nn.Module:
     """Mark the configured sublayers of every block for recompute; returns `model` (changed in place)."""
     parts = checkpointed_parts(t)
-    for block in getattr(model, "blocks", []):
+    for block in held_blocks(model):
         mixer, ffn = block.mixer, block.ffn
         if mixer is not None and _MIXER_PART[type(mixer)] in parts:
             _recompute(mixer, takes_cache=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from moe_dist.config import JobConfig
 from moe_dist.layers.attention import Attention
 from moe_dist.layers.mlp import SwiGLU
+from moe_dist.models.decoder import held_blocks
 
 
 def maybe_compile(model, cfg: JobConfig):
@@ -13,7 +14,7 @@ def maybe_compile(model, cfg: JobConfig):
     dense FFNs). MoE layers (data-dependent row counts) and the Mamba scan (a hand-written autograd Function over
     chunks) stay eager. Compiling in place keeps parameter names, so checkpoints are unchanged. Returns `model`."""
     if cfg.train.compile:
-        for block in model.blocks:
+        for block in held_blocks(model):
             for norm in (block.mixer_norm, block.ffn_norm):
                 if norm is not None:
                     norm.compile()
@@ -21,5 +22,6 @@ def maybe_compile(model, cfg: JobConfig):
                 block.mixer.compile()
             if isinstance(block.ffn, SwiGLU):
                 block.ffn.compile()
-        model.norm.compile()
+        if model.norm is not None:  # a pipeline part without the last stage has none
+            model.norm.compile()
     return model

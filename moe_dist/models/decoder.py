@@ -32,6 +32,12 @@ from moe_dist.layers.router import RoutingStats
 from moe_dist.parallel.context_parallel import SeqShard, takes_shard
 
 
+def held_blocks(model: nn.Module) -> list["Block"]:
+    """The blocks a model holds, in layer order: a Decoder's, or a pipeline part's (keyed by layer index)."""
+    blocks = getattr(model, "blocks", [])
+    return list(blocks.values()) if isinstance(blocks, nn.ModuleDict) else list(blocks)
+
+
 def layer_kinds(cfg: ModelConfig) -> list[tuple[Optional[str], Optional[str]]]:
     """(mixer, ffn) kinds per layer ("attention", "moe", ... or None where the layer has no such sublayer)."""
     return cfg.layer_kinds()

@@ -8,18 +8,22 @@ from torch import nn
 from moe_dist.config import JobConfig
 from moe_dist.parallel.expert_parallel import apply_ep
 from moe_dist.parallel.mesh import Mesh
+from moe_dist.parallel.pipeline import apply_pp
 from moe_dist.parallel.tensor_parallel import apply_tp, register_grad_sums, shard
 
 
 def parallelize(model: nn.Module, mesh: Mesh, cfg: JobConfig) -> nn.Module:
-    """Meta-device model → this rank's materialized shard. Both splits act on the meta model: experts over EP
-    (only local experts remain), then dimensions over TP (shapes only); then `materialize_shards` allocates and
-    initializes just this rank's shards on its device."""
+    """Meta-device model → this rank's materialized shard. Every split acts on the meta model: experts over EP
+    (only local experts remain), then the layer list over pipeline stages (this rank's PipelinePart), then
+    dimensions over TP (shapes only); then `materialize_shards` allocates and initializes just this rank's shards
+    on its device."""
     model = apply_ep(model, mesh, cfg.parallel.a2a_chunks)
-    # Unsharded shapes, on meta (no storage); the dispatchers (process groups) and DeepSpeed's marker are shared.
+    # Unsharded shapes of the whole model, on meta (no storage); the dispatchers (process groups) and DeepSpeed's
+    # marker are shared.
     shared = [m.dispatcher for m in model.modules() if hasattr(m, "dispatcher")]
     shared += [m for m in model.modules() if m is getattr(model, "deepspeed_moe_marker", None)]
     template = copy.deepcopy(model, memo={id(x): x for x in shared})
+    model = apply_pp(model, mesh, cfg)
     model = apply_tp(model, mesh, cfg.parallel.sequence_parallel)
     materialize_shards(model, template, mesh, cfg.train.seed)
     if mesh.tp > 1:  # after allocation: the gradient sums' hooks belong to the allocated parameters
@@ -36,14 +40,20 @@ def materialize_shards(model: nn.Module, template: nn.Module, mesh: Mesh, seed: 
 
     Values are drawn on the CPU, as `materialize_whole` (the unsharded model on one device) does, so a seed gives the
     same model on every device and layout. Python attributes of the meta parameters (expert-group and TP marks)
-    are carried over to the allocated ones.
+    are carried over to the allocated ones. Units `model` does not hold (other pipeline stages' layers) are drawn
+    too, and dropped: the random stream must reach the held units in the same state.
     """
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         for path, init in template.init_units():
-            whole, target = template.get_submodule(path), model.get_submodule(path)
+            whole = template.get_submodule(path)
             whole.to_empty(device="cpu")
             init(whole)
+            try:
+                target = model.get_submodule(path)
+            except AttributeError:  # held by another pipeline stage
+                whole.to_empty(device="meta")
+                continue
             for name, full in whole.named_parameters():
                 owner_path, _, leaf = name.rpartition(".")
                 owner = target.get_submodule(owner_path) if owner_path else target

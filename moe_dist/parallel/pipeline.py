@@ -106,23 +106,48 @@ def local_stages(model: Decoder, starts: list[int], pp: int, pp_rank: int) -> li
     return [Stage(model, bounds[s], bounds[s + 1]) for s in range(pp_rank, len(starts), pp)]
 
 
-def build_schedule(
-    stages: list[Stage],
-    indices: list[int],
-    n_stages: int,
-    micro_batches: int,
-    loss_fn: Callable,
-    group,
-    micro_shape: tuple[int, int],
-):
-    """torch.distributed.pipelining's schedule over this rank's stages (`indices`: their stage numbers): 1F1B for
-    one stage per rank, interleaved 1F1B for several. Gradients are not rescaled by the schedule: `loss_fn`
-    returns each micro-batch's loss already divided by the micro-batch count, as one process accumulates it.
+class PipelinePart(nn.Module):
+    """This pipeline rank's share of a Decoder, under the Decoder's parameter names (so checkpoints and every
+    name-based rule read it as a slice of the whole model): its stages' blocks (`blocks`, keyed by layer index),
+    the embedding where it runs the first stage (or the last, under a tied head), the final norm and head where it
+    runs the last. `stages` are the Stage views over these same modules in schedule order, their stage numbers
+    `stage_indices`; the DeepSpeed engine wraps the part, the schedule runs the stages."""
 
-    Every stage states its input and output shapes for a micro-batch of `micro_shape` (rows, positions): the
-    schedule then sends tensors of known shapes and runs no shape-inference forward (which would route garbage
-    through the MoE layers and count it)."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+    def __init__(self, model: Decoder, starts: list[int], pp: int, pp_rank: int):
+        super().__init__()
+        stages = local_stages(model, starts, pp, pp_rank)
+        self.cfg = model.cfg
+        self.embed = model.embed if any(s.embed is not None for s in stages) else None
+        self.blocks = nn.ModuleDict({k: b for s in stages for k, b in s.blocks.items()})
+        self.norm = model.norm if stages[-1].last else None
+        self.head = model.head if stages[-1].last else None
+        marker = getattr(model, "deepspeed_moe_marker", None)
+        if marker is not None and any(b.ffn is not None and hasattr(b.ffn, "router") for b in self.blocks.values()):
+            self.deepspeed_moe_marker = marker  # only a part that holds experts tells DeepSpeed it has MoE layers
+        self.stage_indices = list(range(pp_rank, len(starts), pp))
+        self.n_stages, self.starts = len(starts), list(starts)
+        object.__setattr__(self, "stages", stages)  # views over the modules above: not registered twice
+
+    implementations = Decoder.implementations  # what each operation of its layers runs (start-up report)
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("a pipeline part runs through its schedule (parallel/pipeline.py), not as one module")
+
+
+def apply_pp(model: Decoder, mesh, cfg) -> nn.Module:
+    """This rank's PipelinePart of the (meta) model under `parallel.pp`; the model itself without pipelining."""
+    if mesh.pp == 1:
+        return model
+    from moe_dist.planning.stage_cut import stage_starts
+
+    return PipelinePart(model, stage_starts(cfg), mesh.pp, mesh.pp_rank)
+
+
+def _pipeline_stages(stages, indices, n_stages, micro_shape, group, stage_class=None) -> list:
+    """torch.distributed.pipelining stages over `stages` (numbers `indices`) with static shapes for a micro-batch
+    of `micro_shape` (rows, positions): the schedule then sends tensors of known shapes and runs no shape-inference
+    forward (which would route garbage through the MoE layers and count it)."""
+    from torch.distributed.pipelining import PipelineStage
 
     weight = next(stages[0].parameters())
     pipes = []
@@ -132,7 +157,134 @@ def build_schedule(
         tokens = torch.empty(micro_shape, dtype=torch.long, device="meta")
         logits = torch.empty(*micro_shape, st.cfg.vocab_size, dtype=weight.dtype, device="meta", requires_grad=True)
         x, y = tokens if st.first else hidden, logits if st.last else hidden
-        pipes.append(PipelineStage(st, i, n_stages, weight.device, input_args=x, output_args=y, group=group))
+        kw = dict(input_args=x, output_args=y, group=group)
+        pipes.append((stage_class or PipelineStage)(st, i, n_stages, weight.device, **kw))
+    return pipes
+
+
+def _schedule(pipes: list, micro_batches: int, loss_fn: Callable):
+    """1F1B for one stage per rank, interleaved 1F1B for several. Gradients are not rescaled by the schedule:
+    `loss_fn` returns each micro-batch's loss already divided by the micro-batch count, as one process does."""
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleInterleaved1F1B
+
     if len(pipes) == 1:
         return Schedule1F1B(pipes[0], micro_batches, loss_fn=loss_fn, scale_grads=False)
     return ScheduleInterleaved1F1B(pipes, micro_batches, loss_fn=loss_fn, scale_grads=False)
+
+
+def build_schedule(stages, indices, n_stages, micro_batches: int, loss_fn: Callable, group, micro_shape):
+    """The schedule over this rank's stages (`indices`: their stage numbers), autograd run by the schedule itself
+    (no DeepSpeed engine: `Pipeline` drives one)."""
+    return _schedule(_pipeline_stages(stages, indices, n_stages, micro_shape, group), micro_batches, loss_fn)
+
+
+def _engine_stage_class():
+    from torch.distributed.pipelining import PipelineStage
+
+    class EngineStage(PipelineStage):
+        """A pipeline stage whose backward is its DeepSpeed engine's (`Pipeline.backward`): the engine's ZeRO
+        hooks, reduction at the boundary and bookkeeping run as for one module, once per micro-batch and stage."""
+
+        def __init__(self, pipeline: "Pipeline", *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.pipeline = pipeline
+
+        def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
+            if backward_type != "full":
+                raise RuntimeError(f"pipeline: backward {backward_type!r} is not supported (full backward only)")
+            outputs, grads = bwd_kwargs["stage_output"], bwd_kwargs["output_grads"]
+            outputs = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
+            if grads is None:  # the last stage: the micro-batch's loss
+                surrogate = outputs[0]
+            else:
+                grads = list(grads) if isinstance(grads, (tuple, list)) else [grads]
+                # Σ output · gradient: its gradient with respect to the stage's inputs and weights is the stage's
+                # vector-Jacobian product, exactly (the multiply's backward hands each output its gradient)
+                surrogate = sum((o * g).sum() for o, g in zip(outputs, grads, strict=True) if g is not None)
+            self.pipeline.backward(surrogate)
+            inputs = []
+            for value in bwd_kwargs["input_values"]:
+                inputs.append(value.grad if isinstance(value, torch.Tensor) else None)
+                if isinstance(value, torch.Tensor):
+                    value.grad = None  # sent on, not accumulated
+            return tuple(inputs), None
+
+    return EngineStage
+
+
+class Pipeline:
+    """One optimizer step of this rank's micro-batches through its stages under the schedule, the DeepSpeed engine
+    that wraps the rank's PipelinePart doing what it does for one module: ZeRO's hooks and reductions, the
+    accumulation boundary at this rank's last backward of the step; the caller steps it.
+
+    `step` returns the last stage's LM losses (one per micro-batch; empty elsewhere); each stage's routing
+    statistics are in `stage.stats`, one list per micro-batch."""
+
+    def __init__(self, part: PipelinePart, engine, micro_batches: int, micro_shape, group, lm_loss_fn: Callable):
+        from moe_dist.parallel import private_api
+
+        cfg = part.cfg
+        n_moe = max(1, sum(f == "moe" for _, f in cfg.layer_kinds()))
+        self.part, self.engine, self.m = part, engine, micro_batches
+        for st in part.stages:
+            st.aux_scale = cfg.moe.aux_loss_coef / n_moe / micro_batches
+            st.z_scale = cfg.moe.z_loss_coef / n_moe / micro_batches
+            st.register_forward_pre_hook(lambda *_: private_api.engine_before_forward(engine))
+        self.lm_loss_fn, self.lms = lm_loss_fn, []
+        self.backwards, self.done = micro_batches * len(part.stages), 0
+        cls = _engine_stage_class()
+        pipes = _pipeline_stages(
+            part.stages, part.stage_indices, part.n_stages, micro_shape, group, lambda *a, **kw: cls(self, *a, **kw)
+        )
+        self.schedule = _schedule(pipes, micro_batches, self._loss)
+        self.micro_shape, self.group = micro_shape, group
+        self._eval: dict[int, object] = {}
+
+    @property
+    def first(self) -> bool:
+        return self.part.stages[0].first
+
+    @property
+    def last(self) -> bool:
+        return self.part.stages[-1].last
+
+    def _loss(self, logits, target):
+        lm = self.lm_loss_fn(logits, target)
+        self.lms.append(lm.detach())
+        return lm / self.m
+
+    def backward(self, surrogate: torch.Tensor) -> None:
+        from moe_dist.parallel import private_api
+
+        self.done += 1
+        private_api.engine_backward(self.engine, surrogate, boundary=self.done == self.backwards)
+
+    def _reset(self) -> None:
+        self.lms, self.done = [], 0
+        for st in self.part.stages:
+            st.stats = []
+
+    def step(self, tokens: torch.Tensor, targets: torch.Tensor, **documents) -> list[torch.Tensor]:
+        """Forward and backward of the step's micro-batches: tokens and targets (m · rows, positions), split into m
+        micro-batches by rows; `documents` (document_ids, prefix) likewise, given to every stage."""
+        self._reset()
+        args = (tokens,) if self.first else ()
+        self.schedule.step(*args, target=targets if self.last else None, **documents)
+        if self.done != self.backwards:
+            raise RuntimeError(f"pipeline: {self.done} stage backwards ran, {self.backwards} expected")
+        return self.lms
+
+    @torch.no_grad()
+    def evaluate(self, tokens: torch.Tensor, targets: torch.Tensor, micro_batches: int, **documents):
+        """Forward only, through a schedule of `micro_batches` micro-batches (one built per count) over the same
+        stages: the last stage's LM losses."""
+        if micro_batches not in self._eval:
+            from torch.distributed.pipelining import PipelineStage
+
+            p = self.part
+            pipes = _pipeline_stages(p.stages, p.stage_indices, p.n_stages, self.micro_shape, self.group, PipelineStage)
+            self._eval[micro_batches] = _schedule(pipes, micro_batches, self._loss)
+        self._reset()
+        args = (tokens,) if self.first else ()
+        self._eval[micro_batches].eval(*args, target=targets if self.last else None, **documents)
+        return self.lms

@@ -297,3 +297,42 @@ def deepspeed_shm_buffer_name(rank: int) -> str:
         f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
         f"{os.environ.get('MASTER_PORT', '')}_{rank}"
     )
+
+
+# ------------------------------------------------------------------------------ an engine driven by a pipeline schedule
+
+
+def engine_before_forward(engine) -> None:
+    """What `engine.forward` does before running the module, for a forward the pipeline schedule runs on a stage
+    of the engine's module without the engine.
+
+    deepspeed 0.19.8: ZeRO 1/2 defer clearing the fp32 accumulation buffers (`grad_accum`) of a finished step to
+    `clear_backward_seen_flag`, which `engine.forward` calls first; skipped, the next step would add onto the
+    previous step's gradients (the pipeline equivalence tests fail)."""
+    from deepspeed.runtime.base_optimizer import ZeROOptimizer
+
+    if isinstance(engine.optimizer, ZeROOptimizer):
+        engine.optimizer.clear_backward_seen_flag()
+
+
+def engine_backward(engine, surrogate: torch.Tensor, boundary: bool) -> None:
+    """`engine.backward` of a stage's backward: `surrogate` is a scalar whose gradient is the stage's (its loss on
+    the last stage, Σ output · output gradient elsewhere), already scaled as one process scales its micro-batch
+    (no division by the accumulation steps here); `boundary` marks this rank's last backward of the step, where
+    the engine reduces.
+
+    deepspeed 0.19.8: `engine.backward` runs the backward epilogue (ZeRO's reduction at the boundary) but leaves
+    the prologue (ZeRO's `enter_backward`, the optimizer's boundary flag) to hooks that `engine.forward` puts on
+    the module's outputs. The schedule runs the stages without `engine.forward`, so the prologue runs from a hook
+    on the surrogate, at the same point of the backward as DeepSpeed's own."""
+    engine.set_gradient_accumulation_boundary(boundary)
+    ran = []
+
+    def prologue(grad):
+        if not ran:
+            ran.append(True)
+            engine._backward_prologue()
+        return grad
+
+    surrogate.register_hook(prologue)
+    engine.backward(surrogate, scale_wrt_gas=False)

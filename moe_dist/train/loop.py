@@ -14,13 +14,13 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 from tqdm import tqdm
 
-from moe_dist.config import ConfigError, JobConfig, config_to_dict
-from moe_dist.config.parallel_checks import check_layout
+from moe_dist.config import JobConfig, config_to_dict
+from moe_dist.config.parallel_checks import check_layout, check_pipeline_runtime
 from moe_dist.data.batches import IGNORE, Batch, TokenDataset
 from moe_dist.data.sources import load_tokens
 from moe_dist.data.tokenizer import copy_tokenizer, tokenizer_identity
@@ -31,6 +31,7 @@ from moe_dist.models.decoder import build_model, check_context_parallel, lm_loss
 from moe_dist.parallel.comm import agree_on_error, all_reduce_sum, barrier
 from moe_dist.parallel.mesh import Mesh, init_distributed
 from moe_dist.parallel.parallelize import parallelize
+from moe_dist.parallel.pipeline import Pipeline
 from moe_dist.parallel.tensor_parallel import vocab_parallel_lm_loss
 from moe_dist.train.checkpoint import (
     Checkpointer,
@@ -44,6 +45,7 @@ from moe_dist.train.checkpoint import (
 from moe_dist.train.guard import NonFiniteGuard, operation
 from moe_dist.train.metrics import DeadExperts, MetricsLogger, StepAccumulator
 from moe_dist.train.optim import build_optimizer, initialize_engine
+from moe_dist.train.pipeline_step import moe_layer_index, pipeline_evaluate, pipeline_micro_batches
 from moe_dist.train.preempt import EXIT_STOPPED, Stopped, StopRequest, stop_signals
 from moe_dist.train.shared_storage import check_shared_run_dir
 from moe_dist.train.startup import startup_report
@@ -67,6 +69,7 @@ class StepContext:
     guard: NonFiniteGuard
     n_moe: int
     utilisation: Utilisation  # tokens/s → model TFLOP/s per device and MFU
+    pipeline: Optional[Pipeline] = None  # parallel.pp > 1: this rank's stages under the schedule
 
 
 def _to_device(t: torch.Tensor, mesh: Mesh) -> torch.Tensor:
@@ -115,9 +118,13 @@ def evaluate(ctx: StepContext) -> float:
     engine, t, mesh = ctx.engine, ctx.cfg.train, ctx.mesh
     engine.eval()
     total = torch.zeros(2, dtype=torch.float64)
-    for batch in ctx.val.eval_batches(t.eval_batches // mesh.dp, t.micro_batch_size, mesh.dp_rank, mesh.dp):
-        _, lm, _ = _forward_loss(ctx, batch)
-        total += torch.tensor([lm.item(), 1.0], dtype=torch.float64)
+    batches = ctx.val.eval_batches(t.eval_batches // mesh.dp, t.micro_batch_size, mesh.dp_rank, mesh.dp)
+    if ctx.pipeline is not None:
+        total += pipeline_evaluate(ctx.pipeline, list(batches), ctx.cfg)
+    else:
+        for batch in batches:
+            _, lm, _ = _forward_loss(ctx, batch)
+            total += torch.tensor([lm.item(), 1.0], dtype=torch.float64)
     engine.train()
     all_reduce_sum(total)
     return (total[0] / total[1]).item()
@@ -140,7 +147,10 @@ def _train_step(ctx: StepContext, step: int) -> dict:
                 batches,
                 counted=mesh.tp_rank == 0,
             )
-    for i, batch in enumerate(batches):
+    if ctx.pipeline is not None:
+        with operation(f"step {step}: pipeline schedule of {len(batches)} micro-batches (stage transfers)", timeout):
+            guard.observe_loss(pipeline_micro_batches(ctx.pipeline, list(batches), acc, cfg))
+    for i, batch in enumerate(batches if ctx.pipeline is None else []):
         last = i == len(batches) - 1
         with operation(f"step {step}: forward of micro-batch {i} (MoE all-to-all)", timeout):
             loss, lm, out = _forward_loss(ctx, batch)
@@ -154,7 +164,7 @@ def _train_step(ctx: StepContext, step: int) -> dict:
         skipped = guard.boundary_step(step)
     with operation(f"step {step}: metrics all-reduce", timeout):
         record = {"step": step, **acc.reduce()}
-    end_router_step(engine.module, record["moe"], update=not skipped)
+    end_router_step(engine.module, record["moe"], update=not skipped, cfg=cfg)
     elapsed = time.perf_counter() - tic
     grad_norm = engine.get_global_grad_norm()
     record.update(
@@ -190,11 +200,14 @@ def route_step_ahead(routers: list, forward: Callable[[Batch], list], batches: l
         router.set_load(counts_E)
 
 
-def end_router_step(model, layers: list[dict], update: bool) -> None:
+def end_router_step(model, layers: list[dict], update: bool, cfg: Optional[JobConfig] = None) -> None:
     """Routers' once-per-optimizer-step state from the step's global expert load (all ranks and micro-batches,
     all-reduced, so every rank sets the same values; `update` False on a skipped step); the balancing bias, when
-    used, goes into the step's record."""
-    for router, layer in zip(moe_routers(model), layers):
+    used, goes into the step's record. A pipeline part holds some MoE layers: its routers are those layers'."""
+    if cfg is not None and cfg.parallel.pp > 1:
+        index = moe_layer_index(cfg.model)
+        layers = [layers[index[int(k)]] for k, b in model.blocks.items() if int(k) in index]
+    for router, layer in zip(moe_routers(model), layers, strict=True):
         if update:
             router.end_step(torch.tensor(layer["tokens_per_expert"], dtype=torch.float64))
         if router.bias_E is not None:
@@ -265,10 +278,7 @@ def _train(cfg: JobConfig, run_dir: Path, resume: bool, stop: StopRequest) -> li
     # The layout against the launcher's world size before anything is read, joined or written (one line, exit 2).
     check_layout(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     check_context_parallel(cfg.model, cfg.parallel.cp)
-    if cfg.parallel.pp > 1:
-        raise ConfigError(
-            f"parallel.pp: {cfg.parallel.pp} is read by the memory plan and --dry-run only; training runs pp=1 today"
-        )
+    check_pipeline_runtime(cfg)
     t = cfg.train
     # The data fits the model's vocabulary and names the run's tokenizer (checked from the sidecars).
     train_tokens, val_tokens, weights = load_tokens(cfg.data, t.seq_len, cfg.model.vocab_size)
@@ -340,7 +350,11 @@ def _train(cfg: JobConfig, run_dir: Path, resume: bool, stop: StopRequest) -> li
     guard = NonFiniteGuard(engine, scheduler, mesh, t.max_nonfinite_steps, say, skipped_total=skipped, stop=stop)
     utilisation = Utilisation(model_flops_per_token(cfg), mesh.world_size, device_peak(mesh.device, t.dtype))
     say(f"throughput: {utilisation.describe()}")
-    ctx = StepContext(engine, cfg, mesh, data, val, guard, n_moe, utilisation)
+    pipeline = None
+    if mesh.pp > 1:  # the schedule's stages wrap the part's modules; DeepSpeed's engine owns their gradients
+        micro = t.grad_accum_steps(mesh.dp)
+        pipeline = Pipeline(model, engine, micro, (t.micro_batch_size, t.seq_len), mesh.pp_group, lm_loss)
+    ctx = StepContext(engine, cfg, mesh, data, val, guard, n_moe, utilisation, pipeline)
     records: list[dict] = []
     if start == 0 and t.eval_every:
         with operation("step 0: evaluation", timeout):

@@ -19,6 +19,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from moe_dist.layers.router import RoutingStats
 from moe_dist.models.decoder import DecoderOutput
 from moe_dist.parallel.comm import all_reduce_sum
 from moe_dist.train.expert_images import LoadHistory, expert_load_images
@@ -66,20 +67,32 @@ class StepAccumulator:
     def add(self, loss: torch.Tensor, lm: torch.Tensor, out: DecoderOutput) -> None:
         """Sums stay on the tensors' device (no host transfer per layer or micro-batch); numbers the host already
         knows (assignments, bytes sent) are summed on the host. `reduce` moves the device sums once per step."""
+        self.add_share(loss, lm, out.aux_loss, out.z_loss, dict(enumerate(out.moe_stats)), micro=1.0)
+
+    def add_share(self, loss, lm, aux, z, stats: dict[int, RoutingStats], micro: float) -> None:
+        """One micro-batch's values as far as this rank holds them: under pipeline parallelism a stage's MoE
+        layers (`stats`, by index among the model's MoE layers), its part of the loss and of the layer-mean aux
+        and z losses, and `micro` 1 on the rank that holds the LM loss, 0 elsewhere, so that summed over the
+        stages every micro-batch, layer and loss term counts once."""
         if not self.counted:
             return
-        host = [1.0] + [0.0] * len(SCALARS)
-        dev = [loss.detach().reshape(1), lm.detach().reshape(1)]
-        dev += [out.aux_loss.detach().reshape(1), out.z_loss.detach().reshape(1)]
-        for s in out.moe_stats:
+        host = [micro] + [0.0] * len(SCALARS)
+        dev = [loss.detach().reshape(1), lm.detach().reshape(1), aux.detach().reshape(1), z.detach().reshape(1)]
+        device, E = loss.device, self.E
+        for layer in range(self.n_layers):
+            s = stats.get(layer)
+            if s is None:
+                dev.append(torch.zeros(2 * E + _LAYER_EXTRA, dtype=torch.float64, device=device))
+                host += [0.0] * (2 * E + _LAYER_EXTRA)
+                continue
             counts, dropped = s.tokens_per_expert_E.detach().double(), s.dropped.detach().double()
             # per expert as the router counted them; recovered from the totals where it did not (one capacity for
             # every expert of this micro-batch: not so for a CP rank's pieces, whose capacity is shared)
             per_expert = dropped_per_expert(counts, dropped) if s.dropped_E is None else s.dropped_E.detach().double()
             dev += [counts, per_expert, dropped.reshape(1)]
             dev += [dropped.new_zeros(1), s.entropy.detach().reshape(1), dropped.new_zeros(1)]
-            host += [0.0] * (2 * self.E + 1) + [float(s.assignments), 0.0, float(s.sent_bytes)]
-        vec = torch.cat([torch.zeros(1, dtype=torch.float64, device=loss.device), *(d.double() for d in dev)])
+            host += [0.0] * (2 * E + 1) + [float(s.assignments), 0.0, float(s.sent_bytes)]
+        vec = torch.cat([torch.zeros(1, dtype=torch.float64, device=device), *(d.double().to(device) for d in dev)])
         self.device_total = vec if self.device_total is None else self.device_total + vec
         self.total += torch.tensor(host, dtype=torch.float64)
 

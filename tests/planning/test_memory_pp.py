@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from moe_dist.config import load_config
+from moe_dist.config import ConfigError, load_config
 from moe_dist.models.decoder import build_model
 from moe_dist.planning.memory import activation_bytes, memory_plan
 
@@ -37,8 +37,9 @@ def test_micro_batches_in_flight_follow_the_schedule():
     cfg = load_config(MIXTRAL, ["parallel.pp=4", "parallel.pp_virtual=2"])
     flight = [memory_plan(cfg, 64, pp_rank=r)["layout"]["micro_batches_in_flight"] for r in range(4)]
     assert flight == [4 + 3 / 2, 4 + 1 / 2, 4 - 1 / 2, 4 - 3 / 2]  # ((v-1)·pp + 2(pp-1-r) + 1) / v
-    few = load_config(MIXTRAL, ["parallel.pp=4", "train.global_batch_size=32"])  # 2 micro-batches per rank
-    assert memory_plan(few, 64, pp_rank=0)["layout"]["micro_batches_in_flight"] == 2
+    few = load_config(MIXTRAL, ["parallel.pp=4", "train.global_batch_size=32"])  # 2 micro-batches per pipeline
+    with pytest.raises(ConfigError, match="gives 2 micro-batches per pipeline, fewer than parallel.pp=4 stages need"):
+        memory_plan(few, 64, pp_rank=0)  # 1F1B cannot fill the pipeline: refused, not planned
 
 
 def test_activations_split_over_the_ranks_add_up_to_the_whole_model():

@@ -10,6 +10,7 @@ section "Checkpoints: atomic publish" ("Who writes what"); proof: tests/train/te
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 from dataclasses import dataclass
@@ -72,6 +73,31 @@ def plan_writers(entries: list[Entry], dp: int, ep: int, tp: int, etp: int | Non
         plan[name] = rank
         load[rank] += math.prod(entry.shape) * BYTES_PER_ELEMENT
         heapq.heapreplace(heap, (load[rank], rank))
+    return plan
+
+
+def pipeline_rank_of(name: str, starts: list[int], pp: int) -> int:
+    """The pipeline rank holding parameter (or buffer) `name` of the whole model when its layers are cut at `starts`
+    (stage_cut.stage_starts; stage s on pipeline rank s mod pp): blocks.i.* its layer's stage, the embedding the
+    first stage, the final norm and the head the last."""
+    if name.startswith("blocks."):
+        stage = bisect.bisect_right(starts, int(name.split(".")[1])) - 1
+    elif name.startswith("embed."):
+        stage = 0
+    else:
+        stage = len(starts) - 1
+    return stage % pp
+
+
+def plan_pipeline_writers(
+    entries: list[Entry], starts: list[int], pp: int, dp: int, ep: int, tp: int, etp: int | None = None
+) -> dict[str, int]:
+    """plan_writers under pipeline parallelism: each pipeline rank's tensors (entries of the whole model) planned
+    over its own dp · tp ranks, global rank = pipeline rank · dp · tp + the rank inside the stage."""
+    plan = {}
+    for p in range(pp):
+        mine = [e for e in entries if pipeline_rank_of(e.name, starts, pp) == p]
+        plan.update({name: p * dp * tp + r for name, r in plan_writers(mine, dp, ep, tp, etp).items()})
     return plan
 
 

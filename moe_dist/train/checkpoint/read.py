@@ -25,6 +25,7 @@ from moe_dist.train.checkpoint.state import (
     Stored,
     ensure_optimizer_state,
     inner_optimizer,
+    pipeline_whole,
     stored_buffers,
     stored_params,
 )
@@ -147,7 +148,14 @@ def _expected(model: nn.Module, mesh: Mesh) -> tuple[dict[str, tuple], set[str]]
             every.update(st.names)
     local.update({f"{k}.{n}": shape for n, shape in list(local.items()) for k in MOMENTS})
     buffers = {name: tuple(b.shape) for name, b in stored_buffers(model).items()}
-    return local | buffers, every | {f"{k}.{n}" for n in every for k in MOMENTS} | set(buffers)
+    every_buffer = set(buffers)
+    whole = pipeline_whole(model)
+    if whole is not None:  # a pipeline part: the rest of the model is on the other stages
+        every = {f"{e.name}.{x}" for e in whole[0] for x in range(e.experts)} | {
+            e.name for e in whole[0] if not e.experts
+        }
+        every_buffer = set(whole[1])
+    return local | buffers, every | {f"{k}.{n}" for n in every for k in MOMENTS} | every_buffer
 
 
 def check_fits(path: Path, meta: dict, index: dict, model: nn.Module, mesh: Mesh, data_identity: dict) -> None:

@@ -22,7 +22,14 @@ from moe_dist.parallel.comm import broadcast_bytes, gather_bytes, monitored_barr
 from moe_dist.parallel.mesh import Mesh, new_gloo_group
 from moe_dist.train.checkpoint.format import FORMAT_VERSION
 from moe_dist.train.checkpoint.io import FileWriterThread, TensorFileWriter, fsync
-from moe_dist.train.checkpoint.plan import STATE_KEYS, plan_writers, stored_name, tensors_in_order
+from moe_dist.train.checkpoint.plan import (
+    STATE_KEYS,
+    pipeline_rank_of,
+    plan_pipeline_writers,
+    plan_writers,
+    stored_name,
+    tensors_in_order,
+)
 from moe_dist.train.checkpoint.snapshot import HostSnapshot
 from moe_dist.train.checkpoint.state import (
     Stored,
@@ -31,6 +38,7 @@ from moe_dist.train.checkpoint.state import (
     full_state,
     inner_optimizer,
     link_optimizer_state,
+    pipeline_whole,
     stored_buffers,
     stored_params,
 )
@@ -129,12 +137,24 @@ class Checkpointer:
         link_optimizer_state(engine)
         stored = stored_params(model, mesh)
         entries = [st.entry(mesh) for st in stored]
+        # Under pipeline parallelism a rank holds its stages' tensors; every rank plans the whole model's, stage by
+        # stage over each stage's ranks, and the first rank of each stage writes its buffers.
+        whole = pipeline_whole(model)
+        stage_size = mesh.world_size // mesh.pp
+        if whole is not None:
+            entries = whole[0]
         if self._plan is None:
-            self._plan = plan_writers(entries, mesh.replicas, mesh.ep, mesh.tp, mesh.etp)
+            if whole is None:
+                self._plan = plan_writers(entries, mesh.replicas, mesh.ep, mesh.tp, mesh.etp)
+            else:
+                self._plan = plan_pipeline_writers(
+                    entries, whole[2], mesh.pp, mesh.replicas, mesh.ep, mesh.tp, mesh.etp
+                )
         plan, rank = self._plan, mesh.rank
         specs = [(name, e.shape) for name, e, _ in tensors_in_order(entries) if plan[name] == rank]
         buffers = stored_buffers(model)
-        if rank == 0:  # after the parameters, in the order they are queued below
+        writes_buffers = rank % stage_size == 0
+        if writes_buffers:  # after the parameters, in the order they are queued below
             specs += [(name, tuple(b.shape)) for name, b in buffers.items()]
         path = tmp / f"rank{rank:05d}.safetensors"
         writer = TensorFileWriter(path, specs, {"step": str(step)}) if specs else None
@@ -144,19 +164,26 @@ class Checkpointer:
             "step": step,
             "adam_step": adam_step(engine),
             "lr": scheduler.get_last_lr()[0],
-            "layout": {"dp": mesh.dp, "cp": mesh.cp, "ep": mesh.ep, "tp": mesh.tp, "etp": mesh.etp},
+            "layout": {"dp": mesh.dp, "cp": mesh.cp, "ep": mesh.ep, "tp": mesh.tp, "etp": mesh.etp, "pp": mesh.pp},
             **(extra_meta or {}),
         }
         if rank == 0:  # the index: a rank resuming opens only the files it reads (verify_checkpoint)
-            files = {r: f"rank{r:05d}.safetensors" for r in {*plan.values(), 0}}
+            if whole is None:
+                owners = {n: (0, list(b.shape)) for n, b in buffers.items()}
+            else:
+                owners = {
+                    n: (pipeline_rank_of(n, whole[2], mesh.pp) * stage_size, list(shape))
+                    for n, shape in whole[1].items()
+                }
+            files = {r: f"rank{r:05d}.safetensors" for r in {*plan.values(), 0, *(o for o, _ in owners.values())}}
             meta["tensors"] = {n: [files[plan[n]], list(e.shape)] for n, e, _ in tensors_in_order(entries)}
-            meta["tensors"].update({n: [files[0], list(b.shape)] for n, b in buffers.items()})
+            meta["tensors"].update({n: [files[o], shape] for n, (o, shape) in owners.items()})
         # The gathers are the training groups' collectives, under the save's limit while they run (a peer may be
         # waiting for its disk through the bounded buffer).
         try:
             with self._phase(step, "gathering tensors (ZeRO and tensor-parallel collectives)", training_groups=True):
                 self._gather(engine, stored, plan, thread, mesh)
-                if rank == 0:  # copies: the routers update their buffers in place every step
+                if writes_buffers:  # copies: the routers update their buffers in place every step
                     for name, b in buffers.items():
                         thread.reserve(b.numel() * 4)
                         thread.put(b.numel() * 4, [(name, b.detach().to("cpu", torch.float32, copy=True))])

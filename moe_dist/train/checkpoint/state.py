@@ -58,6 +58,20 @@ def stored_params(model: nn.Module, mesh: Mesh) -> list[Stored]:
     return out
 
 
+def pipeline_whole(model: nn.Module) -> tuple[list[Entry], dict[str, tuple], list[int]] | None:
+    """Where `model` is this rank's pipeline part (parallel/pipeline.py): the whole model's entries, its buffers'
+    shapes (built on the meta device from its config) and the stage cut; None for a whole model."""
+    starts = getattr(model, "starts", None)
+    if starts is None:
+        return None
+    from moe_dist.models.decoder import build_model
+    from moe_dist.train.checkpoint.plan import model_entries
+
+    whole = build_model(model.cfg)
+    buffers = {name: tuple(b.shape) for name, b in stored_buffers(whole).items()}
+    return model_entries(whole), buffers, starts
+
+
 def stored_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
     """Persistent buffers by global name (the routers' balancing state): replicated and identical on every rank,
     so rank 0 writes them and every rank reads them; they have no optimizer moments."""
