@@ -164,7 +164,7 @@ def _train_step(ctx: StepContext, step: int) -> dict:
         skipped = guard.boundary_step(step)
     with operation(f"step {step}: metrics all-reduce", timeout):
         record = {"step": step, **acc.reduce()}
-    end_router_step(engine.module, record["moe"], update=not skipped, cfg=cfg)
+    end_router_step(engine.module, record["moe"], update=not skipped, mesh=mesh)
     elapsed = time.perf_counter() - tic
     grad_norm = engine.get_global_grad_norm()
     record.update(
@@ -200,18 +200,25 @@ def route_step_ahead(routers: list, forward: Callable[[Batch], list], batches: l
         router.set_load(counts_E)
 
 
-def end_router_step(model, layers: list[dict], update: bool, cfg: Optional[JobConfig] = None) -> None:
+def end_router_step(model, layers: list[dict], update: bool, mesh: Optional[Mesh] = None) -> None:
     """Routers' once-per-optimizer-step state from the step's global expert load (all ranks and micro-batches,
     all-reduced, so every rank sets the same values; `update` False on a skipped step); the balancing bias, when
-    used, goes into the step's record. A pipeline part holds some MoE layers: its routers are those layers'."""
-    if cfg is not None and cfg.parallel.pp > 1:
-        index = moe_layer_index(cfg.model)
-        layers = [layers[index[int(k)]] for k, b in model.blocks.items() if int(k) in index]
-    for router, layer in zip(moe_routers(model), layers, strict=True):
+    used, goes into the step's record. A pipeline part's routers are its layers': the biases of every stage reach
+    the record over the pipeline group (one sum of a layers × experts vector, the others' zeros)."""
+    routers = moe_routers(model)
+    mine = layers
+    if mesh is not None and mesh.pp > 1:
+        index = moe_layer_index(model.cfg)
+        mine = [layers[index[int(k)]] for k in model.blocks if int(k) in index]
+    for router, layer in zip(routers, mine, strict=True):
         if update:
             router.end_step(torch.tensor(layer["tokens_per_expert"], dtype=torch.float64))
         if router.bias_E is not None:
             layer["bias"] = router.bias_E.float().cpu().tolist()
+    if mesh is not None and mesh.pp > 1 and model.cfg.moe.bias_update_rate > 0 and layers:  # alike on every rank
+        bias = torch.tensor([layer.get("bias", [0.0] * len(layer["tokens_per_expert"])) for layer in layers])
+        for layer, b in zip(layers, all_reduce_sum(bias.double(), mesh.pp_group).tolist(), strict=True):
+            layer["bias"] = b  # fp32 values summed with zeros in fp64: exact
 
 
 def _check_run_dir(run_dir: Path, resume: bool) -> None:
