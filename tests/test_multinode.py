@@ -49,13 +49,8 @@ def netns():
     assert proc.returncode == 0, proc.stderr
 
 
-def test_two_nodes_equal_one_node(tmp_path, netns, run_train, metrics):
-    tic = time.perf_counter()
-    run_train("torchrun", 4, [*ARGS, "--run-dir", str(tmp_path / "one_node")])  # the quicker launcher
-    one_node_s = time.perf_counter() - tic
-    ref = train_records(metrics(tmp_path / "one_node"))
-    assert len(ref) == STEPS
-
+def _two_nodes(tmp_path: Path, args: list[str], nproc: int, launchers: tuple[str, ...]):
+    """Run `args` on 2 network-namespace nodes × `nproc` processes under each launcher; (process, seconds)."""
     tic = time.perf_counter()
     proc = subprocess.run(
         [
@@ -64,9 +59,9 @@ def test_two_nodes_equal_one_node(tmp_path, netns, run_train, metrics):
             "--nodes",
             "2",
             "--nproc",
-            "2",
+            str(nproc),
             "--launchers",
-            "deepspeed,torchrun",
+            ",".join(launchers),
             "--run-dir",
             str(tmp_path / "two_nodes"),
             "--port",
@@ -74,20 +69,21 @@ def test_two_nodes_equal_one_node(tmp_path, netns, run_train, metrics):
             "--timeout",
             "600",
             "--",
-            *ARGS,
+            *args,
         ],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=1500,
     )
-    two_nodes_s = time.perf_counter() - tic
-    print(f"1 node x 4 processes (torchrun): {one_node_s:.1f} s end to end")
-    print(f"2 nodes x 2 processes, deepspeed --no_ssh then torchrun (incl. namespace set-up): {two_nodes_s:.1f} s")
-    print("\n".join(ln for ln in proc.stdout.splitlines() if "status" in ln or "veth0" in ln))
-    assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    return proc, time.perf_counter() - tic
 
-    for launcher in ("deepspeed", "torchrun"):
+
+def _same_as_one_node(proc, tmp_path: Path, ref: list[dict], launchers: tuple[str, ...], metrics) -> None:
+    """Each launcher's two-node run equals the one-node run step by step, its gloo traffic crossed the veth links,
+    and the namespaces are gone."""
+    assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    for launcher in launchers:
         got = train_records(metrics(tmp_path / "two_nodes" / launcher))
         assert [r["step"] for r in got] == [r["step"] for r in ref], launcher
         assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in ref], rel=1e-6), launcher
@@ -97,12 +93,35 @@ def test_two_nodes_equal_one_node(tmp_path, netns, run_train, metrics):
         for node in (0, 1):
             m = re.search(rf"\[{launcher}\] node {node} veth0: sent (\d+) B, received (\d+) B", proc.stdout)
             assert m and int(m[1]) > 100_000 and int(m[2]) > 100_000, (launcher, node, m)
-
-    # Everything the script created is gone.
     names = set(re.findall(r"(mdc\d+-(?:n\d+|hub))", proc.stdout))
     assert names, proc.stdout[:2000]
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not names & set(re.findall(r"\S+", left)), left
+
+
+def test_two_nodes_equal_one_node(tmp_path, netns, run_train, metrics):
+    tic = time.perf_counter()
+    run_train("torchrun", 4, [*ARGS, "--run-dir", str(tmp_path / "one_node")])  # the quicker launcher
+    one_node_s = time.perf_counter() - tic
+    ref = train_records(metrics(tmp_path / "one_node"))
+    assert len(ref) == STEPS
+    launchers = ("deepspeed", "torchrun")
+    proc, two_nodes_s = _two_nodes(tmp_path, ARGS, 2, launchers)
+    print(f"1 node x 4 processes (torchrun): {one_node_s:.1f} s end to end")
+    print(f"2 nodes x 2 processes, deepspeed --no_ssh then torchrun (incl. namespace set-up): {two_nodes_s:.1f} s")
+    print("\n".join(ln for ln in proc.stdout.splitlines() if "status" in ln or "veth0" in ln))
+    _same_as_one_node(proc, tmp_path, ref, launchers, metrics)
+
+
+def test_pipeline_spanning_two_nodes_equals_one_node(tmp_path, netns, run_train, metrics):
+    """parallel.pp = 2 with one stage per node: the stage-to-stage transfers cross the link; the run equals the
+    same pipeline on one node step by step."""
+    args = [*ARGS[: ARGS.index("parallel.ep=4")], "parallel.pp=2", "parallel.timeout_s=120"]
+    run_train("torchrun", 2, [*args, "--run-dir", str(tmp_path / "one_node")])
+    ref = train_records(metrics(tmp_path / "one_node"))
+    assert len(ref) == STEPS
+    proc, _ = _two_nodes(tmp_path, args, 1, ("torchrun",))
+    _same_as_one_node(proc, tmp_path, ref, ("torchrun",), metrics)
 
 
 def _drills(tmp_path: Path, timeout_s: int) -> dict[str, tuple[list[str], str]]:
