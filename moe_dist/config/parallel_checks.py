@@ -106,9 +106,7 @@ def check_pipeline_runtime(cfg: JobConfig) -> None:
     pa = cfg.parallel
     if pa.pp > 1:
         for unsupported, what in (
-            (pa.tp > 1, f"parallel.tp={pa.tp}"),
             (pa.cp > 1, f"parallel.cp={pa.cp}"),
-            (cfg.model.tie_embeddings, "model.tie_embeddings=true"),
             (cfg.train.compile, "train.compile=true"),
         ):
             require(not unsupported, f"parallel.pp: {pa.pp} does not run with {what} yet")

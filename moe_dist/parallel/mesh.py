@@ -76,6 +76,7 @@ class Mesh:
     pp_rank: int = 0  # which stage(s) this rank runs (stage s runs on pipeline rank s mod pp)
     pp_group: dist.ProcessGroup | None = None  # this rank's position in every stage (None when pp == 1)
     mp_group: dist.ProcessGroup | None = None  # pp > 1: the tp × pp ranks of this replica (DeepSpeed's model-parallel)
+    embed_group: dist.ProcessGroup | None = None  # pp > 1, tied embeddings: this position of the first and last stage
 
     @property
     def replicas(self) -> int:
@@ -164,6 +165,7 @@ def layout_groups(
     groups = {kind: [[p * size + r for r in g] for p in range(pp) for g in gs] for kind, gs in stage.items()}
     groups["pp"] = [[p * size + r for p in range(pp)] for r in range(size)]
     groups["mp"] = [[p * size + r * tp + t for p in range(pp) for t in range(tp)] for r in range(dp * cp)]
+    groups["embed"] = [[r, (pp - 1) * size + r] for r in range(size)]  # a tied embedding's two holders
     return groups
 
 
@@ -403,10 +405,13 @@ def init_distributed(cfg: JobConfig, timeout_s: float | None = None) -> Mesh:
     dp_rank = stage_rank // (tp * cp)
     name = f"ep_size_{ep}" if etp == tp else f"ep_size_{ep}_etp_{etp}"
     layout = layout_groups(dp, ep, tp, etp, cp, pp)
-    tp_group = dp_group = ep_group = edp_group = cp_group = pp_group = mp_group = None
+    tp_group = dp_group = ep_group = edp_group = cp_group = pp_group = mp_group = embed_group = None
     if pp > 1:
         pp_group, _ = _new_groups(layout["pp"], rank)
         mp_group, _ = _new_groups(layout["mp"], rank)
+        for ranks in layout["embed"] if cfg.model.tie_embeddings else []:  # every rank makes every group
+            group = dist.new_group(ranks)
+            embed_group = group if rank in ranks else embed_group  # None on the middle stages' ranks
     if tp > 1:
         tp_group, _ = _new_groups(layout["tp"], rank)
     if tp > 1 or pp > 1:  # else the replicas are the world
@@ -449,4 +454,5 @@ def init_distributed(cfg: JobConfig, timeout_s: float | None = None) -> Mesh:
         pp_rank=rank // (world_size // pp),
         pp_group=pp_group,
         mp_group=mp_group,
+        embed_group=embed_group,
     )

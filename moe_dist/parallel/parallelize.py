@@ -8,7 +8,7 @@ from torch import nn
 from moe_dist.config import JobConfig
 from moe_dist.parallel.expert_parallel import apply_ep
 from moe_dist.parallel.mesh import Mesh
-from moe_dist.parallel.pipeline import apply_pp
+from moe_dist.parallel.pipeline import PipelinePart, apply_pp
 from moe_dist.parallel.tensor_parallel import apply_tp, register_grad_sums, shard
 
 
@@ -25,6 +25,8 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: JobConfig) -> nn.Module:
     template = copy.deepcopy(model, memo={id(x): x for x in shared})
     model = apply_pp(model, mesh, cfg)
     model = apply_tp(model, mesh, cfg.parallel.sequence_parallel)
+    if isinstance(model, PipelinePart):
+        model.sync_views()  # the stages see the modules TP replaced (the vocabulary-parallel embedding)
     materialize_shards(model, template, mesh, cfg.train.seed)
     if mesh.tp > 1:  # after allocation: the gradient sums' hooks belong to the allocated parameters
         register_grad_sums(model, mesh)

@@ -93,7 +93,7 @@ class Stage(nn.Module):
                 x = inject_losses(x, s.aux_loss, s.z_loss, self.aux_scale, self.z_scale)
         self.stats.append(stats)
         if not self.last:
-            return x
+            return x.contiguous()  # sent as it is (sequence parallelism leaves a slice of the gathered sequence)
         x = self.norm(x)
         logits = F.linear(x, self.embed.weight) if self.head is None else self.head(x)
         return logits / self.cfg.logits_scaling if self.cfg.logits_scaling != 1.0 else logits
@@ -128,6 +128,13 @@ class PipelinePart(nn.Module):
         self.n_stages, self.starts = len(starts), list(starts)
         object.__setattr__(self, "stages", stages)  # views over the modules above: not registered twice
 
+    def sync_views(self) -> None:
+        """Point the stages at the part's embedding, norm and head again, after a split that replaced them (tensor
+        parallelism's vocabulary-parallel embedding)."""
+        for st in self.stages:
+            st.embed = self.embed if st.embed is not None else None
+            st.norm, st.head = (self.norm, self.head) if st.last else (None, None)
+
     implementations = Decoder.implementations  # what each operation of its layers runs (start-up report)
 
     def forward(self, *args, **kwargs):
@@ -143,19 +150,23 @@ def apply_pp(model: Decoder, mesh, cfg) -> nn.Module:
     return PipelinePart(model, stage_starts(cfg), mesh.pp, mesh.pp_rank)
 
 
-def _pipeline_stages(stages, indices, n_stages, micro_shape, group, stage_class=None) -> list:
-    """torch.distributed.pipelining stages over `stages` (numbers `indices`) with static shapes for a micro-batch
-    of `micro_shape` (rows, positions): the schedule then sends tensors of known shapes and runs no shape-inference
-    forward (which would route garbage through the MoE layers and count it)."""
+def _pipeline_stages(stages, indices, n_stages, shapes: tuple, group, stage_class=None) -> list:
+    """torch.distributed.pipelining stages over `stages` (numbers `indices`) with static shapes: `shapes` is (rows,
+    positions, positions of a hidden state, vocabulary of the logits) of a micro-batch on this rank (tensor
+    parallelism: the hidden states' positions split under sequence parallelism, the logits' vocabulary always).
+    The schedule then sends tensors of known shapes and runs no shape-inference forward (which would route garbage
+    through the MoE layers and count it)."""
     from torch.distributed.pipelining import PipelineStage
 
+    rows, positions, hidden_positions, vocab = shapes
     weight = next(stages[0].parameters())
     pipes = []
     for st, i in zip(stages, indices, strict=True):
         # requires_grad marks what carries a gradient between stages (the hidden states; not the tokens)
-        hidden = torch.empty(*micro_shape, st.cfg.d_model, dtype=weight.dtype, device="meta", requires_grad=True)
-        tokens = torch.empty(micro_shape, dtype=torch.long, device="meta")
-        logits = torch.empty(*micro_shape, st.cfg.vocab_size, dtype=weight.dtype, device="meta", requires_grad=True)
+        kw = dict(dtype=weight.dtype, device="meta", requires_grad=True)
+        hidden = torch.empty(rows, hidden_positions, st.cfg.d_model, **kw)
+        tokens = torch.empty(rows, positions, dtype=torch.long, device="meta")
+        logits = torch.empty(rows, positions, vocab, **kw)
         x, y = tokens if st.first else hidden, logits if st.last else hidden
         kw = dict(input_args=x, output_args=y, group=group)
         pipes.append((stage_class or PipelineStage)(st, i, n_stages, weight.device, **kw))
@@ -175,7 +186,8 @@ def _schedule(pipes: list, micro_batches: int, loss_fn: Callable):
 def build_schedule(stages, indices, n_stages, micro_batches: int, loss_fn: Callable, group, micro_shape):
     """The schedule over this rank's stages (`indices`: their stage numbers), autograd run by the schedule itself
     (no DeepSpeed engine: `Pipeline` drives one)."""
-    return _schedule(_pipeline_stages(stages, indices, n_stages, micro_shape, group), micro_batches, loss_fn)
+    shapes = (*micro_shape, micro_shape[1], stages[0].cfg.vocab_size)
+    return _schedule(_pipeline_stages(stages, indices, n_stages, shapes, group), micro_batches, loss_fn)
 
 
 def _engine_stage_class():
@@ -220,7 +232,16 @@ class Pipeline:
     `step` returns the last stage's LM losses (one per micro-batch; empty elsewhere); each stage's routing
     statistics are in `stage.stats`, one list per micro-batch."""
 
-    def __init__(self, part: PipelinePart, engine, micro_batches: int, micro_shape, group, lm_loss_fn: Callable):
+    def __init__(
+        self,
+        part: PipelinePart,
+        engine,
+        micro_batches: int,
+        shapes: tuple,
+        group,
+        lm_loss_fn: Callable,
+        embed_group=None,
+    ):
         from moe_dist.parallel import private_api
 
         cfg = part.cfg
@@ -234,10 +255,15 @@ class Pipeline:
         self.backwards, self.done = micro_batches * len(part.stages), 0
         cls = _engine_stage_class()
         pipes = _pipeline_stages(
-            part.stages, part.stage_indices, part.n_stages, micro_shape, group, lambda *a, **kw: cls(self, *a, **kw)
+            part.stages, part.stage_indices, part.n_stages, shapes, group, lambda *a, **kw: cls(self, *a, **kw)
         )
         self.schedule = _schedule(pipes, micro_batches, self._loss)
-        self.micro_shape, self.group = micro_shape, group
+        self.shapes, self.group = shapes, group
+        # A tied embedding lives on the first stage (the lookup) and the last (the head): both copies take the sum
+        # of their gradients (`sum_tied_gradients`), so they stay equal; the norm counts the last stage's copy not.
+        self.embed_group = embed_group if part.cfg.tie_embeddings else None
+        if self.embed_group is not None and not self.first:
+            private_api.count_once_in_grad_norm(part.embed.weight)
         self._eval: dict[int, object] = {}
 
     @property
@@ -274,6 +300,22 @@ class Pipeline:
             raise RuntimeError(f"pipeline: {self.done} stage backwards ran, {self.backwards} expected")
         return self.lms
 
+    def sum_tied_gradients(self) -> None:
+        """After the step's backwards (the data-parallel reduction done), before the optimizer step, on the ranks of
+        the first and last stage: a tied embedding's gradient is the sum of the lookup's and the head's, as in one
+        process. The full gradient is assembled from ZeRO's partitions and written back (deepspeed.utils'
+        safe_get_full_grad / safe_set_full_grad: collectives over the stage's data-parallel group)."""
+        if self.embed_group is None:
+            return
+        from deepspeed.utils import safe_get_full_grad, safe_set_full_grad
+
+        from moe_dist.parallel.comm import all_reduce_sum
+
+        w = self.part.embed.weight
+        grad = safe_get_full_grad(w)
+        grad = all_reduce_sum(grad.clone(), self.embed_group)
+        safe_set_full_grad(w, grad)
+
     @torch.no_grad()
     def evaluate(self, tokens: torch.Tensor, targets: torch.Tensor, micro_batches: int, **documents):
         """Forward only, through a schedule of `micro_batches` micro-batches (one built per count) over the same
@@ -282,7 +324,7 @@ class Pipeline:
             from torch.distributed.pipelining import PipelineStage
 
             p = self.part
-            pipes = _pipeline_stages(p.stages, p.stage_indices, p.n_stages, self.micro_shape, self.group, PipelineStage)
+            pipes = _pipeline_stages(p.stages, p.stage_indices, p.n_stages, self.shapes, self.group, PipelineStage)
             self._eval[micro_batches] = _schedule(pipes, micro_batches, self._loss)
         self._reset()
         args = (tokens,) if self.first else ()

@@ -30,6 +30,7 @@ from moe_dist.layers.mamba import Mamba
 from moe_dist.layers.mamba2 import GatedRMSNorm, Mamba2
 from moe_dist.layers.mlp import SwiGLU
 from moe_dist.layers.moe import MoE
+from moe_dist.models.decoder import held_blocks
 from moe_dist.parallel import private_api
 from moe_dist.parallel.comm import (
     all_gather_list,
@@ -301,13 +302,16 @@ class VocabParallelEmbedding(nn.Module):
 
 
 def _vocabulary(model: nn.Module, mesh: Mesh, b: _Boundaries) -> None:
-    _shard_param(model.embed, "weight", 0, mesh)
-    rows = model.embed.weight.shape[0]
-    model.embed = VocabParallelEmbedding(model.embed.weight, mesh.tp_rank * rows, b)
+    """The embedding and the head, where the model holds them (a pipeline part holds them on its first and last
+    stages only)."""
+    if model.embed is not None:
+        _shard_param(model.embed, "weight", 0, mesh)
+        rows = model.embed.weight.shape[0]
+        model.embed = VocabParallelEmbedding(model.embed.weight, mesh.tp_rank * rows, b)
     if model.head is not None:
         _shard_param(model.head, "weight", 0, mesh)
-    # The final norm's output feeds only the LM head (tied or not): enter the region there.
-    model.norm.register_forward_hook(lambda m, args, out: b.enter(out))
+    if model.norm is not None:  # its output feeds only the LM head (tied or not): enter the region there
+        model.norm.register_forward_hook(lambda m, args, out: b.enter(out))
 
 
 def _sum_grad_over_tp(p: nn.Parameter) -> None:
@@ -346,10 +350,11 @@ def apply_tp(model: nn.Module, mesh: Mesh, sequence_parallel: bool = False) -> n
         elif isinstance(module, MoE):
             _moe(module, mesh, b)
     if sequence_parallel:  # the norms outside the regions see only this rank's tokens
-        for norm in [model.norm, *(n for blk in model.blocks for n in (blk.mixer_norm, blk.ffn_norm) if n is not None)]:
-            for p in norm.parameters():
+        blocks = held_blocks(model)
+        for norm in [model.norm, *(n for blk in blocks for n in (blk.mixer_norm, blk.ffn_norm) if n is not None)]:
+            for p in norm.parameters() if norm is not None else ():
                 _sum_grad_over_tp(p)
-    if not model.norm.weight.is_meta:  # on meta: parallelize registers them once allocated
+    if not next(model.parameters()).is_meta:  # on meta: parallelize registers them once allocated
         register_grad_sums(model, mesh)
     return model
 

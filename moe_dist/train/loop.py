@@ -359,8 +359,10 @@ def _train(cfg: JobConfig, run_dir: Path, resume: bool, stop: StopRequest) -> li
     say(f"throughput: {utilisation.describe()}")
     pipeline = None
     if mesh.pp > 1:  # the schedule's stages wrap the part's modules; DeepSpeed's engine owns their gradients
-        micro = t.grad_accum_steps(mesh.dp)
-        pipeline = Pipeline(model, engine, micro, (t.micro_batch_size, t.seq_len), mesh.pp_group, lm_loss)
+        micro, sp = t.grad_accum_steps(mesh.dp), cfg.parallel.sequence_parallel and mesh.tp > 1
+        shapes = (t.micro_batch_size, t.seq_len, t.seq_len // (mesh.tp if sp else 1), cfg.model.vocab_size // mesh.tp)
+        loss = lm_loss if mesh.tp == 1 else lambda logits, targets: vocab_parallel_lm_loss(logits, targets, mesh)
+        pipeline = Pipeline(model, engine, micro, shapes, mesh.pp_group, loss, mesh.embed_group)
     ctx = StepContext(engine, cfg, mesh, data, val, guard, n_moe, utilisation, pipeline)
     records: list[dict] = []
     if start == 0 and t.eval_every:

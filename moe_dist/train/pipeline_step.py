@@ -39,6 +39,7 @@ def pipeline_micro_batches(pipeline: Pipeline, batches: list[Batch], acc: StepAc
     returns this rank's losses (the last stage's LM losses; a zero elsewhere) for the non-finite check."""
     tokens, targets, documents = _stacked(batches, cfg.model.attention.mask)
     lms = pipeline.step(tokens, targets, **documents)
+    pipeline.sum_tied_gradients()
     moe = cfg.model.moe
     index = moe_layer_index(cfg.model)
     n_moe = max(1, len(index))

@@ -153,5 +153,7 @@ def test_pipeline_stages_are_the_outermost_dimension():
         assert all(len({r // 8 for r in grp}) == 1 for grp in g[kind]), kind  # never straddles stages
     assert g["pp"] == [[r, r + 8] for r in range(8)]
     assert g["mp"] == [[0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15]]
+    assert g["embed"] == g["pp"]  # two stages: the first and the last are the pipeline
+    assert layout_groups(2, 1, 1, pp=4)["embed"] == [[0, 6], [1, 7]]  # the middle stages hold no embedding
     for kind in ("tp", "dp", "ep", "edp", "pp", "mp"):
         assert sorted(r for grp in g[kind] for r in grp) == list(range(16)), kind

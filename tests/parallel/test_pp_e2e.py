@@ -2,10 +2,16 @@
 with gradient accumulation step by step (losses, clipped-gradient norms, tokens and drops per expert, the LM, aux
 and z losses, the loss-free balancing bias, the validation loss) and at the end (parameters and Adam moments):
 
-- pp = 2 under 1F1B; pp = 2 interleaved with 2 virtual stages (the aux loss over the global batch from the previous
-  step's load, loss-free balancing on); pp = 2 × ep = 2 at ZeRO 2; pp = 4 on a hybrid whose stages are attention +
-  MoE, Mamba-2 + MLP (no MoE layer), an MoE FFN alone (only MoE layers) and Gated DeltaNet + MLP; pp = 2 with full
-  activation checkpointing.
+- pp = 2 under 1F1B;
+- pp = 2 interleaved with 2 virtual stages (the aux loss over the global batch from the previous step's load,
+  loss-free balancing on);
+- pp = 2 × ep = 2 at ZeRO 2;
+- pp = 2 with tied embeddings at ZeRO 2 (the lookup on the first stage, the head on the last: gradients summed);
+- pp = 2 × tp = 2 with sequence parallelism (the hidden states between stages split over the sequence, the logits
+  over the vocabulary);
+- pp = 4 on a hybrid whose stages are attention + MoE, Mamba-2 + MLP (no MoE layer), an MoE FFN alone (only MoE
+  layers) and Gated DeltaNet + MLP;
+- pp = 2 with full activation checkpointing.
 - Checkpoints: the pp = 2 run's step-3 checkpoint resumes exactly at pp = 2, on one process and at pp = 4.
 """
 
@@ -25,6 +31,7 @@ MODES = {
         "model.moe.global_batch_load=previous_step",
         "model.moe.bias_update_rate=0.01",
     ],
+    "tied": ["model.tie_embeddings=true"],
     "hybrid": [
         "model.mixer_pattern=A",
         "model.ffn_pattern=E",
@@ -41,6 +48,8 @@ LAYOUTS = {  # name: (world, mode, overrides)
     "pp2": (2, "capacity", ["parallel.pp=2"]),
     "pp2-v2": (2, "balancing", ["parallel.pp=2", "parallel.pp_virtual=2"]),
     "pp2-ep2-zero2": (4, "capacity", ["parallel.pp=2", "parallel.ep=2", "deepspeed.zero_stage=2"]),
+    "pp2-tied-zero2": (2, "tied", ["parallel.pp=2", "deepspeed.zero_stage=2"]),
+    "pp2-tp2-sp": (4, "capacity", ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
     "pp4-hybrid": (4, "hybrid", ["parallel.pp=4"]),
     "pp2-recompute": (2, "capacity", ["parallel.pp=2", "train.activation_checkpointing=full"]),
 }

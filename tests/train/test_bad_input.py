@@ -232,8 +232,8 @@ def test_checkpoint_of_another_model_fails_every_rank_without_hanging(existing, 
     [
         (2, ["train.global_batch_size=2"], "train.global_batch_size: 2 gives 1 micro-batches per pipeline, fewer than"),
         (2, ["parallel.pp_virtual=2", "train.global_batch_size=10"], "is not a multiple of the interleaved schedule"),
-        (4, ["parallel.tp=2"], "parallel.pp: 2 does not run with parallel.tp=2 yet"),
-        (2, ["model.tie_embeddings=true"], "parallel.pp: 2 does not run with model.tie_embeddings=true yet"),
+        (4, ["parallel.cp=2"], "parallel.pp: 2 does not run with parallel.cp=2 yet"),
+        (2, ["train.compile=true"], "parallel.pp: 2 does not run with train.compile=true yet"),
         (
             2,
             ["model.moe.aux_loss_scope=global_batch", "model.moe.global_batch_load=this_step"],
@@ -241,7 +241,7 @@ def test_checkpoint_of_another_model_fails_every_rank_without_hanging(existing, 
         ),
         (3, [], "parallel.pp: 2 does not divide the world size 3"),
     ],
-    ids=["too-few-micro-batches", "interleaved-rounds", "tp", "tied", "this-step-load", "world"],
+    ids=["too-few-micro-batches", "interleaved-rounds", "cp", "compile", "this-step-load", "world"],
 )
 def test_pipeline_layouts_the_schedule_cannot_run_are_refused(tmp_path, capsys, monkeypatch, world, overrides, message):
     """parallel.pp > 1: what the schedule or the runtime cannot honour stops at once, one line naming the key, exit
