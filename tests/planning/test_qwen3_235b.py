@@ -86,3 +86,28 @@ def test_the_shipped_layout_fits_h200s_at_64_and_256(world, most):
     totals = plan["pipeline"]["total_gb_by_pp_rank"]
     assert plan["capacity"]["fits"] and max(totals) == totals[0] == plan["memory_per_rank_gb"]["total"] < most
     assert plan["layout"]["micro_batches_in_flight"] == 8 and plan["layout"]["expert_rows_factor"] == 3.0
+
+
+def test_the_sweep_plans_the_pipeline_layout_and_h100_differs_only_in_memory():
+    """`scaling.py predict --config configs/qwen3_235b_a22b.json`: the config's pipeline layout is judged by the memory
+    plan (the rough per-device figure knows no stages) and is the fastest that fits at 64 GPUs; at 32 a stage has 4
+    ranks, too few for ep 8. The H100 profile predicts the H200's step time (same peak and links) and differs in the
+    memory a layout must fit: Megatron-LM's published layout (docs/perf_model.md) fits the H200's plan, not the
+    H100's."""
+    from moe_dist.planning import cluster
+    from moe_dist.planning.perfmodel import predict_step
+    from moe_dist.planning.workload import Layout
+
+    cfg = load_config(CONFIG)
+    rows = cluster.scaling_sweep(cfg, cluster.h200_cluster(), gpu_counts=(32, 64), chunk_options=(4,))
+    own = [r for r in rows if r["family"].startswith("config's layout")]
+    assert [r["gpus"] for r in own] == [64] and own[0]["layout"] == "pp8-dp2-ep8-tp4-etp1"
+    assert own[0]["memory_gb"] == pytest.approx(memory_plan(cfg, 64)["memory_per_rank_gb"]["total"])
+    assert cluster.recommend(rows)[64]["family"] == own[0]["family"] and 32 not in cluster.recommend(rows)
+    published = ["parallel.pp=8", "parallel.pp_virtual=4", "parallel.tp=2", "parallel.ep=32", "parallel.etp=1"]
+    meg = load_config(CONFIG, [*published, "parallel.sequence_parallel=true"])
+    layout = Layout(dp=16, ep=32, tp=2, etp=1, pp=8)
+    h100, h200 = cluster.h100_cluster(), cluster.h200_cluster()
+    assert predict_step(meg, layout, h100).step_s == predict_step(meg, layout, h200).step_s
+    total = memory_plan(meg, 256, capacity_bytes=int(h200.memory_bytes))["memory_per_rank_gb"]["total"] * 1e9
+    assert cluster.fits(meg, total, h200) and not cluster.fits(meg, total, h100)
