@@ -2,7 +2,7 @@
 
     python benchmarks/scaling.py [sweep] [--out runs/scaling] [--worlds 1 2 4] [--steps 6] [--no-netns]
     python benchmarks/scaling.py report --out runs/scaling      # re-aggregate and re-fit a finished sweep
-    python benchmarks/scaling.py predict [--config configs/mixtral_8x7b.json] [--mfu 0.4] [--levers]  # H200s
+    python benchmarks/scaling.py predict [--config C] [--mfu 0.4] [--levers] [--published]  # H200s (and H100s)
 
 `sweep` runs every point on one node (torchrun) and, as root, across two network-namespace nodes
 (tests/netns_cluster.sh), then writes OUT/scaling.md (tables), OUT/scaling.csv, OUT/scaling.png and
@@ -348,11 +348,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--mfu", type=float, default=0.40, help="predict: assumed share of peak the device sustains")
     p.add_argument("--levers", action="store_true", help="predict: also what moves 64 and 1,024 GPUs (slower)")
+    p.add_argument(
+        "--published",
+        action="store_true",
+        help="predict: also Megatron-LM's published Qwen3-235B-A22B layout on H100 and H200 (with its config)",
+    )
     args = p.parse_args(argv)
     if args.command == "predict":
         from scaling_predict import predict_table
 
-        print(predict_table(args.config or "configs/mixtral_8x7b.json", args.mfu, args.levers))
+        print(predict_table(args.config or "configs/mixtral_8x7b.json", args.mfu, args.levers, args.published))
         return 0
 
     from moe_dist.config import load_config

@@ -122,7 +122,49 @@ def lever_lines(config: str, hw, gpu_counts=(64, 1024), target: float = 0.80) ->
     return lines
 
 
-def predict_table(config: str, mfu: float, levers: bool = False) -> str:
+# Megatron-LM's published Qwen3-235B-A22B layout (as issue #34 quotes it): 256 H100s, TP2 · EP32 · PP8 with 4 virtual
+# stages, sequence 4096, 245 TFLOP/s per GPU in bf16. EP32 over dp 16 × tp 2 is whole experts (our etp 1).
+PUBLISHED = ["parallel.pp=8", "parallel.pp_virtual=4", "parallel.tp=2", "parallel.sequence_parallel=true"]
+PUBLISHED += ["parallel.ep=32", "parallel.etp=1", "parallel.cp=1"]
+PUBLISHED_TFLOPS = 245e12
+
+
+def published_lines(config: str, mfu: float) -> list[str]:
+    """The performance model at the published layout on the H100 and H200 profiles, with full and no activation
+    checkpointing, beside the published figure: step terms, model TFLOP/s per GPU (MFU's FLOPs: no recompute)."""
+    from moe_dist.config import load_config
+    from moe_dist.planning import cluster
+    from moe_dist.planning.memory import memory_plan
+    from moe_dist.planning.perfmodel import predict_step
+    from moe_dist.planning.workload import config_layout
+
+    lines = [
+        f"Published layout (256 GPUs, {' '.join(s.split('.', 1)[1] for s in PUBLISHED)}), {mfu:.0%} of peak "
+        f"sustained; published: {PUBLISHED_TFLOPS / 1e12:.0f} TFLOP/s per GPU on H100 "
+        f"(MFU {PUBLISHED_TFLOPS / 989e12:.3f}):",
+        "",
+        "| GPU | recompute | step s | compute s | bubble s | all-to-all s | TP s | reduction s (exposed) | "
+        "p2p s | model TFLOP/s per GPU | MFU | memory GB (usable) |",
+        "|" + "---|" * 12,
+    ]
+    for name, hw in (("H100", cluster.h100_cluster(mfu)), ("H200", cluster.h200_cluster(mfu))):
+        for ac in ("full", "none"):
+            cfg = load_config(config, [*PUBLISHED, f"train.activation_checkpointing={ac}"])
+            lay = config_layout(cfg, 256)
+            p = min((predict_step(cfg, lay, hw, a2a_chunks=c) for c in (1, 2, 4)), key=lambda q: q.step_s)
+            plan = memory_plan(cfg, 256, capacity_bytes=int(hw.memory_bytes))
+            reduce = p.comm_s["reduce_scatter"] + p.comm_s["all_gather"]
+            tp = p.comm_s["all_reduce"]
+            lines.append(
+                f"| {name} | {ac} | {p.step_s:.2f} | {p.compute_s:.2f} | {p.bubble_s:.2f} | "
+                f"{p.comm_s['all_to_all']:.2f} | {tp:.2f} | {reduce:.2f} | {p.comm_s['other']:.2f} | "
+                f"{p.mfu * hw.peak_flops_per_s / 1e12:.0f} | {p.mfu:.3f} | "
+                f"{plan['memory_per_rank_gb']['total']:.1f} ({plan['capacity']['usable_gb']:.1f}) |"
+            )
+    return lines
+
+
+def predict_table(config: str, mfu: float, levers: bool = False, published: bool = False) -> str:
     from moe_dist.config import load_config
     from moe_dist.planning import cluster
 
@@ -154,4 +196,6 @@ def predict_table(config: str, mfu: float, levers: bool = False) -> str:
         )
     if levers:
         lines += ["", *summary_lines(config, hw, rows), "", *lever_lines(config, hw)]
+    if published:
+        lines += ["", *published_lines(config, mfu)]
     return "\n".join(lines)

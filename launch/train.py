@@ -13,6 +13,7 @@ with --resume (launch/slurm/ requeues the job).
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -59,6 +60,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def smallest_world(cfg) -> int:
+    """The fewest ranks the config's layout takes (--dry-run's default): per pipeline stage tp · cp · dp ranks with
+    ep dividing dp · cp (experts split over TP), or dividing the stage's ranks (whole experts, etp 1)."""
+    pa = cfg.parallel
+    if pa.expert_tp == 1:
+        return pa.pp * math.lcm(pa.tp * pa.cp, pa.ep)
+    return pa.pp * pa.tp * math.lcm(pa.cp, pa.ep)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
@@ -70,7 +80,7 @@ def main(argv=None) -> int:
         from moe_dist.models.decoder import param_counts
         from moe_dist.planning.memory import memory_plan
 
-        world = args.world_size or cfg.parallel.tp * cfg.parallel.ep
+        world = args.world_size or smallest_world(cfg)
         try:
             plan = memory_plan(cfg, world, args.device)
         except ConfigError as e:
@@ -79,9 +89,11 @@ def main(argv=None) -> int:
         lay, mem = plan["layout"], plan["memory_per_rank_gb"]
         cp_part = f" x cp {lay['cp']}" if lay["cp"] > 1 else ""
         pp_part = f"pp {lay['pp']} x " if lay["pp"] > 1 else ""
+        sp = " + SP" if cfg.parallel.sequence_parallel and lay["tp"] > 1 else ""
+        whole = " of whole experts (etp 1)" if cfg.parallel.expert_tp == 1 and lay["tp"] > 1 else ""
         print(
-            f"layout: world {world} = {pp_part}dp {lay['dp']}{cp_part} x tp {lay['tp']}, "
-            f"ep {lay['ep']}, ZeRO {lay['zero_stage']}, "
+            f"layout: world {world} = {pp_part}dp {lay['dp']}{cp_part} x tp {lay['tp']}{sp}, "
+            f"ep {lay['ep']}{whole}, ZeRO {lay['zero_stage']}, "
             f"activation checkpointing {cfg.train.activation_checkpointing}"
         )
         if "pipeline" in plan:

@@ -4,8 +4,9 @@ docs/perf_model.md ("Mixtral 8x7B and Jamba on H200"): `python benchmarks/scalin
 from __future__ import annotations
 
 from moe_dist.config import JobConfig
-from moe_dist.planning.capacity import H200_MIB, MIB, headroom
+from moe_dist.planning.capacity import H100_MIB, H200_MIB, MIB, headroom
 from moe_dist.planning.collectives import H200_BF16_DENSE_PEAK, LAST_BACKWARD, Hardware, Link
+from moe_dist.planning.memory import memory_plan
 from moe_dist.planning.perfmodel import predict_step
 from moe_dist.planning.workload import Layout, ModelCost, config_layout, model_cost, tokens_per_micro_batch
 
@@ -25,6 +26,23 @@ def h200_cluster(mfu: float = 0.40) -> Hardware:
         intra=Link(alpha_s=3e-6, beta_Bps=0.8 * 450e9),
         inter=Link(alpha_s=8e-6, beta_Bps=0.9 * 50e9),
         memory_bytes=H200_MIB * MIB,
+        peak_flops_per_s=H200_BF16_DENSE_PEAK,
+        tree_all_reduce=True,
+    )
+
+
+def h100_cluster(mfu: float = 0.40) -> Hardware:
+    """H100 SXM, as published (NVIDIA H100 datasheet): BF16 Tensor Core 989 TFLOPS dense (1,979 with sparsity), the
+    H200's; 80 GB HBM3 at 3.35 TB/s (the H200: 4.8); NVLink 900 GB/s per GPU; nodes of 8 with 8 × 400 Gb/s
+    InfiniBand. Every term this model charges is the H200's; only the memory a layout must fit in differs (HBM
+    bandwidth is inside the sustained share `mfu`, which is where the two GPUs differ in practice)."""
+    return Hardware(
+        name=f"H100 SXM, 8/node, NVLink 900 GB/s, 400 Gb/s IB per GPU, {mfu:.0%} of peak sustained",
+        flops_per_s=H200_BF16_DENSE_PEAK * mfu,
+        ranks_per_node=8,
+        intra=Link(alpha_s=3e-6, beta_Bps=0.8 * 450e9),
+        inter=Link(alpha_s=8e-6, beta_Bps=0.9 * 50e9),
+        memory_bytes=H100_MIB * MIB,
         peak_flops_per_s=H200_BF16_DENSE_PEAK,
         tree_all_reduce=True,
     )
@@ -111,7 +129,7 @@ def scaling_sweep(
     for n in gpu_counts:
         layouts = candidate_layouts(n, cfg.model.moe.num_experts, t.global_batch_size, t.micro_batch_size)
         own = config_layout(cfg, n)
-        valid = own and (own.world if own.folded else own.zero) % own.ep == 0
+        valid = own and (own.world // own.pp if own.folded else own.zero) % own.ep == 0
         if valid and own not in layouts.values() and t.global_batch_size % (t.micro_batch_size * own.dp) == 0:
             layouts[f"config's layout (tp {own.tp}, ep {own.ep})"] = own
         for family, lay in layouts.items():
@@ -119,7 +137,9 @@ def scaling_sweep(
             plain = predict_step(cfg, lay, hw, a2a_chunks=1, **kw)
             p = min((predict_step(cfg, lay, hw, a2a_chunks=c, **kw) for c in chunk_options), key=lambda q: q.step_s)
             grad = p.overlap.get(LAST_BACKWARD, {})
-            memory = memory_per_device(cfg, lay, cost)
+            # A pipeline layout (the config's own: the families have none) by the plan of record: its stages' weights
+            # and the micro-batches in flight are not in the rough figure.
+            memory = memory_per_device(cfg, lay, cost) if lay.pp == 1 else _plan_bytes(cfg, n, hw)
             rows.append(
                 {
                     "gpus": n,
@@ -141,6 +161,10 @@ def scaling_sweep(
                 }
             )
     return rows
+
+
+def _plan_bytes(cfg: JobConfig, world: int, hw: Hardware) -> float:
+    return memory_plan(cfg, world, capacity_bytes=hw.memory_bytes)["memory_per_rank_gb"]["total"] * 1e9
 
 
 def recommend(rows: list[dict]) -> dict[int, dict]:

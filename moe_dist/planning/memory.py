@@ -102,10 +102,17 @@ def activation_bytes(
     hq, hkv = m.attention.n_heads // tp, m.attention.n_kv_heads // tp
     di = m.mamba.expand * D // tp
     n, r = m.mamba.d_state, m.mamba.dt_rank or math.ceil(D / 16)
-    f_dense, f_moe = m.d_ff // tp, (m.moe.d_ff or m.d_ff) // tp
+    etp = cfg.parallel.expert_tp
+    f_dense, f_moe = m.d_ff // tp, (m.moe.d_ff or m.d_ff) // etp
     E, K = m.moe.num_experts, m.moe.top_k
-    cf = m.moe.capacity_factor or 1.0  # token side: the rows this rank routes, K·T·cf (dropless: K·T)
-    rho = expert_rows_factor(cfg)  # expert side: the rows this rank's experts receive, K·T·rho
+    cf = m.moe.capacity_factor or 1.0
+    rho = expert_rows_factor(cfg)
+    # MoE rows per token, in units of D (parallel/dispatch.py): under EP each TP rank dispatches its 1/tp slice of
+    # the tokens (token side, the rows the combine keeps: K·cf/tp); the experts then meet the rows of the whole TP
+    # group when they are split over it (etp = tp: K·rho) or this rank's own with whole experts (etp = 1: K·rho/tp).
+    # Without EP every TP rank routes and runs all T tokens' rows (K·cf, K).
+    split = tp if cfg.parallel.ep > 1 else 1
+    token_rows, expert_rows = K * cf / split, K * rho / (tp // etp)
     norm_full = 3 * D * a / sp + 4  # norm input, norm output, the first linear's copy of it, rstd
     norm_kept = 2 * D * a / sp + 4  # the recomputed sublayer's input and the norm's input stay
     m2, g = m.mamba2, m.gdn
@@ -170,8 +177,8 @@ def activation_bytes(
             # The combine keeps the expert outputs in token order (token side); the experts keep their input rows
             # and, without recompute, their gate/up, SiLU and product (expert side).
             expert_kept = D * a if "moe_experts" in parts else (D + hidden * f_moe) * a
-            out["moe"] += norm_full + router + K * (cf * D * a + rho * expert_kept)
-            largest = max(largest, K * rho * hidden * f_moe * a)
+            out["moe"] += norm_full + router + token_rows * D * a + expert_rows * expert_kept
+            largest = max(largest, expert_rows * hidden * f_moe * a)
     v = m.vocab_size // tp
     out["head"] = norm_full + 4 * v + 16 if head else 0.0
     per_token = {k: val * T for k, val in out.items()}
@@ -180,7 +187,7 @@ def activation_bytes(
         # One sublayer's backward: its interior (recomputed first, under recompute) and the gradients of it.
         "layer_backward": (2 if parts else 1) * largest * T,
         # The rows sent (token side) and received (expert side).
-        "all_to_all": (K * (cf + rho) * T * D * a) if cfg.parallel.ep > 1 and m.has_kind("moe") else 0.0,
+        "all_to_all": ((token_rows + expert_rows) * T * D * a) if cfg.parallel.ep > 1 and m.has_kind("moe") else 0.0,
     }
     return {**per_token, "total": sum(per_token.values()), "transient": transient}
 

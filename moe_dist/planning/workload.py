@@ -181,7 +181,7 @@ def _group_placement(ranks: list[int], ranks_per_node: int) -> tuple[int, int]:
 def group_shapes(layout: Layout, ranks_per_node: int) -> dict[str, tuple[int, int]]:
     """(size, ranks per node) of rank 0's tp, cp, ep, dp (ZeRO: dp × cp) and edp groups under mesh.py's rank order
     rank = q · tp + tp_rank with q = dp_rank · cp + cp_rank: EP groups are blocks of ep consecutive q (of ep
-    consecutive ranks with etp = 1), the EDP groups stride across them."""
+    consecutive ranks with etp = 1), the EDP groups stride across them, inside one pipeline stage's ranks."""
     tp, ep, q = layout.tp, layout.ep, layout.zero
     rank = lambda q, t: q * tp + t  # noqa: E731
     folded = layout.folded
@@ -191,7 +191,8 @@ def group_shapes(layout: Layout, ranks_per_node: int) -> dict[str, tuple[int, in
         "ep": _group_placement(list(range(ep)) if folded else [rank(d, 0) for d in range(ep)], ranks_per_node),
         "dp": _group_placement([rank(d, 0) for d in range(q)], ranks_per_node),
         "edp": _group_placement(
-            list(range(0, layout.world, ep)) if folded else [rank(d, 0) for d in range(0, q, ep)], ranks_per_node
+            list(range(0, layout.world // layout.pp, ep)) if folded else [rank(d, 0) for d in range(0, q, ep)],
+            ranks_per_node,
         ),
     }
 

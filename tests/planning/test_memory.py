@@ -215,6 +215,27 @@ def test_dropless_imbalance_plans_the_expert_side_at_the_busiest_rank():
     assert expert_rows_factor(_moe_plan("parallel.ep=2", "model.moe.capacity_factor=1.25")) == 1.25
 
 
+def test_moe_rows_under_tp_are_those_the_dispatch_keeps():
+    """Under EP each TP rank dispatches its 1/tp token slice (parallel/dispatch.py): the combine keeps K·T/tp rows;
+    experts split over TP meet the whole TP group's rows (K·ρ·T), whole experts (etp 1) this rank's own (K·ρ·T/tp).
+    Measured against autograd's saved tensors on 4 gloo ranks (tp 2 · ep 2): docs/memory.md, "MoE rows under TP"."""
+    T, D, F, K, a, layers = 256, 64, 96, 2, 4, 4
+    full = ["parallel.ep=2", "plan.expert_imbalance=1.5", "train.activation_checkpointing=full"]
+    one = activation_bytes(_moe_plan(*full))
+    split = activation_bytes(_moe_plan(*full, "parallel.tp=2"), tp=2)
+    whole = activation_bytes(_moe_plan(*full, "parallel.tp=2", "parallel.etp=1"), tp=2)
+    assert one["moe"] - split["moe"] == pytest.approx(layers * T * K * D * a / 2)  # the token side halves
+    assert split["moe"] - whole["moe"] == pytest.approx(layers * T * K * 1.5 * D * a / 2)  # and the expert side
+    assert whole["transient"]["all_to_all"] == pytest.approx(T * K * (1 + 1.5) * D * a / 2)
+    # Without recompute whole experts keep their full hidden width, for half the rows.
+    plain = ["parallel.ep=2", "plan.expert_imbalance=1.5", "parallel.tp=2"]
+    kept = activation_bytes(_moe_plan(*plain, "parallel.etp=1"), tp=2)
+    assert kept["transient"]["layer_backward"] == pytest.approx(T * K * 1.5 / 2 * 4 * F * a)
+    # Without EP every TP rank routes and runs all the micro-batch's rows.
+    no_ep = activation_bytes(_moe_plan("parallel.tp=2", full[2]), tp=2)
+    assert no_ep["moe"] == activation_bytes(_moe_plan(full[2]))["moe"]
+
+
 def test_dry_run_prints_the_plan_with_json_last(tmp_path):
     cmd = [sys.executable, str(REPO / "launch/train.py"), "--config", str(REPO / "configs/mixtral_8x7b.json")]
     proc = subprocess.run([*cmd, "--dry-run", "--world-size", "64"], capture_output=True, text=True, timeout=120)

@@ -165,6 +165,8 @@ def test_folded_layout_keeps_ep_in_a_node_and_drops_the_tp_row_gathers():
     assert calls[folded]["moe_rows"].payload_bytes == calls[split]["moe_rows"].payload_bytes  # 1/tp of the rows
     assert calls[folded]["expert_grad"].payload_bytes == 2 * calls[split]["expert_grad"].payload_bytes
     assert str(folded) == "dp64-ep8-tp2-etp1"
+    # Under pipeline parallelism the expert replicas are those of one stage's world / pp ranks: (8·4/8, 1 per node).
+    assert wl.group_shapes(wl.Layout(dp=8, ep=8, tp=4, etp=1, pp=8), 8)["edp"] == (4, 1)
     assert "EP8 x TP2 folded (etp 1, EP in node)" in cluster.candidate_layouts(128, 8, 1024, 1)
 
 
