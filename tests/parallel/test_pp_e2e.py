@@ -8,7 +8,7 @@ and z losses, the loss-free balancing bias, the validation loss) and at the end 
 - pp = 2 × ep = 2 at ZeRO 2;
 - pp = 2 with tied embeddings at ZeRO 2 (the lookup on the first stage, the head on the last: gradients summed);
 - pp = 2 × tp = 2 with sequence parallelism (the hidden states between stages split over the sequence, the logits
-  over the vocabulary);
+  over the vocabulary), and with ep = 2 over whole experts (etp = 1) too;
 - pp = 4 on a hybrid whose stages are attention + MoE, Mamba-2 + MLP (no MoE layer), an MoE FFN alone (only MoE
   layers) and Gated DeltaNet + MLP;
 - pp = 2 with full activation checkpointing.
@@ -50,6 +50,12 @@ LAYOUTS = {  # name: (world, mode, overrides)
     "pp2-ep2-zero2": (4, "capacity", ["parallel.pp=2", "parallel.ep=2", "deepspeed.zero_stage=2"]),
     "pp2-tied-zero2": (2, "tied", ["parallel.pp=2", "deepspeed.zero_stage=2"]),
     "pp2-tp2-sp": (4, "capacity", ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
+    # the shipped Qwen3-235B layout's shape: TP with SP, experts whole (etp 1) and EP over dp × tp of each stage
+    "pp2-tp2-sp-ep2-etp1": (
+        4,
+        "capacity",
+        ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2", "parallel.etp=1"],
+    ),
     "pp4-hybrid": (4, "hybrid", ["parallel.pp=4"]),
     "pp2-recompute": (2, "capacity", ["parallel.pp=2", "train.activation_checkpointing=full"]),
 }
