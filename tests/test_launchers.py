@@ -84,3 +84,20 @@ def test_launcher_matches_deepspeed(runs, launcher):
     assert [r["step"] for r in got] == list(range(1, 7))
     assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in ref], rel=1e-6)  # same init, data, layout
     assert [r["moe"][0]["tokens_per_expert"] for r in got] == [r["moe"][0]["tokens_per_expert"] for r in ref]
+
+
+def test_pipeline_runs_under_deepspeed_and_accelerate(tmp_path, runs, run_train, metrics):
+    """parallel.pp = 2 through the deepspeed launcher and accelerate launch: the same trajectory as the data-parallel
+    runs above (torchrun's pipeline runs are tests/parallel/test_pp_e2e.py's)."""
+    records, _ = runs
+    ref = records["deepspeed"]
+    args = ["--config", DEBUG_CONFIG, "--set", ONE_THREAD, "parallel.pp=2"]
+    run_train("deepspeed", 2, [*args[:2], "--run-dir", str(tmp_path / "deepspeed"), *args[2:]])
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HOME": str(tmp_path / "hf_home")}
+    cmd = [*_accelerate(False, free_port()), TRAIN, *args[:2], "--run-dir", str(tmp_path / "accelerate"), *args[2:]]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    for launcher in ("deepspeed", "accelerate"):
+        got = train_records(metrics(tmp_path / launcher))
+        assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in ref], rel=1e-5), launcher
+        assert [r["moe"][1]["tokens_per_expert"] for r in got] == [r["moe"][1]["tokens_per_expert"] for r in ref]
