@@ -33,6 +33,7 @@ from moe_dist.parallel.mesh import Mesh, init_distributed
 from moe_dist.parallel.parallelize import parallelize
 from moe_dist.parallel.pipeline import Pipeline
 from moe_dist.parallel.tensor_parallel import vocab_parallel_lm_loss
+from moe_dist.planning.stage_cut import stage_starts
 from moe_dist.train.checkpoint import (
     Checkpointer,
     CheckpointMismatch,
@@ -286,6 +287,8 @@ def _train(cfg: JobConfig, run_dir: Path, resume: bool, stop: StopRequest) -> li
     check_layout(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     check_context_parallel(cfg.model, cfg.parallel.cp)
     check_pipeline_runtime(cfg)
+    if cfg.parallel.pp > 1:
+        stage_starts(cfg)  # a cut too uneven to pipeline is refused here, before anything is joined or written
     t = cfg.train
     # The data fits the model's vocabulary and names the run's tokenizer (checked from the sidecars).
     train_tokens, val_tokens, weights = load_tokens(cfg.data, t.seq_len, cfg.model.vocab_size)

@@ -11,7 +11,7 @@ and z losses, the loss-free balancing bias, the validation loss) and at the end 
   over the vocabulary), and with ep = 2 over whole experts (etp = 1) too;
 - pp = 4 on a hybrid whose stages are attention + MoE, Mamba-2 + MLP (no MoE layer), an MoE FFN alone (only MoE
   layers) and Gated DeltaNet + MLP;
-- pp = 2 with full activation checkpointing.
+- pp = 2 with full activation checkpointing, under an explicit cut (`parallel.pp_cut`: 1 layer, then 3).
 - Checkpoints: the pp = 2 run's step-3 checkpoint resumes exactly at pp = 2, on one process and at pp = 4.
 """
 
@@ -57,7 +57,12 @@ LAYOUTS = {  # name: (world, mode, overrides)
         ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2", "parallel.etp=1"],
     ),
     "pp4-hybrid": (4, "hybrid", ["parallel.pp=4"]),
-    "pp2-recompute": (2, "capacity", ["parallel.pp=2", "train.activation_checkpointing=full"]),
+    # an explicit cut: one layer on the first stage, three on the second
+    "pp2-recompute-cut": (
+        2,
+        "capacity",
+        ["parallel.pp=2", "train.activation_checkpointing=full", "parallel.pp_cut=[1]"],
+    ),
 }
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]

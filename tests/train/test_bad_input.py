@@ -240,8 +240,14 @@ def test_checkpoint_of_another_model_fails_every_rank_without_hanging(existing, 
             "model.moe.global_batch_load: 'this_step' needs a routing pre-pass of the whole step",
         ),
         (3, [], "parallel.pp: 2 does not divide the world size 3"),
+        (
+            4,
+            ["parallel.pp_virtual=2", "model.mixer_pattern=A", "model.ffn_pattern=E"]
+            + ['model.layers=["attention+moe","mlp","mlp","mlp"]'],
+            "parallel.pp: 4 stages of model.n_layers=4 cannot be cut evenly enough",
+        ),
     ],
-    ids=["too-few-micro-batches", "interleaved-rounds", "cp", "compile", "this-step-load", "world"],
+    ids=["too-few-micro-batches", "interleaved-rounds", "cp", "compile", "this-step-load", "world", "uneven-cut"],
 )
 def test_pipeline_layouts_the_schedule_cannot_run_are_refused(tmp_path, capsys, monkeypatch, world, overrides, message):
     """parallel.pp > 1: what the schedule or the runtime cannot honour stops at once, one line naming the key, exit
