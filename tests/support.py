@@ -111,6 +111,18 @@ def e2e_args(run_dir, *overrides: str, flags: tuple[str, ...] = ()) -> list[str]
     return ["--config", E2E_CONFIG, "--run-dir", str(run_dir), *flags, "--set", *E2E_BASE, *overrides]
 
 
+# A layer list (`model.layers`) replaces debug.json's patterns; the Mamba-2 and Gated DeltaNet sizes of the hybrid
+# tests (heads of 16 channels, chunks of 16 positions).
+LAYER_LIST = ["model.mixer_pattern=A", "model.ffn_pattern=E"]
+SMALL_RECURRENT = [
+    "model.mamba2.head_dim=16",
+    "model.mamba2.d_state=16",
+    "model.mamba2.chunk_size=16",
+    "model.gdn.head_k_dim=16",
+    "model.gdn.head_v_dim=16",
+    "model.gdn.chunk_size=16",
+]
+
 E2E_MODES = {
     "capacity": [],
     "kv4": ["model.attention.n_kv_heads=4"],  # capacity, with kv heads that tp = 4 divides
@@ -131,30 +143,14 @@ E2E_MODES = {
     ],
     # a hybrid of every new mixer kind (layer list), capacity MoE: Mamba-2 with one B/C group (8 heads of 16
     # channels: under tp = 2 the group spans both ranks) and Gated DeltaNet (2 key heads of 4 value heads)
-    "hybrid": [
-        "model.mixer_pattern=A",
-        "model.ffn_pattern=E",
-        'model.layers=["attention+mlp","mamba2+moe","gdn+moe","mamba2+mlp"]',
-        "model.mamba2.head_dim=16",
-        "model.mamba2.d_state=16",
-        "model.mamba2.chunk_size=16",
-        "model.gdn.head_k_dim=16",
-        "model.gdn.head_v_dim=16",
-        "model.gdn.chunk_size=16",
-    ],
+    "hybrid": [*LAYER_LIST, 'model.layers=["attention+mlp","mamba2+moe","gdn+moe","mamba2+mlp"]', *SMALL_RECURRENT],
 }
 
 # support.E2E_MODES["hybrid"] with Mamba-1 too, and two Mamba-2 groups (CP × TP needs n_groups >= tp): the context
 # parallelism tests' model (tests/parallel/test_cp_e2e.py, tests/test_bench_common.py)
 CP_HYBRID = [
-    "model.mixer_pattern=A",
-    "model.ffn_pattern=E",
+    *LAYER_LIST,
     'model.layers=["attention+moe","mamba1+mlp","mamba2+moe","gdn+mlp"]',
-    "model.mamba2.head_dim=16",
-    "model.mamba2.d_state=16",
-    "model.mamba2.chunk_size=16",
+    *SMALL_RECURRENT,
     "model.mamba2.n_groups=2",
-    "model.gdn.head_k_dim=16",
-    "model.gdn.head_v_dim=16",
-    "model.gdn.chunk_size=16",
 ]

@@ -12,8 +12,12 @@ cannot add its layers' losses to a loss it does not compute (only the last stage
 extra stage outputs would change what travels. Instead each MoE layer's output passes through `inject_losses`, an
 identity in the forward whose backward also hands the layer's aux and z losses their constant gradients: they
 reach the router's weights inside the stage's own backward, exactly once per layer and micro-batch, whatever the
-schedule's order. Routing statistics are kept per stage (`Stage.stats`) and summed over the pipeline group once per
-step by whoever reads them, so each layer is counted once.
+schedule's order. Routing statistics are kept per stage (`Stage.stats`) and summed with the step's other statistics
+(train/pipeline_step.py: one all-reduce over the world), so each layer is counted once.
+
+DeepSpeed. One engine per rank wraps its `PipelinePart` (the stages' modules under the whole model's names). The
+schedule runs the stages; each stage's backward is the engine's (`Pipeline.backward`), so ZeRO's hooks, its
+reduction at the accumulation boundary (the rank's last backward of the step) and the step work as for one module.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from torch import nn
 
 from moe_dist.layers.router import RoutingStats
 from moe_dist.models.decoder import Decoder
+from moe_dist.parallel import private_api
+from moe_dist.parallel.comm import all_reduce_sum
 
 
 class _InjectLosses(torch.autograd.Function):
@@ -242,8 +248,6 @@ class Pipeline:
         lm_loss_fn: Callable,
         embed_group=None,
     ):
-        from moe_dist.parallel import private_api
-
         cfg = part.cfg
         n_moe = max(1, sum(f == "moe" for _, f in cfg.layer_kinds()))
         self.part, self.engine, self.m = part, engine, micro_batches
@@ -280,8 +284,6 @@ class Pipeline:
         return lm / self.m
 
     def backward(self, surrogate: torch.Tensor) -> None:
-        from moe_dist.parallel import private_api
-
         self.done += 1
         private_api.engine_backward(self.engine, surrogate, boundary=self.done == self.backwards)
 
@@ -308,8 +310,6 @@ class Pipeline:
         if self.embed_group is None:
             return
         from deepspeed.utils import safe_get_full_grad, safe_set_full_grad
-
-        from moe_dist.parallel.comm import all_reduce_sum
 
         w = self.part.embed.weight
         grad = safe_get_full_grad(w)

@@ -3,6 +3,8 @@ docs/perf_model.md ("Mixtral 8x7B and Jamba on H200"): `python benchmarks/scalin
 
 from __future__ import annotations
 
+import dataclasses
+
 from moe_dist.config import JobConfig
 from moe_dist.planning.capacity import H100_MIB, H200_MIB, MIB, headroom
 from moe_dist.planning.collectives import H200_BF16_DENSE_PEAK, LAST_BACKWARD, Hardware, Link
@@ -36,16 +38,8 @@ def h100_cluster(mfu: float = 0.40) -> Hardware:
     H200's; 80 GB HBM3 at 3.35 TB/s (the H200: 4.8); NVLink 900 GB/s per GPU; nodes of 8 with 8 × 400 Gb/s
     InfiniBand. Every term this model charges is the H200's; only the memory a layout must fit in differs (HBM
     bandwidth is inside the sustained share `mfu`, which is where the two GPUs differ in practice)."""
-    return Hardware(
-        name=f"H100 SXM, 8/node, NVLink 900 GB/s, 400 Gb/s IB per GPU, {mfu:.0%} of peak sustained",
-        flops_per_s=H200_BF16_DENSE_PEAK * mfu,
-        ranks_per_node=8,
-        intra=Link(alpha_s=3e-6, beta_Bps=0.8 * 450e9),
-        inter=Link(alpha_s=8e-6, beta_Bps=0.9 * 50e9),
-        memory_bytes=H100_MIB * MIB,
-        peak_flops_per_s=H200_BF16_DENSE_PEAK,
-        tree_all_reduce=True,
-    )
+    name = f"H100 SXM, 8/node, NVLink 900 GB/s, 400 Gb/s IB per GPU, {mfu:.0%} of peak sustained"
+    return dataclasses.replace(h200_cluster(mfu), name=name, memory_bytes=H100_MIB * MIB)
 
 
 def fits(cfg: JobConfig, memory_bytes: float, hw: Hardware) -> bool:

@@ -21,7 +21,7 @@ import json
 import shutil
 
 import pytest
-from support import E2E_SAVE, E2E_STEPS, e2e_args, train_records
+from support import E2E_SAVE, E2E_STEPS, LAYER_LIST, SMALL_RECURRENT, e2e_args, train_records
 
 ATOL_OF_SCALE = 3e-4  # as test_ep_e2e.py: summation order differs between layouts
 MODES = {
@@ -32,17 +32,7 @@ MODES = {
         "model.moe.bias_update_rate=0.01",
     ],
     "tied": ["model.tie_embeddings=true"],
-    "hybrid": [
-        "model.mixer_pattern=A",
-        "model.ffn_pattern=E",
-        'model.layers=["attention+moe","mamba2+mlp","moe","gdn+mlp"]',
-        "model.mamba2.head_dim=16",
-        "model.mamba2.d_state=16",
-        "model.mamba2.chunk_size=16",
-        "model.gdn.head_k_dim=16",
-        "model.gdn.head_v_dim=16",
-        "model.gdn.chunk_size=16",
-    ],
+    "hybrid": [*LAYER_LIST, 'model.layers=["attention+moe","mamba2+mlp","moe","gdn+mlp"]', *SMALL_RECURRENT],
 }
 LAYOUTS = {  # name: (world, mode, overrides)
     "pp2": (2, "capacity", ["parallel.pp=2"]),

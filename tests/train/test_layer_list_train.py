@@ -3,19 +3,13 @@ process: 3 steps of configs/debug.json with finite losses."""
 
 import math
 
-from support import DEBUG_CONFIG, ONE_THREAD
+from support import DEBUG_CONFIG, LAYER_LIST, ONE_THREAD, SMALL_RECURRENT
 
 LAYERS = '["attention+moe","mamba2","gdn+mlp","mamba1+moe"]'
 TINY = [
-    "model.mixer_pattern=A",
-    "model.ffn_pattern=E",
+    *LAYER_LIST,
     f"model.layers={LAYERS}",
-    "model.mamba2.head_dim=16",
-    "model.mamba2.d_state=16",
-    "model.mamba2.chunk_size=16",
-    "model.gdn.head_k_dim=16",
-    "model.gdn.head_v_dim=16",
-    "model.gdn.chunk_size=16",
+    *SMALL_RECURRENT,
     "train.steps=3",
     "train.save_every=0",
     "train.eval_every=0",
