@@ -1,5 +1,5 @@
 """The global-batch aux loss with the current step's load (`model.moe.global_batch_load` "this_step"): the routing
-pre-pass (train/loop.py `route_step_ahead`) gives every micro-batch of the step the step's own f, worked out here
+pre-pass (train/router_step.py `route_step_ahead`) gives every micro-batch of the step the step's own f, worked out here
 by hand (math.exp, never moe.py); against the previous step's f ("previous_step") it moves the router from step 1;
 and on a real decoder the pre-pass's f is the f of the training forwards' own assignments. Layout equivalence
 (dp = 2 with ep = 2, tp = 2, and an ep = 2 checkpoint resumed in one process) is the `recipes` mode of
@@ -14,7 +14,7 @@ from moe_dist.config import MoEConfig, load_config
 from moe_dist.layers.moe import moe_routers
 from moe_dist.layers.router import Router
 from moe_dist.models.decoder import build_model, materialize_whole
-from moe_dist.train.loop import route_step_ahead
+from moe_dist.train.router_step import route_step_ahead
 
 # Softmax over E = 3 experts, top-1; the router weight is the identity, so the rows are the logits. One optimizer
 # step of two micro-batches: experts [0, 0] and [1, 2, 1], so the step's f = [2, 2, 1] / 5.
