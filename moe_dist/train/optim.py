@@ -131,4 +131,5 @@ def initialize_engine(model: nn.Module, optimizer, scheduler, cfg: JobConfig, dp
         engine, _, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=deepspeed_config(cfg, dp, cp), mpu=mpu
         )
+    private_api.overlap_zero1_reduction(engine)  # a no-op unless ZeRO 1 with train.grad_reduce_overlap
     return engine
