@@ -270,8 +270,9 @@ def overlap_zero1_reduction(engine) -> None:
        alone (step-1 grad norm 2.11 instead of 3.15 at dp2·ep2). `engine.backward` now sets the flag first.
     2. A parameter whose hook does not fire in the last micro-batch (a branch only earlier micro-batches took)
        kept its `grad_accum` unreduced: the overlapped `reduce_gradients` skips the loop over every parameter that
-       the plain path runs. Those are reduced at the boundary, in parameter-group order as that loop does, before
-       the epilogue's last bucket (neither reduced, `params_already_reduced`, nor waiting in a bucket; a set of parameters that differs between ranks breaks both paths alike).
+       the plain path runs. Those (neither reduced, `params_already_reduced`, nor waiting in a bucket) are reduced
+       at the boundary, in parameter-group order as that loop does, before the epilogue's last bucket. (A set of
+       parameters with gradients that differs between ranks breaks both paths alike.)
     3. Nothing overlapped on CPU: without a reduction stream (`reduction_stream` is None on a "synchronized"
        device) each bucket's reduce ran blocking inside the hook, inside the backward. `allreduce_and_copy` (one
        owner's slices of a bucket) now starts the reduce (comm.reduce_sum_async) on a flattened copy, so the
