@@ -280,7 +280,7 @@ def overlap_zero1_reduction(engine) -> None:
        sums into this rank's fp32 gradient partition (the `output_bucket` slices), before the step reads it.
 
     If these names move, construction raises AttributeError; if their meaning does, the overlap equivalence
-    tests (tests/parallel/test_grad_reduce.py, against one process) fail.
+    tests fail (test_private_api.py in one process, test_grad_reduce.py against the reduction without overlap).
     """
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
