@@ -301,27 +301,21 @@ def overlap_zero1_reduction(engine) -> None:
         opt.set_gradient_accumulation_boundary(engine.is_gradient_accumulation_boundary())
         return plain_backward(loss, *args, **kwargs)
 
-    def allreduce_and_copy(
-        small_bucket, communication_data_type, rank=None, log=None, divide=True, process_group=None, output_bucket=None
-    ):
-        group = opt.dp_process_group if process_group is None else process_group
+    def allreduce_and_copy(small_bucket, communication_data_type, rank=None, **kw):
+        group = opt.dp_process_group if kw.get("process_group") is None else kw["process_group"]
         owner = rank is not None and rank == dist.get_rank(group=group)
-        partitions = output_bucket is not None and all(o is not None for o in output_bucket)
-        if rank is None or opt.sequence_parallel_size > 1 or (owner and not partitions):
-            return plain_copy(
-                small_bucket,
-                communication_data_type,
-                rank=rank,
-                log=log,
-                divide=divide,
-                process_group=process_group,
-                output_bucket=output_bucket,
-            )
+        outputs = kw.get("output_bucket")
+        if (
+            rank is None
+            or opt.sequence_parallel_size > 1
+            or (owner and (outputs is None or any(o is None for o in outputs)))
+        ):
+            return plain_copy(small_bucket, communication_data_type, rank=rank, **kw)
         flat = torch.cat([t.reshape(-1) for t in small_bucket]).to(communication_data_type)  # always a copy
-        if divide and opt.gradient_average:
+        if kw.get("divide", True) and opt.gradient_average:
             flat.div_(dist.get_world_size(group=group))
         work = comm.reduce_sum_async(flat, dist.get_global_rank(group, rank), group)
-        pending.append((work, flat, list(small_bucket), list(output_bucket) if owner else None))
+        pending.append((work, flat, list(small_bucket), list(outputs) if owner else None))
 
     def reduce_gradients(pipeline_parallel=False):
         queued = {param_id for bucket in opt.ipg_buckets.values() for _, _, param_id in bucket.params}
