@@ -1,6 +1,7 @@
 """One gradient reduction per optimizer step (ZeRO 1 with bf16 weights and fp32 accumulation, train/optim.py):
-the bytes a step reduces per group, training that equals one process, exact resume, resharding, and the options
-the engine cannot honour.
+the bytes a step reduces per group, training that equals one process, exact resume, resharding, the same with the
+reduction overlapped with the last micro-batch's backward (train.grad_reduce_overlap), and the options the engine
+cannot honour.
 
 The fp32 layouts of test_ep_e2e.py and test_tp_e2e.py at ZeRO 1 run the same reduction (after the last
 micro-batch's backward, each bucket slice reduced onto its owner); the bf16 world here adds the fp32 accumulation
