@@ -250,6 +250,7 @@ def _step_counts(cfg, mesh, tracer_rows: dict, where: list, labels: dict) -> dic
         "grad_bytes": {g: grad_bytes[g] if groups[g] > 1 else 0 for g in groups},
         "reduced_bytes": reduced,
         "rows": [[*k, *v] for k, v in sorted(tracer_rows.items())],
+        "grad_norm": float(engine.get_global_grad_norm()),  # the second step's, before clipping
     }
     if mesh.rank == 0:
         print(

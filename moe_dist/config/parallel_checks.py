@@ -286,11 +286,19 @@ def check_grad_reduction(cfg: JobConfig) -> None:
         f"train.grad_reduce_bucket_mb: {t.grad_reduce_bucket_mb} MiB holds no whole gradient element",
     )
     require(
-        not t.grad_reduce_overlap or stage == 2,
+        not t.grad_reduce_overlap or stage in (1, 2),
         f"train.grad_reduce_overlap: true is not honoured at deepspeed.zero_stage={stage} (stage 0 reduces from no "
-        "gradient hooks; DeepSpeed 0.19.8's overlapped stage 1 reduces the wrong gradients once a step spans more "
-        "than one bucket); set it false or null, or use stage 2",
+        "gradient hooks); set it false or null, or use stage 1 or 2",
     )
+    if t.grad_reduce_overlap and stage == 1:
+        from moe_dist.parallel.private_api import CHECKED_AGAINST, deepspeed_version_unchecked_for_overlap
+
+        installed = deepspeed_version_unchecked_for_overlap()
+        require(
+            installed is None,
+            f"train.grad_reduce_overlap: true at deepspeed.zero_stage=1 corrects DeepSpeed's overlapped stage 1, "
+            f"checked against deepspeed {CHECKED_AGAINST['deepspeed']} only, installed {installed}; set it false",
+        )
     zero = cfg.deepspeed.extra.get("zero_optimization")
     require(
         not isinstance(zero, dict) or not {"overlap_comm", "reduce_bucket_size"} & set(zero),

@@ -272,7 +272,7 @@ class TrainConfig:
         "fp32"  # with dtype bf16: gradients travel in this dtype when reduced over the data-parallel ranks
     )
     grad_reduce_overlap: Optional[bool] = (
-        None  # ZeRO 2: reduce each micro-batch's buckets from the backward's gradient hooks; null = off
+        None  # ZeRO 1/2: reduce the buckets from the gradient hooks, overlapped with the backward; null = off
     )
     grad_reduce_bucket_mb: float = 256.0  # ZeRO 1/2: gradient reduction bucket, MiB of the gradient as it travels
     async_save: bool = False  # checkpoint: snapshot to host memory, write in the background while training goes on

@@ -254,6 +254,13 @@ def all_reduce_max(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return t
 
 
+def reduce_sum_async(t: torch.Tensor, dst: int, group: dist.ProcessGroup):
+    """Start the sum of every rank's `t` onto global rank `dst` of `group`; returns the work to wait for. `t` must
+    stay alive and unwritten until then (on `dst` it holds the sum afterwards). Gloo runs it on its own threads:
+    the caller goes on computing while it travels."""
+    return dist.reduce(t, dst, group=group, async_op=True)
+
+
 def all_gather_list(t: torch.Tensor, group: dist.ProcessGroup) -> list[torch.Tensor]:
     """Not differentiable: every rank's `t` (equal shapes), in group-rank order."""
     parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]

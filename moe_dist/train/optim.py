@@ -77,10 +77,11 @@ def deepspeed_config(cfg: JobConfig, dp: int, cp: int = 1) -> dict:
     buffer of the parameter's full size (`param.grad_accum`, the memory plan's accumulation buffer), and the step's
     sum is reduced once, after the last micro-batch's backward, in buckets of train.grad_reduce_bucket_mb, each
     bucket's gradients summed onto the data-parallel rank that owns their optimizer partition (reduce-scatter
-    volume; expert parameters over their expert-data-parallel group, DeepSpeed's `moe` parameter groups). It is
-    not overlapped with the backward: DeepSpeed 0.19.8's overlap_comm at ZeRO 1 reduces the wrong gradients once
-    a step spans more than one bucket (config/parallel_checks.py refuses it). ZeRO 2 instead reduces every
-    micro-batch's gradient (no full-size buffer; micro-batches × the bytes), overlapped with train.grad_reduce_overlap.
+    volume; expert parameters over their expert-data-parallel group, DeepSpeed's `moe` parameter groups). With
+    train.grad_reduce_overlap the buckets are reduced from the last micro-batch's gradient hooks while its backward
+    goes on (DeepSpeed's overlap_comm, corrected by private_api.overlap_zero1_reduction, whose docstring says what
+    DeepSpeed 0.19.8 got wrong), else after that backward. ZeRO 2 instead reduces every micro-batch's gradient (no
+    full-size buffer; micro-batches × the bytes), overlapped with train.grad_reduce_overlap.
 
     Why DeepSpeed's ZeRO 1 optimizer and not our own reduction: its optimizer class is the one every ZeRO 1/2 run
     already has, so checkpoints (save, resume, resharding) read the same partitioned fp32 state unchanged, and
@@ -95,7 +96,7 @@ def deepspeed_config(cfg: JobConfig, dp: int, cp: int = 1) -> dict:
     t = cfg.train
     stage = cfg.deepspeed.zero_stage
     zero = {"stage": stage}
-    if stage >= 1:  # null: off (ZeRO 1 refuses true: config/parallel_checks.py's check_grad_reduction says why)
+    if stage >= 1:  # null: off
         overlap = bool(t.grad_reduce_overlap)
         zero.update(reduce_scatter=True, reduce_bucket_size=t.reduce_bucket_elements(), overlap_comm=overlap)
     if stage == 1:
@@ -124,11 +125,12 @@ def deepspeed_config(cfg: JobConfig, dp: int, cp: int = 1) -> dict:
 
 def initialize_engine(model: nn.Module, optimizer, scheduler, cfg: JobConfig, dp: int, mpu=None, cp: int = 1):
     """deepspeed.initialize with our config; ZeRO 1 with bf16 weights keeps DeepSpeed's ZeRO optimizer class
-    (deepspeed_config's docstring says why)."""
+    (deepspeed_config's docstring says why), and its overlapped reduction is corrected on this engine."""
     import deepspeed
 
     with private_api.zero1_keeps_its_optimizer():
         engine, _, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=deepspeed_config(cfg, dp, cp), mpu=mpu
         )
+    private_api.overlap_zero1_reduction(engine)  # a no-op unless ZeRO 1 with train.grad_reduce_overlap
     return engine

@@ -10,6 +10,7 @@ integration at real layouts.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -241,6 +242,68 @@ def test_zero1_with_bf16_and_fp32_accumulation_keeps_the_zero_optimizer_within_t
     engine.step()
     assert all(private_api.has_partitioned_fp32_state(p) for p in model.parameters())
     _full_state(model)  # master weights and moments reachable, as checkpoints read them
+
+
+@dataclass
+class _Out:
+    loss: torch.Tensor
+
+
+class _Branchy(nn.Module):
+    """Four layers (a 20-element bucket each) and a side layer that only the step's first micro-batch uses; the
+    output is a dataclass, in which DeepSpeed finds no tensor to hang its backward prologue on."""
+
+    def __init__(self):
+        super().__init__()
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(4))
+            self.side = nn.Linear(4, 4)
+        self.use_side = True
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return _Out((x + self.side(x) if self.use_side else x).square().mean())
+
+
+def _zero1_step_gradient(overlap: bool) -> torch.Tensor:
+    """The fp32 gradient partition ZeRO 1 hands the optimizer after two bf16 micro-batches."""
+    import deepspeed
+
+    model = _Branchy()
+    config = {
+        "train_batch_size": 2,
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 2,
+        "zero_optimization": {"stage": 1, "reduce_bucket_size": 20, "overlap_comm": overlap},
+        "bf16": {"enabled": True},
+        "data_types": {"grad_accum_dtype": "fp32"},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+    }
+    with private_api.zero1_keeps_its_optimizer():
+        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()), config=config)
+    private_api.overlap_zero1_reduction(engine)
+    for i in range(2):
+        model.use_side = i == 0
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(i)).bfloat16()
+        engine.backward(engine(x).loss)
+        if i == 0:
+            engine.step()  # a micro-step
+    grads = torch.cat([g.flatten() for g in private_api.reduced_gradient_partitions(engine.optimizer)])
+    engine.step()
+    return grads
+
+
+def test_overlapped_zero1_reduces_the_steps_sum_over_several_buckets(world):
+    """DeepSpeed's overlapped stage 1, corrected: the two micro-batches' sum (a bucket per layer, the side layer
+    used by the first micro-batch only), exactly what the reduction after the backward hands the optimizer.
+    Uncorrected, the hooks reduced micro-batch 1 alone and the side layer never."""
+    assert private_api.deepspeed_version_unchecked_for_overlap() is None  # else the corrections are refused
+    plain = _zero1_step_gradient(overlap=False)
+    assert plain.abs().sum() > 0
+    assert torch.equal(_zero1_step_gradient(overlap=True), plain)
 
 
 def test_torch_optimizer_step_is_held_back_too(world):

@@ -1,5 +1,6 @@
 """Worker for test_grad_accum.py, run as `python grad_accum_worker.py OUT_JSON` (a world of one, real DeepSpeed
-engines built as the training loop builds them: bf16 weights, ZeRO 2, and ZeRO 1's one reduction per step).
+engines built as the training loop builds them: bf16 weights, ZeRO 2, and ZeRO 1's one reduction per step, also
+overlapped with the last backward).
 
 1. Accumulation: for train.grad_accum_dtype in (fp32, bf16), one engine accumulates 16 micro-batches; the
    gradient DeepSpeed hands the optimizer (fp32, `safe_get_full_grad`) is compared with the exact sum (fp64) of
@@ -52,10 +53,11 @@ def loss_of(model, cfg, batch):
     return lm_loss(out.logits, batch[:, 1:]) + moe.aux_loss_coef * out.aux_loss + moe.z_loss_coef * out.z_loss
 
 
-def accumulation(mesh, accum: str, stage: int = 2) -> dict:
+def accumulation(mesh, accum: str, stage: int = 2, extra: tuple[str, ...] = ()) -> dict:
     from deepspeed.utils import safe_get_full_grad
 
-    cfg = load_config("configs/debug.json", [*BASE, f"train.grad_accum_dtype={accum}", f"deepspeed.zero_stage={stage}"])
+    sets = [*BASE, f"train.grad_accum_dtype={accum}", f"deepspeed.zero_stage={stage}", *extra]
+    cfg = load_config("configs/debug.json", sets)
     model = parallelize(build_model(cfg.model, mesh.device), mesh, cfg)
     ref = copy.deepcopy(model).to(torch.bfloat16)  # what the engine computes with
     engine, _ = engine_for(cfg, mesh, model)
@@ -126,6 +128,9 @@ def main(out: str) -> None:
     torch.set_num_threads(1)
     result = {accum: accumulation(mesh, accum) for accum in ("fp32", "bf16")}
     result["fp32_zero1"] = accumulation(mesh, "fp32", stage=1)  # one reduction per step (train/optim.py)
+    # the same, reduced from the last micro-batch's gradient hooks in 0.1 MiB buckets (several per step)
+    overlap = ("train.grad_reduce_overlap=true", "train.grad_reduce_bucket_mb=0.1")
+    result["fp32_zero1_overlap"] = accumulation(mesh, "fp32", stage=1, extra=overlap)
     result["resume"] = resume_before_any_step(mesh, 2)
     result["resume_zero1"] = resume_before_any_step(mesh, 1)
     Path(out).write_text(json.dumps(result))
