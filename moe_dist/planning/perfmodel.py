@@ -87,7 +87,7 @@ def predict_step(
     cost: ModelCost | None = None,
     a2a_chunks: int | None = None,
     overlap_param_gather: bool = False,
-    overlap_grad_reduce: bool = True,
+    overlap_grad_reduce: bool | None = None,
 ) -> StepPrediction:
     """Step time of `cfg` at `layout` on `hw`. ranks_per_device > 1 when ranks share one device (CPU cores);
     a2a_chunks overrides `parallel.a2a_chunks` (the row all-to-alls pipelined against the expert GEMMs).
@@ -95,8 +95,11 @@ def predict_step(
     Asynchronous calls hide behind their window (`Call.hides_behind`): the gradient reduction behind the last
     micro-batch's backward (its 2 × forward plus recompute), exposed = max(0, their time − the window); the
     parameter all-gather behind the next step's first forward only with `overlap_param_gather` (what-if: the code
-    may not overlap it), else all of it is exposed. `overlap_grad_reduce` False: the gradient reduction is exposed
-    whole, as the code runs ZeRO 1 today (DeepSpeed 0.19.8's overlapped stage 1 is refused: docs/perf_model.md)."""
+    may not overlap it), else all of it is exposed. `overlap_grad_reduce`: whether the once-per-step gradient
+    reduction hides behind the last backward; None follows the config (`train.grad_reduce_overlap`, which the big
+    configs set: the code then issues each bucket's reduce from the backward's hooks), False exposes it whole."""
+    if overlap_grad_reduce is None:
+        overlap_grad_reduce = bool(cfg.train.grad_reduce_overlap)
     cost = stage_share(cost or model_cost(cfg), layout.pp)  # one pipeline stage's part
     rpn = ranks_per_node or hw.ranks_per_node
     flops = step_flops_per_rank(cfg, layout, cost)

@@ -109,8 +109,9 @@ def _hw(flops_per_s: float, beta: float) -> co.Hardware:
 
 def test_reduction_hides_behind_the_last_backward_up_to_its_length():
     """The last micro-batch's backward: 2 × 2368 FLOPs × 8 tokens = 37,888 FLOPs; at 37,888 FLOP/s it lasts 1 s.
-    In flight: 3/4 · 504 · 4 + 1/2 · 768 · 4 = 1512 + 1536 = 3048 bytes; at 1524 B/s, 2 s: 1 s exposed."""
-    cfg, layout = tiny(), wl.Layout(dp=4, ep=2, tp=1)
+    In flight: 3/4 · 504 · 4 + 1/2 · 768 · 4 = 1512 + 1536 = 3048 bytes; at 1524 B/s, 2 s: 1 s exposed. The model
+    follows the config: train.grad_reduce_overlap on here, off below."""
+    cfg, layout = tiny("train.grad_reduce_overlap=true"), wl.Layout(dp=4, ep=2, tp=1)
     p = pm.predict_step(cfg, layout, _hw(37_888.0, 1524.0))
     grad = p.overlap[co.LAST_BACKWARD]
     assert grad["window_s"] == pytest.approx(1.0) and grad["in_flight_s"] == pytest.approx(2.0)
@@ -124,17 +125,19 @@ def test_reduction_hides_behind_the_last_backward_up_to_its_length():
     assert q.comm_s["all_gather"] == pytest.approx(0.5) and q.comm_s["reduce_scatter"] == pytest.approx(1.0)
     # a backward longer than the reduction hides all of it
     assert pm.predict_step(cfg, layout, _hw(37_888.0, 3048.0)).comm_s["reduce_scatter"] == 0.0
-    # not overlapped (ZeRO 1 as the code runs it): the whole 2 s of the reduction is exposed
-    r = pm.predict_step(cfg, layout, _hw(37_888.0, 1524.0), overlap_grad_reduce=False)
-    assert r.comm_s["reduce_scatter"] == pytest.approx(2.0) and r.overlap[co.LAST_BACKWARD][
-        "exposed_s"
-    ] == pytest.approx(2.0)
+    # not overlapped (asked, or the config's train.grad_reduce_overlap off): the whole 2 s of the reduction exposed
+    for r in (
+        pm.predict_step(cfg, layout, _hw(37_888.0, 1524.0), overlap_grad_reduce=False),
+        pm.predict_step(tiny(), layout, _hw(37_888.0, 1524.0)),
+    ):
+        assert r.comm_s["reduce_scatter"] == pytest.approx(2.0)
+        assert r.overlap[co.LAST_BACKWARD]["exposed_s"] == pytest.approx(2.0)
 
 
 def test_recompute_lengthens_the_step_and_the_window():
     """Full checkpointing: compute 4 × 8 × (3 · 2368 + 2048) = 292,864 FLOPs; the backward window
     8 · (2 · 2368 + 2048) = 54,272 FLOPs: at 54,272 FLOP/s, 1 s."""
-    cfg, layout = tiny("train.activation_checkpointing=full"), wl.Layout(dp=4, ep=2, tp=1)
+    cfg, layout = tiny("train.activation_checkpointing=full", "train.grad_reduce_overlap=true"), wl.Layout(4, 2, 1)
     p = pm.predict_step(cfg, layout, _hw(54_272.0, 1524.0))
     assert p.compute_s == pytest.approx(292_864 / 54_272)
     assert p.overlap[co.LAST_BACKWARD]["window_s"] == pytest.approx(1.0)
