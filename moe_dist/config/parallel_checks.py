@@ -299,6 +299,20 @@ def check_grad_reduction(cfg: JobConfig) -> None:
             f"train.grad_reduce_overlap: true at deepspeed.zero_stage=1 corrects DeepSpeed's overlapped stage 1, "
             f"checked against deepspeed {CHECKED_AGAINST['deepspeed']} only, installed {installed}; set it false",
         )
+    require(
+        not t.param_gather_overlap or stage in (1, 2),
+        f"train.param_gather_overlap: true needs partitioned weights to gather (deepspeed.zero_stage 1 or 2), got "
+        f"stage {stage}; set it false or null",
+    )
+    if t.param_gather_overlap:
+        from moe_dist.parallel.private_api import CHECKED_AGAINST, deepspeed_version_unchecked_for_overlap
+
+        installed = deepspeed_version_unchecked_for_overlap()
+        require(
+            installed is None,
+            f"train.param_gather_overlap: true replaces DeepSpeed's gather after the step, checked against deepspeed "
+            f"{CHECKED_AGAINST['deepspeed']} only, installed {installed}; set it false",
+        )
     zero = cfg.deepspeed.extra.get("zero_optimization")
     require(
         not isinstance(zero, dict) or not {"overlap_comm", "reduce_bucket_size"} & set(zero),

@@ -274,6 +274,9 @@ class TrainConfig:
     grad_reduce_overlap: Optional[bool] = (
         None  # ZeRO 1/2: reduce the buckets from the gradient hooks, overlapped with the backward; null = off
     )
+    param_gather_overlap: Optional[bool] = (
+        None  # ZeRO 1/2: gather the updated weights module by module behind the next forward; null = off (blocking)
+    )
     grad_reduce_bucket_mb: float = 256.0  # ZeRO 1/2: gradient reduction bucket, MiB of the gradient as it travels
     async_save: bool = False  # checkpoint: snapshot to host memory, write in the background while training goes on
     save_buffer_mb: int = 256  # checkpoint: host memory for tensors gathered and not yet written (synchronous save)

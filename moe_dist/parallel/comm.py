@@ -261,6 +261,12 @@ def reduce_sum_async(t: torch.Tensor, dst: int, group: dist.ProcessGroup):
     return dist.reduce(t, dst, group=group, async_op=True)
 
 
+def broadcast_async(t: torch.Tensor, src: int, group: dist.ProcessGroup):
+    """Start sending global rank `src`'s `t` into every rank's `t` of `group` (contiguous, in place); returns the work
+    to wait for before reading `t` (or, on `src`, writing it)."""
+    return dist.broadcast(t, src, group=group, async_op=True)
+
+
 def all_gather_list(t: torch.Tensor, group: dist.ProcessGroup) -> list[torch.Tensor]:
     """Not differentiable: every rank's `t` (equal shapes), in group-rank order."""
     parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]

@@ -363,6 +363,8 @@ def _train(cfg: JobConfig, run_dir: Path, resume: bool, stop: StopRequest) -> li
         bar.close()
         logger.close()
     checkpointer.wait()  # the last asynchronous save is published before the run ends
+    if engine.deferred_gather is not None:  # the last step's weight gather, issued for a forward that never comes
+        engine.deferred_gather.wait_all()
     if stopping:  # said before the barrier: once a rank has exited, a launcher may end the others at once
         line = f"step {done}: stopped on request (a stop signal reached rank(s) of the job), checkpoint saved"
         say(f"{line}; exit status {EXIT_STOPPED}: continue with --resume")

@@ -9,6 +9,7 @@ from torch import nn
 
 from moe_dist.config import JobConfig
 from moe_dist.parallel import private_api
+from moe_dist.parallel.param_gather import defer_parameter_gather
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -133,4 +134,7 @@ def initialize_engine(model: nn.Module, optimizer, scheduler, cfg: JobConfig, dp
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=deepspeed_config(cfg, dp, cp), mpu=mpu
         )
     private_api.overlap_zero1_reduction(engine)  # a no-op unless ZeRO 1 with train.grad_reduce_overlap
+    # train.param_gather_overlap: the step's weight gather behind the next forward (parallel/param_gather.py);
+    # `engine.deferred_gather.wait_all()` before anything reads every weight outside a forward
+    engine.deferred_gather = defer_parameter_gather(engine) if cfg.train.param_gather_overlap else None
     return engine

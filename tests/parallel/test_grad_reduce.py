@@ -25,7 +25,8 @@ COMM_REPORT = REPO / "benchmarks" / "comm_report.py"
 # gradients span a dozen of them (a DeepSpeed path that reduced them at the wrong time showed only from two on)
 BF16 = ["train.dtype=bf16", "train.global_batch_size=16", "model.moe.capacity_factor=null"]
 BF16 += ["train.grad_reduce_bucket_mb=0.1"]
-OVERLAP = ["train.grad_reduce_overlap=true"]
+# the reduction from the last backward's hooks, and the updated weights' gather behind the next forward
+OVERLAP = ["train.grad_reduce_overlap=true", "train.param_gather_overlap=true"]
 
 
 @pytest.mark.parametrize(
@@ -35,14 +36,16 @@ OVERLAP = ["train.grad_reduce_overlap=true"]
         ("train.grad_reduce_bucket_mb=1e-7", "train.grad_reduce_bucket_mb: 1e-07 MiB holds no whole gradient element"),
         ("train.grad_reduce_overlap=true", "train.grad_reduce_overlap: true is not honoured at deepspeed.zero_stage=0"),
         ('deepspeed.extra={"zero_optimization": {"overlap_comm": true}}', "deepspeed.extra: zero_optimization's"),
+        ("train.param_gather_overlap=true", "train.param_gather_overlap: true needs partitioned weights to gather"),
     ],
-    ids=["bucket-zero", "bucket-below-an-element", "overlap-at-zero0", "extra-overlap_comm"],
+    ids=["bucket-zero", "bucket-below-an-element", "overlap-at-zero0", "extra-overlap_comm", "gather-at-zero0"],
 )
 def test_options_the_engine_cannot_honour_are_one_line_and_exit_2(tmp_path, monkeypatch, capsys, override, message):
     monkeypatch.setenv("WORLD_SIZE", "1")
     main = runpy.run_path(str(REPO / "launch/train.py"))["main"]
     run = tmp_path / "run"
-    extra = ["deepspeed.zero_stage=0"] if override == "train.grad_reduce_overlap=true" else []  # else stage 1
+    at_zero0 = override.endswith("_overlap=true")
+    extra = ["deepspeed.zero_stage=0"] if at_zero0 else []  # else stage 1
     assert main(["--config", str(REPO / E2E_CONFIG), "--run-dir", str(run), "--set", override, *extra]) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith(f"error: {message}"), errors
@@ -116,13 +119,16 @@ def _final_tensors(run_dir: Path):
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_bf16_one_reduction_per_step_trains_as_one_process_resumes_exactly_and_reshards(tmp_path, run_train, metrics):
-    """bf16, 6 steps, checkpoint at 3: dp 2 · ep 2 at ZeRO 1 against one process (same mode); the same with the
-    reduction overlapped with the last micro-batch's backward (train.grad_reduce_overlap, a dozen 0.1 MiB buckets
-    per step), bitwise the same run; pp 2 with the overlap against one process (each rank's engine accumulates its
-    stages' gradients over the schedule's 8 micro-batches and reduces them once, from its last backward's hooks);
-    the step-3 checkpoint resumed at the same layout with the overlap on (bitwise the same steps 4-6 and final
-    state) and at one process (the one-process run's losses, the source run's final state). (At this layout ZeRO 2
-    ends within 1e-9 of ZeRO 1: the same fp32 sums in another order.)"""
+    """bf16, 6 steps, checkpoint at 3: dp 2 · ep 2 at ZeRO 1 against one process (same mode).
+    - The same with the reduction overlapped with the last micro-batch's backward (train.grad_reduce_overlap, a
+      dozen 0.1 MiB buckets per step) and the updated weights gathered module by module behind the next forward
+      (train.param_gather_overlap: broadcasts from their owners instead of DeepSpeed's all-gather): bitwise the
+      same run.
+    - pp 2 with both against one process (each rank's engine accumulates its stages' gradients over the schedule's
+      8 micro-batches and reduces them once, from its last backward's hooks).
+    - The step-3 checkpoint resumed at the same layout with the overlap on (bitwise the same steps 4-6 and final
+      state) and at one process (the one-process run's losses, the source run's final state).
+    (At this layout ZeRO 2 ends within 1e-9 of ZeRO 1: the same fp32 sums in another order.)"""
     one, two = tmp_path / "one", tmp_path / "dp2ep2"
     run_train("python", 1, _args(one, "deepspeed.zero_stage=1"))
     run_train("torchrun", 2, _args(two, "deepspeed.zero_stage=1", "parallel.ep=2"))
