@@ -110,7 +110,7 @@ def scaling_sweep(
     hw: Hardware,
     gpu_counts=(8, 16, 32, 64, 128, 256, 512, 1024),
     chunk_options=(1, 2, 4),
-    overlap_param_gather: bool = False,
+    overlap_param_gather: bool | None = None,
     overlap_grad_reduce: bool | None = None,
 ) -> list[dict]:
     """Predictions for every candidate layout (and the config's own) at every GPU count, each at its fastest

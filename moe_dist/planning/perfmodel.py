@@ -86,7 +86,7 @@ def predict_step(
     ranks_per_node: int | None = None,
     cost: ModelCost | None = None,
     a2a_chunks: int | None = None,
-    overlap_param_gather: bool = False,
+    overlap_param_gather: bool | None = None,
     overlap_grad_reduce: bool | None = None,
 ) -> StepPrediction:
     """Step time of `cfg` at `layout` on `hw`. ranks_per_device > 1 when ranks share one device (CPU cores);
@@ -94,12 +94,15 @@ def predict_step(
 
     Asynchronous calls hide behind their window (`Call.hides_behind`): the gradient reduction behind the last
     micro-batch's backward (its 2 × forward plus recompute), exposed = max(0, their time − the window); the
-    parameter all-gather behind the next step's first forward only with `overlap_param_gather` (what-if: the code
-    may not overlap it), else all of it is exposed. `overlap_grad_reduce`: whether the once-per-step gradient
-    reduction hides behind the last backward; None follows the config (`train.grad_reduce_overlap`, which the big
-    configs set: the code then issues each bucket's reduce from the backward's hooks), False exposes it whole."""
+    parameter all-gather behind the next step's first forward with `overlap_param_gather` (None follows
+    `train.param_gather_overlap`, parallel/param_gather.py), else all of it is exposed. `overlap_grad_reduce`:
+    whether the once-per-step gradient reduction hides behind the last backward; None follows the config
+    (`train.grad_reduce_overlap`, which the big configs set: the code then issues each bucket's reduce from the
+    backward's hooks), False exposes it whole."""
     if overlap_grad_reduce is None:
         overlap_grad_reduce = bool(cfg.train.grad_reduce_overlap)
+    if overlap_param_gather is None:  # train.param_gather_overlap: each module's weights behind the next forward
+        overlap_param_gather = bool(cfg.train.param_gather_overlap)
     cost = stage_share(cost or model_cost(cfg), layout.pp)  # one pipeline stage's part
     rpn = ranks_per_node or hw.ranks_per_node
     flops = step_flops_per_rank(cfg, layout, cost)

@@ -123,6 +123,9 @@ def test_reduction_hides_behind_the_last_backward_up_to_its_length():
     assert p.comm_s["all_gather"] == pytest.approx(1.0)
     q = pm.predict_step(cfg, layout, _hw(37_888.0, 1524.0), overlap_param_gather=True)
     assert q.comm_s["all_gather"] == pytest.approx(0.5) and q.comm_s["reduce_scatter"] == pytest.approx(1.0)
+    # ... which the config asks for with train.param_gather_overlap (parallel/param_gather.py)
+    gathered = tiny("train.grad_reduce_overlap=true", "train.param_gather_overlap=true")
+    assert pm.predict_step(gathered, layout, _hw(37_888.0, 1524.0)).comm_s["all_gather"] == pytest.approx(0.5)
     # a backward longer than the reduction hides all of it
     assert pm.predict_step(cfg, layout, _hw(37_888.0, 3048.0)).comm_s["reduce_scatter"] == 0.0
     # not overlapped (asked, or the config's train.grad_reduce_overlap off): the whole 2 s of the reduction exposed
