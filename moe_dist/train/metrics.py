@@ -92,7 +92,7 @@ class StepAccumulator:
             dev += [counts, per_expert, dropped.reshape(1)]
             dev += [dropped.new_zeros(1), s.entropy.detach().reshape(1), dropped.new_zeros(1)]
             host += [0.0] * (2 * E + 1) + [float(s.assignments), 0.0, float(s.sent_bytes)]
-        vec = torch.cat([torch.zeros(1, dtype=torch.float64, device=device), *(d.double().to(device) for d in dev)])
+        vec = torch.cat([torch.zeros(1, dtype=torch.float64, device=device), *(d.double() for d in dev)])
         self.device_total = vec if self.device_total is None else self.device_total + vec
         self.total += torch.tensor(host, dtype=torch.float64)
 

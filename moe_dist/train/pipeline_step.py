@@ -43,16 +43,18 @@ def pipeline_micro_batches(pipeline: Pipeline, batches: list[Batch], acc: StepAc
     moe = cfg.model.moe
     index = moe_layer_index(cfg.model)
     n_moe = max(1, len(index))
-    zero = torch.zeros((), dtype=torch.float32)
+    # Everything stays on the device (no host sync per layer or micro-batch): the accumulator moves the step's sums
+    # to the host once, in `reduce`.
+    zero = torch.zeros((), dtype=torch.float32, device=next(pipeline.part.parameters()).device)
+    held = [(st, [j for j in range(st.start, st.end) if j in index]) for st in pipeline.part.stages]
     for i in range(len(batches)):
         stats, aux, z = {}, zero, zero
-        for st in pipeline.part.stages:
-            layers = [j for j in range(st.start, st.end) if j in index]
+        for st, layers in held:
             for layer, s in zip(layers, st.stats[i], strict=True):
                 stats[index[layer]] = s
-                aux, z = aux + s.aux_loss.detach().float().cpu(), z + s.z_loss.detach().float().cpu()
+                aux, z = aux + s.aux_loss.detach().float(), z + s.z_loss.detach().float()
         aux, z = aux / n_moe, z / n_moe
-        lm = lms[i].float().cpu() if lms else zero
+        lm = lms[i].float() if lms else zero
         loss = lm + moe.aux_loss_coef * aux + moe.z_loss_coef * z
         acc.add_share(loss, lm, aux, z, stats, micro=1.0 if pipeline.last else 0.0)
     return torch.stack(lms) if lms else zero
