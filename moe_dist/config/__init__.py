@@ -5,7 +5,7 @@ config must satisfy (checks.py; the parallel layout's in parallel_checks.py) and
 The names below are the public interface: `from moe_dist.config import load_config, ConfigError, JobConfig`.
 """
 
-from moe_dist.config.checks import check_mamba2, validate
+from moe_dist.config.checks import validate
 from moe_dist.config.loading import config_from_dict, config_to_dict, load_config, parse_override
 from moe_dist.config.parallel_checks import check_global_batch, check_layout
 from moe_dist.config.schema import (
@@ -40,7 +40,6 @@ __all__ = [
     "TrainConfig",
     "check_global_batch",
     "check_layout",
-    "check_mamba2",
     "config_from_dict",
     "config_to_dict",
     "load_config",

@@ -11,85 +11,35 @@ from __future__ import annotations
 
 from moe_dist.config.parallel_checks import check_global_batch, check_parallel
 from moe_dist.config.schema import (
-    FFN_KINDS,
-    MIXER_KINDS,
     DataConfig,
-    GDNConfig,
     JobConfig,
-    Mamba2Config,
     ModelConfig,
-    MoEConfig,
     PlanConfig,
     TrainConfig,
+    layer_kinds,
     require,
 )
 
 
 def validate(cfg: JobConfig) -> None:
     """Cross-field checks that do not depend on the world size (see `check_layout` for those)."""
-    m, a, mb, moe, t = cfg.model, cfg.model.attention, cfg.model.mamba, cfg.model.moe, cfg.train
-    require(
-        a.mask == "causal" or cfg.data.document_masking,
-        "model.attention.mask: 'prefix' needs data.document_masking=true (the prompt is found per document)",
-    )
+    m, t = cfg.model, cfg.train
     for name in ("vocab_size", "d_model", "n_layers", "d_ff"):
         require(getattr(m, name) > 0, f"model.{name}: must be positive, got {getattr(m, name)}")
-    require(
-        bool(m.mixer_pattern) and set(m.mixer_pattern) <= {"A", "M"},
-        f"model.mixer_pattern: letters A (attention) and M (Mamba) only, got {m.mixer_pattern!r}",
-    )
-    require(
-        bool(m.ffn_pattern) and set(m.ffn_pattern) <= {"D", "E"},
-        f"model.ffn_pattern: letters D (dense) and E (MoE) only, got {m.ffn_pattern!r}",
-    )
-    for name in ("mixer_pattern", "ffn_pattern"):
-        n = len(getattr(m, name))
-        require(m.n_layers % n == 0, f"model.{name}: length {n} must divide model.n_layers={m.n_layers}")
+    _check_patterns(m)
     _check_layers(m)
     for name in ("embedding_multiplier", "residual_multiplier", "logits_scaling"):
         require(getattr(m, name) > 0, f"model.{name}: must be positive, got {getattr(m, name)}")
-    require(
-        a.softmax_scale is None or a.softmax_scale > 0,
-        f"model.attention.softmax_scale: must be positive or null, got {a.softmax_scale}",
-    )
-    require(
-        a.n_heads > 0 and a.n_kv_heads > 0 and a.n_heads % a.n_kv_heads == 0,
-        f"model.attention.n_kv_heads: must divide n_heads={a.n_heads}, got {a.n_kv_heads}",
-    )
-    if a.head_dim is None:
-        require(
-            m.d_model % a.n_heads == 0,
-            f"model.attention.n_heads: must divide d_model={m.d_model} when head_dim is null, got {a.n_heads}",
-        )
-    rotary = int((a.head_dim or m.d_model // max(a.n_heads, 1)) * a.rope_fraction)
-    require(
-        0 < a.rope_fraction <= 1 and rotary % 2 == 0 and rotary > 0,
-        f"model.attention.rope_fraction: must be in (0, 1] and rotate an even number of head dims, "
-        f"got {a.rope_fraction} ({rotary} dims)",
-    )
-    require(
-        mb.d_state > 0 and mb.d_conv > 0 and mb.expand > 0 and mb.chunk_size > 0,
-        "model.mamba: d_state, d_conv, expand and chunk_size must be positive",
-    )
-    _check_mamba2_fields(m.mamba2)
-    if m.has_kind("mamba2"):
-        check_mamba2(m.d_model, m.mamba2)
-    require(moe.num_experts > 0, f"model.moe.num_experts: must be positive, got {moe.num_experts}")
-    require(
-        0 < moe.top_k <= moe.num_experts,
-        f"model.moe.top_k: must be in [1, num_experts={moe.num_experts}], got {moe.top_k}",
-    )
-    require(
-        moe.capacity_factor is None or moe.capacity_factor > 0,
-        f"model.moe.capacity_factor: must be positive or null (dropless), got {moe.capacity_factor}",
-    )
-    _check_moe_recipes(moe)
+    placed = {kind for pair in m.layer_kinds() for kind in pair if kind is not None}
+    for kind in layer_kinds():  # every kind's section; what relates it to the model where a layer places it
+        if kind.check is not None:
+            kind.check(cfg, kind.name in placed)
     check_parallel(cfg)
     require(t.steps > 0, f"train.steps: must be positive, got {t.steps}")
     require(t.seq_len > 0, f"train.seq_len: must be positive, got {t.seq_len}")
     require(t.micro_batch_size > 0, f"train.micro_batch_size: must be positive, got {t.micro_batch_size}")
     check_global_batch(t.global_batch_size, t.micro_batch_size, 1)  # the data-parallel part: check_layout
-    parts = {"attention", "mamba", "mamba2", "gdn", "moe_experts", "mlp"}
+    parts = {kind.part for kind in layer_kinds()}
     require(
         set(t.checkpoint_parts) <= parts,
         f"train.checkpoint_parts: expected a subset of {sorted(parts)}, got {t.checkpoint_parts}",
@@ -102,8 +52,22 @@ def validate(cfg: JobConfig) -> None:
     _check_schedule(t)
     _check_run_settings(t)
     _check_data(cfg.data)
-    _check_gdn(cfg.model.gdn)
     _check_plan(cfg.plan)
+
+
+def _check_patterns(m: ModelConfig) -> None:
+    """model.mixer_pattern / ffn_pattern: the kinds' letters, each pattern's length dividing n_layers."""
+    for name, role in (("mixer_pattern", "mixer"), ("ffn_pattern", "ffn")):
+        letters = {k.letter: k.name for k in layer_kinds(role) if k.letter}
+        pattern = getattr(m, name)
+        require(
+            bool(pattern) and set(pattern) <= set(letters),
+            f"model.{name}: letters {', '.join(f'{c} ({n})' for c, n in letters.items())} only, got {pattern!r}",
+        )
+        require(
+            m.n_layers % len(pattern) == 0,
+            f"model.{name}: length {len(pattern)} must divide model.n_layers={m.n_layers}",
+        )
 
 
 def _check_plan(p: PlanConfig) -> None:
@@ -113,73 +77,6 @@ def _check_plan(p: PlanConfig) -> None:
     require(0 <= margin < 1, f"plan.fragmentation_margin: must be in [0, 1), got {margin}")
     rho = p.expert_imbalance
     require(rho is None or rho >= 1, f"plan.expert_imbalance: must be >= 1 (the mean load) or null, got {rho}")
-
-
-def _check_moe_recipes(moe: MoEConfig) -> None:
-    """The routing options of model.moe beyond top-k (scores, balancing, groups, shared experts)."""
-    require(moe.route_scale > 0, f"model.moe.route_scale: must be positive, got {moe.route_scale}")
-    require(moe.bias_update_rate >= 0, f"model.moe.bias_update_rate: must be >= 0, got {moe.bias_update_rate}")
-    require(
-        moe.n_groups >= 1 and moe.num_experts % moe.n_groups == 0,
-        f"model.moe.n_groups: must divide model.moe.num_experts={moe.num_experts}, got {moe.n_groups}",
-    )
-    require(
-        1 <= moe.topk_groups <= moe.n_groups,
-        f"model.moe.topk_groups: must be in [1, n_groups={moe.n_groups}], got {moe.topk_groups}",
-    )
-    reachable = moe.topk_groups * (moe.num_experts // moe.n_groups)
-    require(
-        moe.top_k <= reachable,
-        f"model.moe.top_k: {moe.top_k} experts cannot be chosen from topk_groups={moe.topk_groups} groups of "
-        f"{moe.num_experts // moe.n_groups} experts",
-    )
-    require(moe.n_shared_experts >= 0, f"model.moe.n_shared_experts: must be >= 0, got {moe.n_shared_experts}")
-    require(
-        moe.shared_d_ff is None or moe.shared_d_ff > 0,
-        f"model.moe.shared_d_ff: must be positive or null, got {moe.shared_d_ff}",
-    )
-    require(moe.dead_expert_window >= 1, f"model.moe.dead_expert_window: must be >= 1, got {moe.dead_expert_window}")
-
-
-def _check_mamba2_fields(mb: Mamba2Config) -> None:
-    """The rules of model.mamba2 that hold whatever d_model is (the default section passes them)."""
-    for name in ("d_state", "d_conv", "expand", "head_dim", "n_groups", "chunk_size"):
-        require(getattr(mb, name) > 0, f"model.mamba2.{name}: must be positive, got {getattr(mb, name)}")
-    require(
-        mb.chunk_size & (mb.chunk_size - 1) == 0,
-        f"model.mamba2.chunk_size: must be a power of two, got {mb.chunk_size}",
-    )
-    require(
-        mb.n_heads is None or (mb.n_heads > 0 and mb.n_heads % mb.n_groups == 0),
-        f"model.mamba2.n_groups: must divide model.mamba2.n_heads={mb.n_heads}, got {mb.n_groups}",
-    )
-    require(
-        0 < mb.dt_init_floor and 0 < mb.dt_min <= mb.dt_max,
-        f"model.mamba2.dt_min: need 0 < dt_min <= dt_max and dt_init_floor > 0, got {mb.dt_min}, {mb.dt_max}, "
-        f"{mb.dt_init_floor}",
-    )
-    require(
-        mb.dt_limit is None or (len(mb.dt_limit) == 2 and 0 <= mb.dt_limit[0] < mb.dt_limit[1]),
-        f"model.mamba2.dt_limit: expected [low, high] with 0 <= low < high, or null, got {mb.dt_limit}",
-    )
-
-
-def check_mamba2(d_model: int, mb: Mamba2Config) -> None:
-    """The shape rules of a Mamba-2 layer in a model of width `d_model`, besides `_check_mamba2_fields`: the layer
-    runs them when it is built, and validate for a config that places Mamba-2 layers)."""
-    _check_mamba2_fields(mb)
-    if mb.n_heads is None:
-        d_inner = mb.expand * d_model
-        require(
-            d_inner % mb.head_dim == 0,
-            f"model.mamba2.head_dim: must divide d_inner = expand * d_model = {d_inner} when n_heads is null, "
-            f"got {mb.head_dim}",
-        )
-    heads = mb.heads(d_model)
-    require(
-        heads % mb.n_groups == 0,
-        f"model.mamba2.n_groups: must divide the {heads} heads (d_inner / head_dim), got {mb.n_groups}",
-    )
 
 
 def _check_layers(m: ModelConfig) -> None:
@@ -195,16 +92,17 @@ def _check_layers(m: ModelConfig) -> None:
         len(m.layers) == m.n_layers,
         f"model.layers: {len(m.layers)} entries, but model.n_layers={m.n_layers}",
     )
+    mixers, ffns = ({k.name for k in layer_kinds(role)} for role in ("mixer", "ffn"))
     for i, entry in enumerate(m.layers):
         parts = entry.split("+") if isinstance(entry, str) else []
         ok = 1 <= len(parts) <= 2 and all(parts)
         if ok and len(parts) == 2:
-            ok = parts[0] in MIXER_KINDS and parts[1] in FFN_KINDS
+            ok = parts[0] in mixers and parts[1] in ffns
         elif ok:
-            ok = parts[0] in MIXER_KINDS or parts[0] in FFN_KINDS
+            ok = parts[0] in mixers or parts[0] in ffns
         require(
             ok,
-            f"model.layers[{i}]: expected a mixer ({'|'.join(MIXER_KINDS)}), an FFN ({'|'.join(FFN_KINDS)}) "
+            f"model.layers[{i}]: expected a mixer ({'|'.join(sorted(mixers))}), an FFN ({'|'.join(sorted(ffns))}) "
             f"or mixer+FFN, got {entry!r}",
         )
 
@@ -249,17 +147,3 @@ def _check_data(d: DataConfig) -> None:
         )
     for i, c in enumerate(d.mixture):
         require(c.weight > 0, f"data.mixture[{i}].weight: must be positive, got {c.weight}")
-
-
-def _check_gdn(g: GDNConfig) -> None:
-    """The Gated DeltaNet mixer's shapes (checked whether or not a layer uses it: its defaults satisfy them)."""
-    for key in ("n_k_heads", "n_v_heads", "head_k_dim", "head_v_dim", "conv_size", "chunk_size"):
-        require(getattr(g, key) > 0, f"model.gdn.{key}: must be positive, got {getattr(g, key)}")
-    require(
-        g.n_v_heads % g.n_k_heads == 0,
-        f"model.gdn.n_k_heads: must divide n_v_heads={g.n_v_heads}, got {g.n_k_heads}",
-    )
-    require(
-        g.chunk_size & (g.chunk_size - 1) == 0,
-        f"model.gdn.chunk_size: must be a power of two, got {g.chunk_size}",
-    )

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from moe_dist.config.schema import JobConfig, Mamba2Config, require
+from moe_dist.config.schema import JobConfig, layer_kinds, require
 
 
 def check_parallel(cfg: JobConfig) -> None:
@@ -72,12 +72,6 @@ def _check_context_parallel(cfg: JobConfig) -> None:
         "would need every piece's scores); use 'position' or capacity_factor=null",
     )
     require(not t.compile, "train.compile: not supported with parallel.cp > 1 (CP exchanges run inside the mixers)")
-    tp, m2 = cfg.parallel.tp, cfg.model.mamba2
-    require(
-        tp == 1 or not cfg.model.has_kind("mamba2") or m2.n_groups >= tp,
-        f"model.mamba2.n_groups: {m2.n_groups} < parallel.tp={tp} is not supported with parallel.cp > 1 (a rank "
-        f"would hold part of a B/C group, whose state the pieces pass)",
-    )
 
 
 def _check_pipeline(cfg: JobConfig) -> None:
@@ -138,7 +132,6 @@ def _check_pipeline_micro_batches(cfg: JobConfig, micro: int) -> None:
 def _check_tensor_parallel(cfg: JobConfig) -> None:
     """Every dimension tensor parallelism splits must divide evenly by parallel.tp (see parallel/tensor_parallel.py)."""
     m, tp = cfg.model, cfg.parallel.tp
-    a, mb, moe = m.attention, m.mamba, m.moe
 
     def divides(value: int, key: str, what: str) -> None:
         require(value % tp == 0, f"{key}: {what} {value} is not divisible by parallel.tp={tp}")
@@ -148,57 +141,17 @@ def _check_tensor_parallel(cfg: JobConfig) -> None:
         m.ffn_activation == "swiglu",
         f"model.ffn_activation: {m.ffn_activation!r} FFNs do not support tensor parallelism yet (parallel.tp > 1)",
     )
-    if m.has_kind("mamba2"):
-        _check_mamba2_tp(m.d_model, m.mamba2, tp)
-    if m.has_kind("gdn"):  # each key head keeps its value heads (a multiple of n_k_heads, so they split too)
-        divides(m.gdn.n_k_heads, "model.gdn.n_k_heads", "Gated DeltaNet key heads")
-    if m.has_kind("attention"):
+    for kind in layer_kinds():  # each kind placed in the model splits its own dimensions (its tp_rule)
+        if not m.has_kind(kind.name):
+            continue
         require(
-            a.qk_norm != "full",
-            "model.attention.qk_norm: 'full' (one norm over all heads) is not supported with parallel.tp > 1",
+            kind.tp_rule is not None,
+            f"model.layers: {kind.name} layers do not support tensor parallelism yet (parallel.tp > 1)",
         )
-        divides(a.n_heads, "model.attention.n_heads", "query heads")
-        divides(a.n_kv_heads, "model.attention.n_kv_heads", "key/value heads")
-    if m.has_kind("mamba1"):
-        divides(mb.expand * m.d_model, "model.mamba.expand", "d_inner = expand * d_model =")
-        require(
-            not mb.proj_bias,
-            "model.mamba.proj_bias: biases of Mamba's in/out projections are not supported with parallel.tp > 1",
-        )
-    if m.has_kind("mlp"):
-        divides(m.d_ff, "model.d_ff", "the dense FFN hidden size")
-    if m.has_kind("moe"):
-        if cfg.parallel.expert_tp > 1:  # parallel.etp=1 keeps the experts whole
-            divides(moe.d_ff or m.d_ff, "model.moe.d_ff", "the expert hidden size")
-        if moe.shared_hidden(m.d_ff):
-            divides(moe.shared_hidden(m.d_ff), "model.moe.shared_d_ff", "the shared experts' hidden size")
+        if kind.check_tp is not None:
+            kind.check_tp(cfg)
     if cfg.parallel.sequence_parallel:
         divides(cfg.train.seq_len, "train.seq_len", "with parallel.sequence_parallel, the sequence length")
-
-
-def _check_mamba2_tp(d_model: int, mb: Mamba2Config, tp: int) -> None:
-    """Mamba-2 under TP (parallel/tensor_parallel.py, `_mamba2`): heads split; whole groups per rank, or one group
-    spread over tp / n_groups ranks, each holding 1/(tp / n_groups) of its B/C state channels."""
-    heads, g = mb.heads(d_model), mb.n_groups
-    require(
-        heads % tp == 0,
-        f"model.mamba2.n_heads: the {heads} Mamba-2 heads (n_heads, or expand * d_model / head_dim) are not "
-        f"divisible by parallel.tp={tp}",
-    )
-    require(
-        g % tp == 0 or tp % g == 0,
-        f"model.mamba2.n_groups: {g} groups must be a multiple or a divisor of parallel.tp={tp}",
-    )
-    if g < tp:
-        require(
-            mb.d_state % (tp // g) == 0,
-            f"model.mamba2.d_state: {mb.d_state} is not divisible by parallel.tp / n_groups = {tp // g} (each group's "
-            "B and C are split over that many ranks)",
-        )
-    require(
-        not mb.proj_bias,
-        "model.mamba2.proj_bias: biases of Mamba-2's in/out projections are not supported with parallel.tp > 1",
-    )
 
 
 def check_layout(cfg: JobConfig, world_size: int) -> int:

@@ -75,7 +75,7 @@ class Mamba2Config:
     impl: Literal["auto", "torch", "triton"] = "auto"  # SSD scan: torch = chunked; triton = fla-core's (extra `fla`)
 
     def d_inner(self, d_model: int) -> int:
-        """The SSM width, n_heads * head_dim (parallel_checks.py's `check_mamba2` makes the default n_heads exact)."""
+        """The SSM width, n_heads * head_dim (the kind's config rules make the default n_heads exact)."""
         return self.heads(d_model) * self.head_dim
 
     def heads(self, d_model: int) -> int:
@@ -162,8 +162,9 @@ class ModelConfig:
         n_layers (A → attention, M → mamba1, D → mlp, E → moe). The one source of what each layer holds."""
         if self.layers is not None:
             return list(self.layers)
+        name = {k.letter: k.name for k in layer_kinds() if k.letter}
         mp, fp = self.mixer_pattern, self.ffn_pattern
-        return [f"{_PATTERN_KINDS[mp[i % len(mp)]]}+{_PATTERN_KINDS[fp[i % len(fp)]]}" for i in range(self.n_layers)]
+        return [f"{name[mp[i % len(mp)]]}+{name[fp[i % len(fp)]]}" for i in range(self.n_layers)]
 
     def layer_kinds(self) -> list[tuple[Optional[str], Optional[str]]]:
         """(mixer, ffn) per layer from `layer_list`, None where a layer has no such sublayer."""
@@ -174,17 +175,21 @@ class ModelConfig:
         return any(kind in pair for pair in self.layer_kinds())
 
 
-MIXER_KINDS = ("attention", "mamba1", "mamba2", "gdn")
-FFN_KINDS = ("mlp", "moe")
-_PATTERN_KINDS = {"A": "attention", "M": "mamba1", "D": "mlp", "E": "moe"}
+def layer_kinds(role: Optional[str] = None) -> list:
+    """The layer kinds (layers/registry.py), all or those of `role` ("mixer" | "ffn"). Imported when asked: the
+    kinds' layer files read their sections from this module, so it cannot import them at its own import."""
+    from moe_dist.layers.registry import KINDS
+
+    return [k for k in KINDS.values() if role is None or k.role == role]
 
 
 def split_layer(entry: str) -> tuple[Optional[str], Optional[str]]:
     """ "mamba2+moe" → ("mamba2", "moe"), "moe" → (None, "moe"); unknown parts are left to checks.py to refuse
     (this returns the best split it can: a part that is not an FFN kind is taken as the mixer)."""
+    ffns = {k.name for k in layer_kinds("ffn")}
     parts = entry.split("+")
-    mixer = parts[0] if parts and parts[0] not in FFN_KINDS else None
-    ffn = parts[-1] if parts and parts[-1] in FFN_KINDS else None
+    mixer = parts[0] if parts and parts[0] not in ffns else None
+    ffn = parts[-1] if parts and parts[-1] in ffns else None
     return mixer or None, ffn
 
 

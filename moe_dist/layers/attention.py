@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_dist.config import AttentionConfig
+from moe_dist.config.schema import require
 from moe_dist.layers.kernel_choice import (
     Kernel,
     attention_choice,
@@ -24,6 +25,7 @@ from moe_dist.layers.kernel_choice import (
     resolve,
     why_no_triton,
 )
+from moe_dist.layers.kind import LayerKind, TensorSplit, divides
 from moe_dist.layers.norm import RMSNorm
 from moe_dist.layers.rope import apply_rope, document_positions, rope_cos_sin
 from moe_dist.parallel.context_parallel import SeqShard
@@ -371,3 +373,108 @@ class Attention(nn.Module):
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return self.wo(out)
+
+
+# ------------------------------------------------------------------------------------------ the kind
+
+
+def _head_dim(m) -> int:
+    return m.attention.head_dim or m.d_model // m.attention.n_heads
+
+
+def _split_tp(attn: Attention, tp: TensorSplit) -> None:
+    """Heads split over TP (config rule: both head counts divisible by tp): q/k/v rows and wo columns by head."""
+    for lin in (attn.wq, attn.wk, attn.wv):
+        tp.shard(lin, "weight", 0)  # heads are contiguous blocks of rows
+        if lin.bias is not None:
+            tp.shard(lin, "bias", 0)
+    if attn.qk_norm == "head":  # one weight shared by every head: each rank's heads give part of its gradient
+        for norm in (attn.q_norm, attn.k_norm):
+            tp.sum_grad(norm.weight)
+    tp.shard(attn.wo, "weight", 1)
+    attn.n_heads //= tp.tp
+    attn.n_kv_heads //= tp.tp
+    tp.region(attn)
+
+
+def _check(cfg, placed: bool) -> None:
+    """The section's rules (checked whether or not a layer places attention: its defaults pass them)."""
+    m, a = cfg.model, cfg.model.attention
+    require(
+        a.mask == "causal" or cfg.data.document_masking,
+        "model.attention.mask: 'prefix' needs data.document_masking=true (the prompt is found per document)",
+    )
+    require(
+        a.softmax_scale is None or a.softmax_scale > 0,
+        f"model.attention.softmax_scale: must be positive or null, got {a.softmax_scale}",
+    )
+    require(
+        a.n_heads > 0 and a.n_kv_heads > 0 and a.n_heads % a.n_kv_heads == 0,
+        f"model.attention.n_kv_heads: must divide n_heads={a.n_heads}, got {a.n_kv_heads}",
+    )
+    if a.head_dim is None:
+        require(
+            m.d_model % a.n_heads == 0,
+            f"model.attention.n_heads: must divide d_model={m.d_model} when head_dim is null, got {a.n_heads}",
+        )
+    rotary = int((a.head_dim or m.d_model // max(a.n_heads, 1)) * a.rope_fraction)
+    require(
+        0 < a.rope_fraction <= 1 and rotary % 2 == 0 and rotary > 0,
+        f"model.attention.rope_fraction: must be in (0, 1] and rotate an even number of head dims, "
+        f"got {a.rope_fraction} ({rotary} dims)",
+    )
+
+
+def _check_tp(cfg) -> None:
+    a, tp = cfg.model.attention, cfg.parallel.tp
+    require(
+        a.qk_norm != "full",
+        "model.attention.qk_norm: 'full' (one norm over all heads) is not supported with parallel.tp > 1",
+    )
+    divides(a.n_heads, "model.attention.n_heads", "query heads", tp)
+    divides(a.n_kv_heads, "model.attention.n_kv_heads", "key/value heads", tp)
+
+
+def _activation_bytes(cfg, tp: int, cp: int, a: int) -> float:
+    """Per token: q, the whole sequence's gathered K/V under CP (cp times the local), the output and its fp32
+    softmax statistics; the gate and its sigmoid; the q/k norms' tensors, or partial RoPE's unrotated copy."""
+    m = cfg.model
+    hd, hq, hkv = _head_dim(m), m.attention.n_heads // tp, m.attention.n_kv_heads // tp
+    inner = (2 * hq + 2 * cp * hkv) * hd * a + 4 * hq
+    if m.attention.output_gate:  # the gate and its sigmoid, for the product's backward
+        inner += 2 * hq * hd * a
+    qk = (hq + hkv) * hd * a  # one copy of this rank's q and k
+    if m.attention.qk_norm != "none":  # the norms' input, normalised and output (head) / two (full), rstd
+        inner += (3 if m.attention.qk_norm == "head" else 2) * qk + 4 * (hq + hkv)
+    elif m.attention.rope_fraction < 1:  # partial RoPE keeps a copy of the unrotated channels (with a q/k
+        inner += (1 - m.attention.rope_fraction) * qk  # norm, its output kept above is that copy)
+    return inner
+
+
+def _collectives(cfg, tp: int, cp: int, tokens: int, a: int):
+    """Under CP the whole sequence's K and V (this rank's KV heads) all-gathered; backward reduce-scatters them."""
+    m, t = cfg.model, cfg.train
+    kv = t.micro_batch_size * t.seq_len * (m.attention.n_kv_heads // tp) * _head_dim(m) * a  # K or V, whole
+    return [("all_gather", "cp_kv", "cp", kv, 2, 0), ("reduce_scatter", "cp_kv", "cp", kv, 0, 2)]
+
+
+KIND = LayerKind(
+    name="attention",
+    role="mixer",
+    module=Attention,
+    build=lambda m, device: Attention(
+        m.d_model, m.attention, m.init_std, m.n_layers, device, m.norm_eps, m.norm_zero_centered
+    ),
+    part="attention",
+    section="attention",
+    letter="A",
+    doc="causal attention with grouped-query heads",
+    check=_check,
+    check_tp=_check_tp,
+    tp_rule=_split_tp,
+    new_state=lambda attn, batch, max_len, device, dtype: attn.new_cache(batch, max_len, device, dtype),
+    flops_per_token=lambda m, S: 2.0 * S * m.attention.n_heads * _head_dim(m),  # QKᵀ and AV, causal: half of 4·S·H·Dh
+    activation_bytes=_activation_bytes,
+    collectives=_collectives,
+    cp_gathered_bytes=lambda m, tp, a: 2 * a * m.attention.n_kv_heads * _head_dim(m) / tp,
+)

@@ -17,8 +17,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_dist.config import GDNConfig
+from moe_dist.config.schema import require
 from moe_dist.layers.delta_rule import chunk_gated_delta_rule
 from moe_dist.layers.kernel_choice import Kernel, resolve, why_no_fla
+from moe_dist.layers.kind import LayerKind, TensorSplit, divides, piece_collectives
 from moe_dist.layers.step_size import inverse_softplus_step_sizes
 from moe_dist.parallel import state_passing as sp
 from moe_dist.parallel.context_parallel import SeqShard
@@ -256,3 +258,92 @@ def _document_conv(x: torch.Tensor, w: torch.Tensor, document_ids: torch.Tensor)
         same = (document_ids[:, j:] == document_ids[:, :-j])[:, None]  # (B, 1, L − j)
         out[..., j:] = out[..., j:] + x[..., :-j] * w[:, K - 1 - j, None] * same
     return out
+
+
+# ------------------------------------------------------------------------------------------ the kind
+
+
+def _split_tp(g: GatedDeltaNet, tp: TensorSplit) -> None:
+    """Key heads split over TP, each with its n_v_heads / n_k_heads value heads (config rule: the key heads divisible
+    by tp). The fused projections are packed per key head, so a rank's rows are one contiguous block; the conv's
+    q, k, v channels are split alone; the gated norm is per head (its weight, shared by the heads, is replicated)."""
+    tp.shard(g.in_proj_qkvz, "weight", 0)  # per key head [q, k, v, z]
+    tp.shard(g.in_proj_ba, "weight", 0)  # per key head [b, a]
+    tp.shard(g.conv1d, "weight", 0, parts=(g.key_dim, g.key_dim, g.value_dim))
+    tp.shard(g, "dt_bias", 0)
+    tp.shard(g, "A_log", 0)
+    tp.shard(g.out_proj, "weight", 1)
+    tp.sum_grad(g.norm.weight)
+    for name in ("n_k_heads", "n_v_heads", "key_dim", "value_dim", "conv_dim"):
+        setattr(g, name, getattr(g, name) // tp.tp)
+    conv = g.conv1d
+    conv.in_channels = conv.out_channels = conv.groups = g.conv_dim
+    tp.region(g)
+
+
+def _check(cfg, placed: bool) -> None:
+    """The section's shapes (checked whether or not a layer uses it: its defaults satisfy them)."""
+    g = cfg.model.gdn
+    for key in ("n_k_heads", "n_v_heads", "head_k_dim", "head_v_dim", "conv_size", "chunk_size"):
+        require(getattr(g, key) > 0, f"model.gdn.{key}: must be positive, got {getattr(g, key)}")
+    require(
+        g.n_v_heads % g.n_k_heads == 0,
+        f"model.gdn.n_k_heads: must divide n_v_heads={g.n_v_heads}, got {g.n_k_heads}",
+    )
+    require(
+        g.chunk_size & (g.chunk_size - 1) == 0,
+        f"model.gdn.chunk_size: must be a power of two, got {g.chunk_size}",
+    )
+
+
+def _activation_bytes(cfg, tp: int, cp: int, a: int) -> float:
+    """Per token (layers/delta_rule.py's chunked WY/UT rule; derived by listing the tensors autograd keeps): the qkvz
+    and ba projections, the conv and SiLU outputs (2·conv_dim), q and k L2-normalised and repeated over the value
+    heads with their chunk-decayed copies (6·Hv·dk), the chunk's attention, decay and WY rows (5·Hv·chunk), v, the
+    rule's output, the gated norm's input/output and out_proj's input (6·Hv·dv), and the fp32 states at chunk
+    boundaries with their decayed copies (12·Hv·dk·dv per chunk); the whole layer's, not 1/tp."""
+    g = cfg.model.gdn
+    kd, vd, L = g.n_k_heads * g.head_k_dim, g.n_v_heads * g.head_v_dim, g.chunk_size
+    conv = 2 * kd + vd
+    return (
+        (2 * kd + 2 * vd + 2 * g.n_v_heads + 2 * conv + 6 * g.n_v_heads * g.head_k_dim + 6 * vd) * a
+        + 5 * g.n_v_heads * L * 4
+        + 12 * 4 * g.n_v_heads * g.head_k_dim * g.head_v_dim / L
+    )
+
+
+def _flops_per_token(m, S: int) -> float:
+    """Chunked gated delta rule per value head: Mamba-2's shape with dk for N and dv for P, plus the WY correction
+    (the chunk's triangular solve and k·S products, about 2·chunk·dk + 4·dk·dv)."""
+    g = m.gdn
+    dk, dv = g.head_k_dim, g.head_v_dim
+    return g.n_v_heads * (2.0 * g.chunk_size * (2 * dk + dv) + 8.0 * dk * dv)
+
+
+def _collectives(cfg, tp: int, cp: int, tokens: int, a: int):
+    """Under CP the pieces' summaries (final state and the dk × dk transition per value head, fp32) and conv halos."""
+    g = cfg.model.gdn
+    hv, conv = g.n_v_heads // tp, (2 * g.n_k_heads * g.head_k_dim + g.n_v_heads * g.head_v_dim) // tp
+    halo = a * min(g.conv_size - 1, cfg.train.seq_len // (2 * cp)) * conv
+    summary = 4.0 * hv * g.head_k_dim * (g.head_v_dim + g.head_k_dim)
+    return piece_collectives(cfg.train.micro_batch_size, cp, summary, halo)
+
+
+KIND = LayerKind(
+    name="gdn",
+    role="mixer",
+    module=GatedDeltaNet,
+    build=lambda m, device: GatedDeltaNet(m.d_model, m.gdn, m.norm_eps, m.init_std, device),
+    part="gdn",
+    section="gdn",
+    doc="Gated DeltaNet mixer (Qwen3-Next, Qwen3.5)",
+    check=_check,
+    check_tp=lambda cfg: divides(
+        cfg.model.gdn.n_k_heads, "model.gdn.n_k_heads", "Gated DeltaNet key heads", cfg.parallel.tp
+    ),
+    tp_rule=_split_tp,
+    new_state=lambda g, batch, max_len, device, dtype: g.new_state(batch, device, dtype),
+    flops_per_token=_flops_per_token,
+    activation_bytes=_activation_bytes,
+    collectives=_collectives,
+)

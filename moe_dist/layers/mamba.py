@@ -16,7 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_dist.config import MambaConfig
+from moe_dist.config.schema import require
 from moe_dist.layers.kernel_choice import Kernel, resolve
+from moe_dist.layers.kind import LayerKind, TensorSplit, divides, piece_collectives
 from moe_dist.layers.norm import RMSNorm
 from moe_dist.layers.scan import initial_state_outputs, selective_scan
 from moe_dist.layers.step_size import inverse_softplus_step_sizes
@@ -243,3 +245,92 @@ class Mamba(nn.Module):
         state.ssm = h
         y = (torch.stack(ys, dim=1) + self.D.to(compute) * u) * F.silu(z.to(compute))  # (B, L, Di)
         return self.out_proj(y.to(x.dtype))  # (B, L, d_model)
+
+
+# ------------------------------------------------------------------------------------------ the kind
+
+
+def _split_tp(mamba: Mamba, tp: TensorSplit) -> None:
+    """Channels split over TP: in_proj's x and z rows each, the conv, Δ's projection, A and D by channel; x_proj and
+    out_proj by their input columns."""
+    tp.shard(mamba.in_proj, "weight", 0, parts=2)  # rows: [x channels; z channels]
+    for name in ("weight", "bias"):
+        if getattr(mamba.conv1d, name) is not None:
+            tp.shard(mamba.conv1d, name, 0)
+    tp.shard(mamba.x_proj, "weight", 1)
+    tp.shard(mamba.dt_proj, "weight", 0)
+    tp.shard(mamba.dt_proj, "bias", 0)
+    tp.shard(mamba, "A_log", 0)
+    tp.shard(mamba, "D", 0)
+    tp.shard(mamba.out_proj, "weight", 1)
+    mamba.d_inner //= tp.tp
+    conv = mamba.conv1d
+    conv.in_channels = conv.out_channels = conv.groups = mamba.d_inner
+    tp.region(mamba)
+    # x_proj sums over all channels: its partial (Δ, B, C) are summed over the group; every rank's channels then use
+    # them, so their gradient is summed again -- after Jamba's norms, whose weights need the full gradient.
+    if mamba.inner_norms:
+        mamba.x_proj.register_forward_hook(lambda m, args, out: tp.leave(out))
+        for norm in (mamba.dt_norm, mamba.b_norm, mamba.c_norm):
+            norm.register_forward_hook(lambda m, args, out: tp.enter(out))
+    else:
+        mamba.x_proj.register_forward_hook(lambda m, args, out: tp.enter(tp.leave(out)))
+
+
+def _check(cfg, placed: bool) -> None:
+    mb = cfg.model.mamba
+    require(
+        mb.d_state > 0 and mb.d_conv > 0 and mb.expand > 0 and mb.chunk_size > 0,
+        "model.mamba: d_state, d_conv, expand and chunk_size must be positive",
+    )
+
+
+def _check_tp(cfg) -> None:
+    m, tp = cfg.model, cfg.parallel.tp
+    divides(m.mamba.expand * m.d_model, "model.mamba.expand", "d_inner = expand * d_model =", tp)
+    require(
+        not m.mamba.proj_bias,
+        "model.mamba.proj_bias: biases of Mamba's in/out projections are not supported with parallel.tp > 1",
+    )
+
+
+def _dt_rank(m) -> int:
+    return m.mamba.dt_rank or math.ceil(m.d_model / 16)
+
+
+def _activation_bytes(cfg, tp: int, cp: int, a: int) -> float:
+    m = cfg.model
+    di, n, r = m.mamba.expand * m.d_model // tp, m.mamba.d_state, _dt_rank(m)
+    inner = (11 * di + r + 4 * n + di * n / m.mamba.chunk_size) * a
+    if m.mamba.inner_norms:
+        inner += 2 * (r + 2 * n) * a + 12
+    return inner
+
+
+def _collectives(cfg, tp: int, cp: int, tokens: int, a: int):
+    """x_proj's partial (Δ, B, C) summed over TP (forward and backward); under CP the pieces' summaries (final state
+    and per-channel decay, fp32) and conv halos."""
+    m, piece = cfg.model, cfg.train.seq_len // (2 * cp)
+    di, n = m.mamba.expand * m.d_model // tp, m.mamba.d_state
+    calls = [("all_reduce", "tp_ssm", "tp", tokens * (_dt_rank(m) + 2 * n) * a, 1, 1)]
+    halo = a * min(m.mamba.d_conv - 1, piece) * di
+    return calls + piece_collectives(cfg.train.micro_batch_size, cp, 4.0 * 2 * di * n, halo)
+
+
+KIND = LayerKind(
+    name="mamba1",
+    role="mixer",
+    module=Mamba,
+    build=lambda m, device: Mamba(m.d_model, m.mamba, m.norm_eps, m.init_std, device),
+    part="mamba",
+    section="mamba",
+    letter="M",
+    doc="Mamba-1 selective SSM (Jamba)",
+    check=_check,
+    check_tp=_check_tp,
+    tp_rule=_split_tp,
+    new_state=lambda mamba, batch, max_len, device, dtype: mamba.new_state(batch, device, dtype),
+    flops_per_token=lambda m, S: 9.0 * m.mamba.expand * m.d_model * m.mamba.d_state,  # discretize, scan, readout
+    activation_bytes=_activation_bytes,
+    collectives=_collectives,
+)

@@ -18,8 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe_dist.config import Mamba2Config, check_mamba2
+from moe_dist.config import Mamba2Config
+from moe_dist.config.schema import require
 from moe_dist.layers.kernel_choice import Kernel, resolve, why_no_fla
+from moe_dist.layers.kind import LayerKind, TensorSplit, piece_collectives
 from moe_dist.layers.ssd import ssd_scan
 from moe_dist.layers.step_size import inverse_softplus_step_sizes
 from moe_dist.parallel import state_passing as sp
@@ -97,7 +99,7 @@ class Mamba2(nn.Module):
         self, d_model: int, cfg: Mamba2Config, norm_eps: float, init_std: float, device: torch.device | str = "cpu"
     ):
         super().__init__()
-        check_mamba2(d_model, cfg)
+        check_shapes(d_model, cfg)
         self.n_heads, self.head_dim = cfg.heads(d_model), cfg.head_dim
         self.d_inner, self.d_state, self.n_groups = cfg.d_inner(d_model), cfg.d_state, cfg.n_groups
         self.conv_dim = self.d_inner + 2 * self.n_groups * self.d_state  # the conv runs over x, B and C
@@ -223,3 +225,193 @@ class Mamba2(nn.Module):
         C_h = C.to(compute).repeat_interleave(self.n_heads // self.n_groups, dim=2)  # (2B, c, H, N)
         y = y + (torch.einsum("bthn,bhpn->bthp", C_h, h0) * into[..., None]).to(y.dtype)
         return sp.from_pieces(self.out_proj(self.norm(y.flatten(-2), z)))  # (B, L, d_model)
+
+
+# ------------------------------------------------------------------------------------------ the kind
+
+
+def _check_fields(mb: Mamba2Config) -> None:
+    """The rules of model.mamba2 that hold whatever d_model is (the default section passes them)."""
+    for name in ("d_state", "d_conv", "expand", "head_dim", "n_groups", "chunk_size"):
+        require(getattr(mb, name) > 0, f"model.mamba2.{name}: must be positive, got {getattr(mb, name)}")
+    require(
+        mb.chunk_size & (mb.chunk_size - 1) == 0,
+        f"model.mamba2.chunk_size: must be a power of two, got {mb.chunk_size}",
+    )
+    require(
+        mb.n_heads is None or (mb.n_heads > 0 and mb.n_heads % mb.n_groups == 0),
+        f"model.mamba2.n_groups: must divide model.mamba2.n_heads={mb.n_heads}, got {mb.n_groups}",
+    )
+    require(
+        0 < mb.dt_init_floor and 0 < mb.dt_min <= mb.dt_max,
+        f"model.mamba2.dt_min: need 0 < dt_min <= dt_max and dt_init_floor > 0, got {mb.dt_min}, {mb.dt_max}, "
+        f"{mb.dt_init_floor}",
+    )
+    require(
+        mb.dt_limit is None or (len(mb.dt_limit) == 2 and 0 <= mb.dt_limit[0] < mb.dt_limit[1]),
+        f"model.mamba2.dt_limit: expected [low, high] with 0 <= low < high, or null, got {mb.dt_limit}",
+    )
+
+
+def check_shapes(d_model: int, mb: Mamba2Config) -> None:
+    """The rules of a Mamba-2 layer in a model of width `d_model` (the layer runs them when it is built, and the
+    config checks for a config that places Mamba-2 layers): the section's own, and the heads' split into groups."""
+    _check_fields(mb)
+    if mb.n_heads is None:
+        d_inner = mb.expand * d_model
+        require(
+            d_inner % mb.head_dim == 0,
+            f"model.mamba2.head_dim: must divide d_inner = expand * d_model = {d_inner} when n_heads is null, "
+            f"got {mb.head_dim}",
+        )
+    heads = mb.heads(d_model)
+    require(
+        heads % mb.n_groups == 0,
+        f"model.mamba2.n_groups: must divide the {heads} heads (d_inner / head_dim), got {mb.n_groups}",
+    )
+
+
+def _check(cfg, placed: bool) -> None:
+    m = cfg.model
+    if placed:
+        check_shapes(m.d_model, m.mamba2)
+    else:
+        _check_fields(m.mamba2)
+    tp = cfg.parallel.tp
+    require(
+        not placed or cfg.parallel.cp == 1 or tp == 1 or m.mamba2.n_groups >= tp,
+        f"model.mamba2.n_groups: {m.mamba2.n_groups} < parallel.tp={tp} is not supported with parallel.cp > 1 (a rank "
+        "would hold part of a B/C group, whose state the pieces pass)",
+    )
+
+
+def _check_tp(cfg) -> None:
+    """Heads split; whole groups per rank, or one group spread over tp / n_groups ranks, each holding
+    1/(tp / n_groups) of its B/C state channels."""
+    mb, tp = cfg.model.mamba2, cfg.parallel.tp
+    heads, g = mb.heads(cfg.model.d_model), mb.n_groups
+    require(
+        heads % tp == 0,
+        f"model.mamba2.n_heads: the {heads} Mamba-2 heads (n_heads, or expand * d_model / head_dim) are not "
+        f"divisible by parallel.tp={tp}",
+    )
+    require(
+        g % tp == 0 or tp % g == 0,
+        f"model.mamba2.n_groups: {g} groups must be a multiple or a divisor of parallel.tp={tp}",
+    )
+    if g < tp:
+        require(
+            mb.d_state % (tp // g) == 0,
+            f"model.mamba2.d_state: {mb.d_state} is not divisible by parallel.tp / n_groups = {tp // g} (each group's "
+            "B and C are split over that many ranks)",
+        )
+    require(
+        not mb.proj_bias,
+        "model.mamba2.proj_bias: biases of Mamba-2's in/out projections are not supported with parallel.tp > 1",
+    )
+
+
+def _split_tp(m: Mamba2, tp: TensorSplit) -> None:
+    """Heads split over TP (config rule: n_heads divisible by tp; n_groups a multiple or a divisor of tp). Each
+    component of in_proj (rows z, x, B, C, dt) and of the conv (channels x, B, C) is split alone; a rank's heads
+    are contiguous and so are its groups' B/C rows. With groups >= tp every rank holds whole groups and the layer
+    runs unchanged on them. With groups < tp each group spans tp / groups ranks: the B/C rows and conv channels are
+    split along the group's flattened (group, state) block, so every parameter stays sharded (none partly
+    replicated), the conv output's B/C slices are all-gathered before the scan, each rank keeping its heads' group,
+    and the gated norm's per-group statistics are summed over the group's ranks."""
+    gn = m.n_groups * m.d_state
+    tp.shard(m.in_proj, "weight", 0, parts=(m.d_inner, m.d_inner, gn, gn, m.n_heads))
+    for name in ("weight", "bias"):
+        if getattr(m.conv1d, name) is not None:
+            tp.shard(m.conv1d, name, 0, parts=(m.d_inner, gn, gn))
+    for name in ("dt_bias", "A_log", "D"):
+        tp.shard(m, name, 0)
+    tp.shard(m.norm, "weight", 0)  # channels are head-major, like y
+    tp.shard(m.out_proj, "weight", 1)
+    if m.n_groups < tp.tp:
+        span = tp.tp // m.n_groups  # ranks per group; this rank's heads all read group rank // span
+        own = tp.rank // span
+        m.scan = Kernel(m.scan.name, functools.partial(_scan_own_group, m.scan, m.n_groups, own, tp))
+        m.norm = _SpanningGroupNorm(m.norm, tp, span, own)
+    m.n_heads //= tp.tp
+    m.d_inner //= tp.tp
+    m.conv_dim //= tp.tp
+    m.n_groups = max(m.n_groups // tp.tp, 1)  # local: whole groups, or the one group this rank's heads read
+    m.norm.groups = m.n_groups
+    conv = m.conv1d
+    conv.in_channels = conv.out_channels = conv.groups = m.conv_dim
+    tp.region(m)
+
+
+def _scan_own_group(scan: Kernel, n_groups: int, own: int, tp: TensorSplit, x, dt, A, B, C, **kwargs):
+    """B, C (batch, L, 1, n_groups·N / tp): this rank's slice of the flattened (group, state) block, all-gathered
+    (backward: each slice's gradient summed over the ranks) and cut to group `own`, the one this rank's heads read."""
+    B, C = (tp.gather(t, 3) for t in (B, C))  # (batch, L, 1, n_groups·N)
+    n = B.shape[3] // n_groups
+    return scan(x, dt, A, B[..., own * n : (own + 1) * n], C[..., own * n : (own + 1) * n], **kwargs)
+
+
+class _SpanningGroupNorm(GatedRMSNorm):
+    """The gated RMSNorm where this rank holds 1/span of one group's channels: the group's mean square is the sum
+    of its `span` ranks' sums of squares (all-gathered; backward sums each rank's part of the gradient)."""
+
+    def __init__(self, norm: GatedRMSNorm, tp: TensorSplit, span: int, own: int):
+        nn.Module.__init__(self)
+        self.groups, self.eps, self.weight = 1, norm.eps, norm.weight
+        self.tp, self.span, self.own = tp, span, own
+
+    def _mean_square(self, h: torch.Tensor) -> torch.Tensor:
+        sums = self.tp.gather(h.pow(2).sum(-1, keepdim=True), h.dim() - 1)  # (..., 1, tp)
+        mine = sums.unflatten(-1, (-1, self.span))[..., self.own, :]  # (..., 1, span): this group's ranks
+        return mine.sum(-1, keepdim=True) / (h.shape[-1] * self.span)
+
+
+def _activation_bytes(cfg, tp: int, cp: int, a: int) -> float:
+    """Per token (derived by listing the tensors autograd keeps, tests/planning/test_memory.py measures it): the
+    in_proj output (z, xBC, dt), the conv and SiLU outputs (2·conv_dim), B and C broadcast to every head (2·H·N),
+    the chunk's decay and score rows (2·H·chunk), x, y, the D skip, the gated norm's input/output and out_proj's
+    input (6·d_inner), and the fp32 states at chunk boundaries (2·H·P·N per chunk); the whole layer's, not 1/tp."""
+    m2, D = cfg.model.mamba2, cfg.model.d_model
+    di, h, L = m2.d_inner(D), m2.heads(D), m2.chunk_size
+    conv = di + 2 * m2.n_groups * m2.d_state
+    return (di + conv + h + 2 * conv + 2 * h * m2.d_state + 6 * di) * a + 2 * h * L * 4 + 2 * 4 * di * m2.d_state / L
+
+
+def _flops_per_token(m, S: int) -> float:
+    """Chunked SSD: intra-chunk C·Bᵀ and its use (2·chunk·(N + P) per head, half for causality) plus the state update
+    and readout (4·P·N per head): the quadratic-in-chunk plus linear-in-state terms of Mamba-2."""
+    m2 = m.mamba2
+    return m2.heads(m.d_model) * (2.0 * m2.chunk_size * (m2.d_state + m2.head_dim) + 4.0 * m2.head_dim * m2.d_state)
+
+
+def _collectives(cfg, tp: int, cp: int, tokens: int, a: int):
+    """With fewer groups than TP ranks: B and C gathered before the scan and the gated norm's fp32 sums of squares
+    (one per rank and token); under CP the pieces' summaries (final state and per-head decay, fp32) and conv halos."""
+    m, m2 = cfg.model, cfg.model.mamba2
+    calls = []
+    if m2.n_groups < tp:
+        bc = tokens * m2.n_groups * m2.d_state * a  # B or C, all groups
+        norm = tokens * tp * 4
+        calls += [("all_gather", "tp_ssd_groups", "tp", bc, 2, 0), ("reduce_scatter", "tp_ssd_groups", "tp", bc, 0, 2)]
+        calls += [("all_gather", "tp_ssd_norm", "tp", norm, 1, 0), ("reduce_scatter", "tp_ssd_norm", "tp", norm, 0, 1)]
+    heads, conv = m2.heads(m.d_model) // tp, (m2.d_inner(m.d_model) + 2 * m2.n_groups * m2.d_state) // tp
+    halo = a * min(m2.d_conv - 1, cfg.train.seq_len // (2 * cp)) * conv
+    return calls + piece_collectives(cfg.train.micro_batch_size, cp, 4.0 * heads * (m2.head_dim * m2.d_state + 1), halo)
+
+
+KIND = LayerKind(
+    name="mamba2",
+    role="mixer",
+    module=Mamba2,
+    build=lambda m, device: Mamba2(m.d_model, m.mamba2, m.norm_eps, m.init_std, device),
+    part="mamba2",
+    section="mamba2",
+    doc="Mamba-2 (SSD) mixer (Nemotron-H, Granite 4.0-H)",
+    check=_check,
+    check_tp=_check_tp,
+    tp_rule=_split_tp,
+    new_state=lambda m, batch, max_len, device, dtype: m.new_state(batch, device, dtype),
+    flops_per_token=_flops_per_token,
+    activation_bytes=_activation_bytes,
+    collectives=_collectives,
+)

@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe_dist.layers.kind import LayerKind, TensorSplit, divides
+
 
 class _GatedSiLU(torch.autograd.Function):
     """silu(a) · b over the halves of one (rows, 2F) tensor [a | b]. Saves what autograd would (the input and
@@ -98,3 +100,45 @@ class SharedExperts(nn.Module):
         h = relu2(self.w1(x)) if self.w3 is None else F.silu(self.w1(x)) * self.w3(x)
         y = self.w2(h)
         return y if self.gate is None else y * torch.sigmoid(self.gate(x))
+
+
+# ------------------------------------------------------------------------------------------ the kind
+
+
+def split_ffn_tp(ffn: nn.Module, tp: TensorSplit) -> None:
+    """A dense FFN (SwiGLU or relu², and the shared experts, which an MoE layer holds) split over TP by its hidden
+    units: the up (and gate) projections' rows, the down projection's columns."""
+    tp.shard(ffn.w1, "weight", 0)
+    if ffn.w3 is not None:
+        tp.shard(ffn.w3, "weight", 0)
+    tp.shard(ffn.w2, "weight", 1)
+
+
+def _split_tp(ffn: SwiGLU, tp: TensorSplit) -> None:
+    split_ffn_tp(ffn, tp)
+    tp.region(ffn)
+
+
+def _activation_bytes(cfg, tp: int, cp: int, a: int) -> float:
+    """Per hidden unit: SwiGLU the gate and up outputs, SiLU(gate) and their product (4); relu(x)² the ReLU's output
+    (its own backward and the square's) and the square, the down projection's input (2)."""
+    return hidden_kept(cfg.model.ffn_activation) * (cfg.model.d_ff // tp) * a
+
+
+def hidden_kept(activation: str) -> int:
+    """Tensors per hidden unit autograd keeps in an FFN of `activation` (see `_activation_bytes`)."""
+    return 2 if activation == "relu2" else 4
+
+
+KIND = LayerKind(
+    name="mlp",
+    role="ffn",
+    module=SwiGLU,
+    build=lambda m, device: SwiGLU(m.d_model, m.d_ff, m.init_std, m.n_layers, m.ffn_activation),
+    part="mlp",
+    letter="D",
+    doc="dense FFN (SwiGLU, or relu² with model.ffn_activation)",
+    check_tp=lambda cfg: divides(cfg.model.d_ff, "model.d_ff", "the dense FFN hidden size", cfg.parallel.tp),
+    tp_rule=_split_tp,
+    activation_bytes=_activation_bytes,
+)

@@ -15,6 +15,7 @@ experts (it is handed them) so that one may pipeline the three steps over chunks
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Optional, Protocol
 
@@ -22,10 +23,12 @@ import torch
 from torch import nn
 
 from moe_dist.config import MoEConfig
+from moe_dist.config.schema import require
 from moe_dist.layers.experts import Experts
-from moe_dist.layers.mlp import SharedExperts
+from moe_dist.layers.kind import LayerKind, TensorSplit, divides
+from moe_dist.layers.mlp import SharedExperts, split_ffn_tp
 from moe_dist.layers.permutation import Permutation
-from moe_dist.layers.router import Router, Routing, RoutingStats
+from moe_dist.layers.router import Router, Routing, RoutingStats, check_routing
 from moe_dist.parallel.context_parallel import SeqShard
 
 
@@ -121,3 +124,75 @@ class MoE(nn.Module):
 def moe_routers(model: nn.Module) -> list[Router]:
     """Every MoE layer's router, in layer order (the order of the model's routing statistics)."""
     return [m.router for m in model.modules() if isinstance(m, MoE)]
+
+
+# ------------------------------------------------------------------------------------------ the kind
+
+
+def _split_tp(moe: MoE, tp: TensorSplit) -> None:
+    """Experts split over TP by their hidden units (etp = tp) or whole (etp = 1: another EP rank's on each TP peer,
+    or another ZeRO partition, each counted in the norm); the shared experts split as a dense FFN inside the MoE
+    region (one all-reduce for both); the router replicated: its input gradient scaled by 1/tp, its combine weights
+    entering the region. The dispatcher's token split is set where it is built (expert_parallel.build_dispatcher)."""
+    experts = moe.experts
+    if tp.experts_split:
+        if experts.gated:
+            tp.shard(experts, "w13", 2, parts=2)  # (E, D, 2F) = [w1 | w3]: each half's F split
+        else:
+            tp.shard(experts, "w1", 2)  # (E, D, F)
+        tp.shard(experts, "w2", 1)  # (E, F, D)
+    else:
+        for name in experts.weight_names:
+            tp.model_parallel(getattr(experts, name))
+    tp.region(moe)
+    scale = 1.0 / tp.tp
+    moe.router.register_forward_pre_hook(lambda m, args: (tp.scale_grad(args[0], scale), *args[1:]))
+    if moe.shared is not None:
+        split_ffn_tp(moe.shared, tp)
+        if moe.shared.gate is not None:  # replicated, as the router: full gradient in, input gradient / tp
+            moe.shared.gate.register_forward_pre_hook(lambda m, args: (tp.scale_grad(args[0], scale),))
+            moe.shared.gate.register_forward_hook(lambda m, args, out: tp.enter(out))
+
+    def weights_enter(m, args, out):
+        routing, stats = out
+        return dataclasses.replace(routing, weight_A=tp.enter(routing.weight_A)), stats
+
+    moe.router.register_forward_hook(weights_enter)
+
+
+def _check(cfg, placed: bool) -> None:
+    """The section's rules (checked whether or not a layer places an MoE FFN: its defaults pass them)."""
+    moe = cfg.model.moe
+    require(moe.num_experts > 0, f"model.moe.num_experts: must be positive, got {moe.num_experts}")
+    require(
+        0 < moe.top_k <= moe.num_experts,
+        f"model.moe.top_k: must be in [1, num_experts={moe.num_experts}], got {moe.top_k}",
+    )
+    require(
+        moe.capacity_factor is None or moe.capacity_factor > 0,
+        f"model.moe.capacity_factor: must be positive or null (dropless), got {moe.capacity_factor}",
+    )
+    check_routing(moe)
+
+
+def _check_tp(cfg) -> None:
+    m, tp, moe = cfg.model, cfg.parallel.tp, cfg.model.moe
+    if cfg.parallel.expert_tp > 1:  # parallel.etp=1 keeps the experts whole
+        divides(moe.d_ff or m.d_ff, "model.moe.d_ff", "the expert hidden size", tp)
+    if moe.shared_hidden(m.d_ff):
+        divides(moe.shared_hidden(m.d_ff), "model.moe.shared_d_ff", "the shared experts' hidden size", tp)
+
+
+KIND = LayerKind(
+    name="moe",
+    role="ffn",
+    module=MoE,
+    build=lambda m, device: MoE(m.d_model, m.d_ff, m.moe, m.init_std, m.n_layers, device, m.ffn_activation),
+    part="moe_experts",
+    section="moe",
+    letter="E",
+    doc="Mixture-of-Experts FFN",
+    check=_check,
+    check_tp=_check_tp,
+    tp_rule=_split_tp,
+)

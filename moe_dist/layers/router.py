@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_dist.config import MoEConfig
+from moe_dist.config.schema import require
 from moe_dist.parallel.context_parallel import SeqShard, piece_chunks
 
 
@@ -346,3 +347,29 @@ class Router(nn.Module):
         )
         routing = Routing(order_A, counts_E, kept_A, kept_E, weight_A, num_tokens=T, top_k=K)
         return routing, stats
+
+
+def check_routing(moe: MoEConfig) -> None:
+    """The routing options of model.moe beyond top-k (scores, balancing, groups, shared experts)."""
+    require(moe.route_scale > 0, f"model.moe.route_scale: must be positive, got {moe.route_scale}")
+    require(moe.bias_update_rate >= 0, f"model.moe.bias_update_rate: must be >= 0, got {moe.bias_update_rate}")
+    require(
+        moe.n_groups >= 1 and moe.num_experts % moe.n_groups == 0,
+        f"model.moe.n_groups: must divide model.moe.num_experts={moe.num_experts}, got {moe.n_groups}",
+    )
+    require(
+        1 <= moe.topk_groups <= moe.n_groups,
+        f"model.moe.topk_groups: must be in [1, n_groups={moe.n_groups}], got {moe.topk_groups}",
+    )
+    reachable = moe.topk_groups * (moe.num_experts // moe.n_groups)
+    require(
+        moe.top_k <= reachable,
+        f"model.moe.top_k: {moe.top_k} experts cannot be chosen from topk_groups={moe.topk_groups} groups of "
+        f"{moe.num_experts // moe.n_groups} experts",
+    )
+    require(moe.n_shared_experts >= 0, f"model.moe.n_shared_experts: must be >= 0, got {moe.n_shared_experts}")
+    require(
+        moe.shared_d_ff is None or moe.shared_d_ff > 0,
+        f"model.moe.shared_d_ff: must be positive or null, got {moe.shared_d_ff}",
+    )
+    require(moe.dead_expert_window >= 1, f"model.moe.dead_expert_window: must be >= 1, got {moe.dead_expert_window}")

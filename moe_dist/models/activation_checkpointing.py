@@ -1,7 +1,8 @@
 """Activation checkpointing (`train.activation_checkpointing`, `train.checkpoint_parts`): chosen sublayers keep only
 their input in the forward and recompute their interior in the backward (torch.utils.checkpoint, non-reentrant).
 
-Parts: "attention", "mamba", "mamba2", "gdn", "mlp", "moe_experts"; "full" recomputes all of them in every block.
+Parts: each layer kind's (`LayerKind.part`: its name, "mamba" for Mamba-1, "moe_experts" for an MoE layer's
+experts); "full" recomputes all of them in every block.
 Invariants: in MoE layers only the experts are recomputed, from their saved dispatched rows, never the router, the
 dispatch all-to-all or the combine, so a recompute issues no collective and routing statistics are counted once; each
 recomputed region is its module's own `forward`, inside the TP region hooks, so region collectives are not repeated
@@ -17,23 +18,19 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from moe_dist.config import TrainConfig
-from moe_dist.layers.attention import Attention
-from moe_dist.layers.gdn import GatedDeltaNet
-from moe_dist.layers.mamba import Mamba
-from moe_dist.layers.mamba2 import Mamba2
-from moe_dist.layers.mlp import SwiGLU
-from moe_dist.layers.moe import MoE
+from moe_dist.layers.registry import KINDS, kind_of
 from moe_dist.models.decoder import held_blocks
 
-PARTS = ("attention", "mamba", "mamba2", "gdn", "moe_experts", "mlp")
-# The mixer part each mixer class answers to.
-_MIXER_PART = {Attention: "attention", Mamba: "mamba", Mamba2: "mamba2", GatedDeltaNet: "gdn"}
+
+def parts() -> tuple[str, ...]:
+    """Every kind's part name (train.checkpoint_parts takes a subset)."""
+    return tuple(k.part for k in KINDS.values())
 
 
 def checkpointed_parts(t: TrainConfig) -> set[str]:
     """The parts `train.activation_checkpointing` / `train.checkpoint_parts` recompute."""
     if t.activation_checkpointing == "full":
-        return set(PARTS)
+        return set(parts())
     if t.activation_checkpointing == "selective":
         return set(t.checkpoint_parts)
     return set()
@@ -55,13 +52,14 @@ def _recompute(module: nn.Module, takes_cache: bool = False) -> None:
 
 def apply_activation_checkpointing(model: nn.Module, t: TrainConfig) -> nn.Module:
     """Mark the configured sublayers of every block for recompute; returns `model` (changed in place)."""
-    parts = checkpointed_parts(t)
+    chosen = checkpointed_parts(t)
     for block in held_blocks(model):
-        mixer, ffn = block.mixer, block.ffn
-        if mixer is not None and _MIXER_PART[type(mixer)] in parts:
-            _recompute(mixer, takes_cache=True)
-        if isinstance(ffn, SwiGLU) and "mlp" in parts:
-            _recompute(ffn)
-        if isinstance(ffn, MoE) and "moe_experts" in parts:
-            _recompute(ffn.experts)
+        for sublayer in (block.mixer, block.ffn):
+            k = None if sublayer is None else kind_of(sublayer)
+            if k is None or k.part not in chosen:
+                continue
+            if k.role == "mixer":
+                _recompute(sublayer, takes_cache=True)
+            else:  # an MoE layer recomputes only its experts, from their saved dispatched rows
+                _recompute(getattr(sublayer, "experts", sublayer))
     return model

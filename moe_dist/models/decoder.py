@@ -13,7 +13,7 @@ per recurrent layer), so each new token costs one position's work; without the c
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Union
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -21,13 +21,8 @@ from torch import nn
 
 from moe_dist.config import ConfigError, ModelConfig
 from moe_dist.data.batches import IGNORE
-from moe_dist.layers.attention import Attention, KVCache
-from moe_dist.layers.gdn import GatedDeltaNet, GDNState
-from moe_dist.layers.mamba import Mamba, MambaState
-from moe_dist.layers.mamba2 import Mamba2, Mamba2State
-from moe_dist.layers.mlp import SwiGLU
-from moe_dist.layers.moe import MoE
 from moe_dist.layers.norm import RMSNorm
+from moe_dist.layers.registry import kind, kind_of
 from moe_dist.layers.router import RoutingStats
 from moe_dist.parallel.context_parallel import SeqShard, takes_shard
 
@@ -43,8 +38,7 @@ def layer_kinds(cfg: ModelConfig) -> list[tuple[Optional[str], Optional[str]]]:
     return cfg.layer_kinds()
 
 
-MixerState = Union[KVCache, MambaState, Mamba2State, GDNState]
-MIXER_CLASSES = {"attention": Attention, "mamba1": Mamba, "mamba2": Mamba2, "gdn": GatedDeltaNet}
+MixerState = Any  # a mixer kind's inference state (its `new_state`): a KV cache, a conv and recurrent state, ...
 
 
 def check_context_parallel(cfg: ModelConfig, cp: int) -> None:
@@ -52,26 +46,12 @@ def check_context_parallel(cfg: ModelConfig, cp: int) -> None:
     if cp == 1:
         return
     kinds = sorted({m for m, _ in cfg.layer_kinds() if m is not None})
-    missing = [k for k in kinds if not takes_shard(MIXER_CLASSES[k])]
+    missing = [k for k in kinds if not takes_shard(kind(k).module)]
     if missing:
         raise ConfigError(
             f"parallel.cp: {cp} needs context-parallel support in every mixer of the model; "
             f"{', '.join(missing)} has none yet (use parallel.cp=1)"
         )
-
-
-def _mixer(cfg: ModelConfig, kind: str, device: torch.device | str) -> nn.Module:
-    if kind == "attention":
-        return Attention(
-            cfg.d_model, cfg.attention, cfg.init_std, cfg.n_layers, device, cfg.norm_eps, cfg.norm_zero_centered
-        )
-    if kind == "mamba1":
-        return Mamba(cfg.d_model, cfg.mamba, cfg.norm_eps, cfg.init_std, device)
-    if kind == "mamba2":
-        return Mamba2(cfg.d_model, cfg.mamba2, cfg.norm_eps, cfg.init_std, device)
-    if kind == "gdn":
-        return GatedDeltaNet(cfg.d_model, cfg.gdn, cfg.norm_eps, cfg.init_std, device)
-    raise ValueError(f"unknown mixer kind {kind!r}")
 
 
 class Block(nn.Module):
@@ -81,15 +61,9 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, mixer: Optional[str], ffn: Optional[str], device: torch.device | str):
         super().__init__()
         self.mixer_norm = None if mixer is None else RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_zero_centered)
-        self.mixer = None if mixer is None else _mixer(cfg, mixer, device)
+        self.mixer = None if mixer is None else kind(mixer).build(cfg, device)
         self.ffn_norm = None if ffn is None else RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_zero_centered)
-        self.ffn = (
-            None
-            if ffn is None
-            else MoE(cfg.d_model, cfg.d_ff, cfg.moe, cfg.init_std, cfg.n_layers, device, cfg.ffn_activation)
-            if ffn == "moe"
-            else SwiGLU(cfg.d_model, cfg.d_ff, cfg.init_std, cfg.n_layers, cfg.ffn_activation)
-        )
+        self.ffn = None if ffn is None else kind(ffn).build(cfg, device)
         self.residual_multiplier = cfg.residual_multiplier  # Granite's: each sublayer's output scaled before the add
 
     def parts(self) -> list[str]:
@@ -102,11 +76,8 @@ class Block(nn.Module):
 
     def new_state(self, batch: int, max_len: int, device: torch.device, dtype: torch.dtype) -> Optional[MixerState]:
         """The mixer's inference state (None without a mixer)."""
-        if self.mixer is None:
-            return None
-        if isinstance(self.mixer, Attention):
-            return self.mixer.new_cache(batch, max_len, device, dtype)
-        return self.mixer.new_state(batch, device, dtype)
+        new_state = None if self.mixer is None else kind_of(self.mixer).new_state
+        return None if new_state is None else new_state(self.mixer, batch, max_len, device, dtype)
 
     def forward(
         self, x: torch.Tensor, cache: Optional[MixerState] = None, shard: Optional[SeqShard] = None, **documents
@@ -120,7 +91,7 @@ class Block(nn.Module):
             x = x + (h if m == 1.0 else h * m)
         if self.ffn is None:
             return x, None
-        moe_shard = {"shard": shard} if shard is not None and isinstance(self.ffn, MoE) else {}
+        moe_shard = {"shard": shard} if shard is not None and takes_shard(type(self.ffn)) else {}
         h, stats = self.ffn(self.ffn_norm(x), **moe_shard), None
         if isinstance(h, tuple):
             h, stats = h
@@ -270,8 +241,9 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
     total = sum(p.numel() for p in model.parameters())
     inactive = 0
     for block in model.blocks:
-        if isinstance(block.ffn, MoE):
-            per_expert = sum(p.numel() for p in block.ffn.experts.parameters()) // cfg.moe.num_experts
+        experts = getattr(block.ffn, "experts", None)  # routed experts: top_k of num_experts active per token
+        if experts is not None:
+            per_expert = sum(p.numel() for p in experts.parameters()) // cfg.moe.num_experts
             inactive += per_expert * (cfg.moe.num_experts - cfg.moe.top_k)
     return {"params_total": total, "params_active": total - inactive}
 

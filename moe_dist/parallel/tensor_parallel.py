@@ -1,6 +1,7 @@
 """apply_tp: Megatron-style tensor parallelism applied to an unchanged single-device model.
 
-Every layer keeps its math; apply_tp replaces weights by this rank's shard and marks each TP region with comm.py's
+Every layer keeps its math; each layer kind's TP rule (its `LayerKind.tp_rule`, beside its math) receives the
+`TensorSplit` seam built here, replaces weights by this rank's shard and marks each TP region with comm.py's
 autograd functions, placed by hooks so parameter names stay global: `copy_to_region` (f) where a replicated
 activation enters, `reduce_from_region` (g) where partial outputs leave (all-gather / reduce-scatter along the
 sequence with sequence parallelism). Invariants: TP peers route MoE tokens identically (the router is replicated
@@ -15,7 +16,6 @@ initialization: docs/memory.md, section "Initialization without a full copy"; pr
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 import torch.distributed as dist
@@ -23,13 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_dist.data.batches import IGNORE
-from moe_dist.layers.attention import Attention
-from moe_dist.layers.gdn import GatedDeltaNet
-from moe_dist.layers.kernel_choice import Kernel
-from moe_dist.layers.mamba import Mamba
-from moe_dist.layers.mamba2 import GatedRMSNorm, Mamba2
-from moe_dist.layers.mlp import SwiGLU
-from moe_dist.layers.moe import MoE
+from moe_dist.layers.kind import Parts
+from moe_dist.layers.registry import kind_of
 from moe_dist.models.decoder import held_blocks
 from moe_dist.parallel import private_api
 from moe_dist.parallel.comm import (
@@ -44,9 +39,6 @@ from moe_dist.parallel.comm import (
 from moe_dist.parallel.mesh import Mesh
 
 # ------------------------------------------------------------------------------------------ shard math
-
-
-Parts = int | tuple[int, ...]  # a sharded dim's blocks: n equal ones, or their sizes (each block split alone)
 
 
 def _blocks(size: int, parts: Parts) -> list[int]:
@@ -134,157 +126,39 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.factor, None
 
 
-# ------------------------------------------------------------------------------------------ layers
+# ------------------------------------------------------------------------------------------ the layers' seam
 
 
-def _attention(attn: Attention, mesh: Mesh, b: _Boundaries) -> None:
-    for lin in (attn.wq, attn.wk, attn.wv):
-        _shard_param(lin, "weight", 0, mesh)  # heads are contiguous blocks of rows
-        if lin.bias is not None:
-            _shard_param(lin, "bias", 0, mesh)
-    if attn.qk_norm == "head":  # one weight shared by every head: each rank's heads give part of its gradient
-        for norm in (attn.q_norm, attn.k_norm):
-            _sum_grad_over_tp(norm.weight)
-    _shard_param(attn.wo, "weight", 1, mesh)
-    attn.n_heads //= mesh.tp
-    attn.n_kv_heads //= mesh.tp
-    _region(attn, b)
+class _Split:
+    """layers/kind.py's `TensorSplit` over this mesh's TP group: what each kind's TP rule receives."""
 
+    def __init__(self, mesh: Mesh, boundaries: _Boundaries):
+        self.mesh, self.boundaries = mesh, boundaries
+        self.tp, self.rank, self.experts_split = mesh.tp, mesh.tp_rank, mesh.experts_split
 
-def _mamba(mamba: Mamba, mesh: Mesh, b: _Boundaries) -> None:
-    group = mesh.tp_group
-    _shard_param(mamba.in_proj, "weight", 0, mesh, parts=2)  # rows: [x channels; z channels]
-    for name in ("weight", "bias"):
-        if getattr(mamba.conv1d, name) is not None:
-            _shard_param(mamba.conv1d, name, 0, mesh)
-    _shard_param(mamba.x_proj, "weight", 1, mesh)
-    _shard_param(mamba.dt_proj, "weight", 0, mesh)
-    _shard_param(mamba.dt_proj, "bias", 0, mesh)
-    _shard_param(mamba, "A_log", 0, mesh)
-    _shard_param(mamba, "D", 0, mesh)
-    _shard_param(mamba.out_proj, "weight", 1, mesh)
-    mamba.d_inner //= mesh.tp
-    conv = mamba.conv1d
-    conv.in_channels = conv.out_channels = conv.groups = mamba.d_inner
-    _region(mamba, b)
-    # x_proj sums over all channels: its partial (Δ, B, C) are all-reduced (g); every rank's channels then use
-    # them, so their gradient is summed again (f) -- after Jamba's norms, whose weights need the full gradient.
-    if mamba.inner_norms:
-        mamba.x_proj.register_forward_hook(lambda m, args, out: reduce_from_region(out, group))
-        for norm in (mamba.dt_norm, mamba.b_norm, mamba.c_norm):
-            norm.register_forward_hook(lambda m, args, out: copy_to_region(out, group))
-    else:
-        mamba.x_proj.register_forward_hook(lambda m, args, out: copy_to_region(reduce_from_region(out, group), group))
+    def shard(self, module: nn.Module, name: str, dim: int, parts: Parts = 1) -> None:
+        _shard_param(module, name, dim, self.mesh, parts)
 
+    def region(self, module: nn.Module) -> None:
+        _region(module, self.boundaries)
 
-def _mamba2(m: Mamba2, mesh: Mesh, b: _Boundaries) -> None:
-    """Heads split over TP (config rule: n_heads divisible by tp; n_groups a multiple or a divisor of tp). Each
-    component of in_proj (rows z, x, B, C, dt) and of the conv (channels x, B, C) is split alone; a rank's heads
-    are contiguous and so are its groups' B/C rows. With groups >= tp every rank holds whole groups and the layer
-    runs unchanged on them. With groups < tp each group spans tp / groups ranks: the B/C rows and conv channels are
-    split along the group's flattened (group, state) block, so every parameter stays sharded (none partly
-    replicated), the conv output's B/C slices are all-gathered before the scan, each rank keeping its heads' group,
-    and the gated norm's per-group statistics are summed over the group's ranks."""
-    tp, gn = mesh.tp, m.n_groups * m.d_state
-    _shard_param(m.in_proj, "weight", 0, mesh, parts=(m.d_inner, m.d_inner, gn, gn, m.n_heads))
-    for name in ("weight", "bias"):
-        if getattr(m.conv1d, name) is not None:
-            _shard_param(m.conv1d, name, 0, mesh, parts=(m.d_inner, gn, gn))
-    for name in ("dt_bias", "A_log", "D"):
-        _shard_param(m, name, 0, mesh)
-    _shard_param(m.norm, "weight", 0, mesh)  # channels are head-major, like y
-    _shard_param(m.out_proj, "weight", 1, mesh)
-    if m.n_groups < tp:
-        span = tp // m.n_groups  # ranks per group; this rank's heads all read group tp_rank // span
-        own = mesh.tp_rank // span
-        m.scan = Kernel(m.scan.name, functools.partial(_scan_own_group, m.scan, m.n_groups, own, mesh.tp_group))
-        m.norm = _SpanningGroupNorm(m.norm, mesh.tp_group, span, own)
-    m.n_heads //= tp
-    m.d_inner //= tp
-    m.conv_dim //= tp
-    m.n_groups = max(m.n_groups // tp, 1)  # local: whole groups, or the one group this rank's heads read
-    m.norm.groups = m.n_groups
-    conv = m.conv1d
-    conv.in_channels = conv.out_channels = conv.groups = m.conv_dim
-    _region(m, b)
+    def sum_grad(self, param: nn.Parameter) -> None:
+        _sum_grad_over_tp(param)
 
+    def model_parallel(self, param: nn.Parameter) -> None:
+        private_api.mark_model_parallel(param)
 
-def _scan_own_group(scan: Kernel, n_groups: int, own: int, group: dist.ProcessGroup, x, dt, A, B, C, **kwargs):
-    """B, C (batch, L, 1, n_groups·N / tp): this rank's slice of the flattened (group, state) block, all-gathered
-    (backward: each slice's gradient summed over the ranks) and cut to group `own`, the one this rank's heads read."""
-    B, C = (gather_sequence(t, 3, group) for t in (B, C))  # (batch, L, 1, n_groups·N)
-    n = B.shape[3] // n_groups
-    return scan(x, dt, A, B[..., own * n : (own + 1) * n], C[..., own * n : (own + 1) * n], **kwargs)
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        return copy_to_region(x, self.mesh.tp_group)
 
+    def leave(self, x: torch.Tensor) -> torch.Tensor:
+        return reduce_from_region(x, self.mesh.tp_group)
 
-class _SpanningGroupNorm(GatedRMSNorm):
-    """Mamba-2's gated RMSNorm where this rank holds 1/span of one group's channels: the group's mean square is the
-    sum of its `span` ranks' sums of squares (all-gathered; backward sums each rank's part of the gradient)."""
+    def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        return gather_sequence(x, dim, self.mesh.tp_group)
 
-    def __init__(self, norm: GatedRMSNorm, group: dist.ProcessGroup, span: int, own: int):
-        nn.Module.__init__(self)
-        self.groups, self.eps, self.weight = 1, norm.eps, norm.weight
-        self.group, self.span, self.own = group, span, own
-
-    def _mean_square(self, h: torch.Tensor) -> torch.Tensor:
-        sums = gather_sequence(h.pow(2).sum(-1, keepdim=True), h.dim() - 1, self.group)  # (..., 1, tp)
-        mine = sums.unflatten(-1, (-1, self.span))[..., self.own, :]  # (..., 1, span): this group's ranks
-        return mine.sum(-1, keepdim=True) / (h.shape[-1] * self.span)
-
-
-def _gdn(g: GatedDeltaNet, mesh: Mesh, b: _Boundaries) -> None:
-    """Key heads split over TP, each with its n_v_heads / n_k_heads value heads (config rule: both counts divisible
-    by tp). The fused projections are packed per key head, so a rank's rows are one contiguous block; the conv's
-    q, k, v channels are split alone; the gated norm is per head (its weight, shared by the heads, is replicated)."""
-    tp = mesh.tp
-    _shard_param(g.in_proj_qkvz, "weight", 0, mesh)  # per key head [q, k, v, z]
-    _shard_param(g.in_proj_ba, "weight", 0, mesh)  # per key head [b, a]
-    _shard_param(g.conv1d, "weight", 0, mesh, parts=(g.key_dim, g.key_dim, g.value_dim))
-    _shard_param(g, "dt_bias", 0, mesh)
-    _shard_param(g, "A_log", 0, mesh)
-    _shard_param(g.out_proj, "weight", 1, mesh)
-    _sum_grad_over_tp(g.norm.weight)
-    g.n_k_heads //= tp
-    g.n_v_heads //= tp
-    g.key_dim //= tp
-    g.value_dim //= tp
-    g.conv_dim //= tp
-    conv = g.conv1d
-    conv.in_channels = conv.out_channels = conv.groups = g.conv_dim
-    _region(g, b)
-
-
-def _swiglu(ffn: SwiGLU, mesh: Mesh, b: _Boundaries) -> None:
-    _shard_param(ffn.w1, "weight", 0, mesh)
-    _shard_param(ffn.w3, "weight", 0, mesh)
-    _shard_param(ffn.w2, "weight", 1, mesh)
-    _region(ffn, b)
-
-
-def _moe(moe: MoE, mesh: Mesh, b: _Boundaries) -> None:
-    experts = moe.experts
-    if mesh.experts_split:
-        _shard_param(experts, "w13", 2, mesh, parts=2)  # (E, D, 2F) = [w1 | w3]: each half's F split
-        _shard_param(experts, "w2", 1, mesh)  # (E, F, D)
-    else:  # whole experts, another EP rank's on each TP peer (or another ZeRO partition): each counted in the norm
-        private_api.mark_model_parallel(experts.w13)
-        private_api.mark_model_parallel(experts.w2)
-    _region(moe, b)  # the dispatcher's token split is set where it is built (expert_parallel.build_dispatcher)
-    group, scale = mesh.tp_group, 1.0 / mesh.tp
-    moe.router.register_forward_pre_hook(lambda m, args: (_ScaleGrad.apply(args[0], scale), *args[1:]))
-    if moe.shared is not None:  # sharded like the dense FFN, inside the MoE region (one all-reduce for both)
-        _shard_param(moe.shared.w1, "weight", 0, mesh)
-        _shard_param(moe.shared.w3, "weight", 0, mesh)
-        _shard_param(moe.shared.w2, "weight", 1, mesh)
-        if moe.shared.gate is not None:  # replicated, as the router: full gradient in, input gradient / tp
-            moe.shared.gate.register_forward_pre_hook(lambda m, args: (_ScaleGrad.apply(args[0], scale),))
-            moe.shared.gate.register_forward_hook(lambda m, args, out: copy_to_region(out, group))
-
-    def weights_enter(m, args, out):
-        routing, stats = out
-        return dataclasses.replace(routing, weight_A=copy_to_region(routing.weight_A, group)), stats
-
-    moe.router.register_forward_hook(weights_enter)
+    def scale_grad(self, x: torch.Tensor, factor: float) -> torch.Tensor:
+        return _ScaleGrad.apply(x, factor)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -336,21 +210,14 @@ def apply_tp(model: nn.Module, mesh: Mesh, sequence_parallel: bool = False) -> n
         return model
     b = _Boundaries(mesh.tp_group, sequence_parallel)
     _vocabulary(model, mesh, b)
-    for module in list(model.modules()):
-        if isinstance(module, Attention):
-            _attention(module, mesh, b)
-        elif isinstance(module, Mamba):
-            _mamba(module, mesh, b)
-        elif isinstance(module, Mamba2):
-            _mamba2(module, mesh, b)
-        elif isinstance(module, GatedDeltaNet):
-            _gdn(module, mesh, b)
-        elif isinstance(module, SwiGLU):
-            _swiglu(module, mesh, b)
-        elif isinstance(module, MoE):
-            _moe(module, mesh, b)
+    split = _Split(mesh, b)
+    blocks = held_blocks(model)
+    for sublayer in (s for blk in blocks for s in (blk.mixer, blk.ffn) if s is not None):
+        kind = kind_of(sublayer)
+        if kind is None or kind.tp_rule is None:  # the config checks refuse tp > 1 for such a kind
+            raise ValueError(f"apply_tp: {type(sublayer).__name__} has no tensor-parallel rule")
+        kind.tp_rule(sublayer, split)
     if sequence_parallel:  # the norms outside the regions see only this rank's tokens
-        blocks = held_blocks(model)
         for norm in [model.norm, *(n for blk in blocks for n in (blk.mixer_norm, blk.ffn_norm) if n is not None)]:
             for p in norm.parameters() if norm is not None else ():
                 _sum_grad_over_tp(p)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from moe_dist.config import JobConfig
+from moe_dist.layers import registry
 from moe_dist.planning.capacity import H100_MIB, H200_MIB, MIB, headroom
 from moe_dist.planning.collectives import H200_BF16_DENSE_PEAK, LAST_BACKWARD, Hardware, Link
 from moe_dist.planning.memory import memory_plan
@@ -73,8 +74,12 @@ def memory_per_device(cfg: JobConfig, layout: Layout, cost: ModelCost | None = N
     else:
         acts = per_token_layer * m.n_layers * tokens
     acts /= layout.tp
-    if layout.cp > 1 and "attention" not in cost.recomputed:
-        acts += 2 * act * kv / layout.tp * t.micro_batch_size * t.seq_len * cost.n_attn_layers
+    if layout.cp > 1:  # what the kinds gather of the whole sequence and keep (attention's K/V), unless recomputed
+        for name, n_layers in cost.layers.items():
+            kind = registry.kind(name)
+            if kind.part not in cost.recomputed:
+                whole = kind.cp_gathered_bytes(m, layout.tp, act) * t.micro_batch_size * t.seq_len
+                acts += whole * n_layers
     return local * act + grads + states + acts
 
 

@@ -13,11 +13,12 @@ Every term and the activation table: docs/memory.md, sections "The plan", "Activ
 
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 from moe_dist.config import JobConfig
 from moe_dist.config.parallel_checks import check_layout
+from moe_dist.layers import registry
+from moe_dist.layers.mlp import hidden_kept
 from moe_dist.models.activation_checkpointing import checkpointed_parts
 from moe_dist.models.decoder import build_model, layer_kinds
 from moe_dist.planning.capacity import headroom
@@ -98,12 +99,8 @@ def activation_bytes(
     parts = checkpointed_parts(t)
     sp = tp if cfg.parallel.sequence_parallel else 1
     D = m.d_model
-    hd = m.attention.head_dim or D // m.attention.n_heads
-    hq, hkv = m.attention.n_heads // tp, m.attention.n_kv_heads // tp
-    di = m.mamba.expand * D // tp
-    n, r = m.mamba.d_state, m.mamba.dt_rank or math.ceil(D / 16)
     etp = cfg.parallel.expert_tp
-    f_dense, f_moe = m.d_ff // tp, (m.moe.d_ff or m.d_ff) // etp
+    f_moe = (m.moe.d_ff or m.d_ff) // etp
     E, K = m.moe.num_experts, m.moe.top_k
     cf = m.moe.capacity_factor or 1.0
     rho = expert_rows_factor(cfg)
@@ -115,64 +112,21 @@ def activation_bytes(
     token_rows, expert_rows = K * cf / split, K * rho / (tp // etp)
     norm_full = 3 * D * a / sp + 4  # norm input, norm output, the first linear's copy of it, rstd
     norm_kept = 2 * D * a / sp + 4  # the recomputed sublayer's input and the norm's input stay
-    m2, g = m.mamba2, m.gdn
-    # Mamba-2 per token (layers/mamba2.py with the chunked SSD of layers/ssd.py; derived by listing the tensors
-    # autograd keeps, tests/planning/test_memory.py measures it): the in_proj output (z, xBC, dt), the conv and SiLU
-    # outputs (2·conv_dim), B and C broadcast to every head (2·H·N), the chunk's decay and score rows (2·H·chunk),
-    # x, y, the D skip, the gated norm's input/output and out_proj's input (6·d_inner), and the fp32 states at
-    # chunk boundaries (2·H·P·N per chunk). Not split by TP: refused for mamba2 layers.
-    m2_di, m2_h, m2_L = m2.d_inner(D), m2.heads(D), m2.chunk_size
-    m2_conv = m2_di + 2 * m2.n_groups * m2.d_state
-    m2_inner = (
-        (m2_di + m2_conv + m2_h + 2 * m2_conv + 2 * m2_h * m2.d_state + 6 * m2_di) * a
-        + 2 * m2_h * m2_L * 4
-        + 2 * 4 * m2_di * m2.d_state / m2_L
-    )
-    # Gated DeltaNet per token (layers/gdn.py with the chunked WY/UT rule of layers/delta_rule.py; derived the same
-    # way): the qkvz and ba projections, the conv and SiLU outputs (2·conv_dim), q and k L2-normalised and repeated
-    # over the value heads with their chunk-decayed copies (6·Hv·dk), the chunk's attention, decay and WY rows
-    # (5·Hv·chunk), v, the rule's output, the gated norm's input/output and out_proj's input (6·Hv·dv), and the fp32
-    # states at chunk boundaries with their decayed copies (12·Hv·dk·dv per chunk).
-    g_kd, g_vd, g_L = g.n_k_heads * g.head_k_dim, g.n_v_heads * g.head_v_dim, g.chunk_size
-    g_conv = 2 * g_kd + g_vd
-    g_inner = (
-        (2 * g_kd + 2 * g_vd + 2 * g.n_v_heads + 2 * g_conv + 6 * g.n_v_heads * g.head_k_dim + 6 * g_vd) * a
-        + 5 * g.n_v_heads * g_L * 4
-        + 12 * 4 * g.n_v_heads * g.head_k_dim * g.head_v_dim / g_L
-    )
-    # An FFN keeps per hidden unit: SwiGLU the gate and up outputs, SiLU(gate) and their product (4); relu(x)² the
-    # ReLU's output (its own backward and the square's) and the square (the down projection's input) (2).
-    hidden = 2 if m.ffn_activation == "relu2" else 4
-    out = {"attention": 0.0, "mamba": 0.0, "mamba2": 0.0, "gdn": 0.0, "mlp": 0.0, "moe": 0.0}
+    hidden = hidden_kept(m.ffn_activation)
+    # Per part: each kind's recompute part (an MoE layer's rows and experts under "moe"), the head below.
+    out = {k.part: 0.0 for k in registry.KINDS.values() if k.name != "moe"} | {"moe": 0.0}
     largest = 0.0  # the largest one sublayer's interior: its backward's working set (and its recompute)
     for i, (mixer, ffn) in enumerate(layer_kinds(m)):
         if layers is not None and i not in layers:
             continue
-        if mixer == "attention":
-            inner = (2 * hq + 2 * cp * hkv) * hd * a + 4 * hq  # under CP: the gathered K/V of the whole sequence
-            if m.attention.output_gate:  # the gate and its sigmoid, for the product's backward
-                inner += 2 * hq * hd * a
-            qk = (hq + hkv) * hd * a  # one copy of this rank's q and k
-            if m.attention.qk_norm != "none":  # the norms' input, normalised and output (head) / two (full), rstd
-                inner += (3 if m.attention.qk_norm == "head" else 2) * qk + 4 * (hq + hkv)
-            elif m.attention.rope_fraction < 1:  # partial RoPE keeps a copy of the unrotated channels (with a q/k
-                inner += (1 - m.attention.rope_fraction) * qk  # norm, its output kept above is that copy)
-            out["attention"] += norm_kept if "attention" in parts else norm_full + inner
+        for name in (mixer, ffn):
+            kind = None if name is None else registry.kind(name)
+            if kind is None or kind.name == "moe":  # MoE: its rows and experts, below
+                continue
+            inner = kind.activation_bytes(cfg, tp, cp, a)  # the sublayer's interior, kept unless recomputed
+            out[kind.part] += norm_kept if kind.part in parts else norm_full + inner
             largest = max(largest, inner)
-        elif mixer in ("mamba2", "gdn"):
-            inner = m2_inner if mixer == "mamba2" else g_inner
-            out[mixer] += norm_kept if mixer in parts else norm_full + inner
-            largest = max(largest, inner)
-        elif mixer == "mamba1":
-            inner = (11 * di + r + 4 * n + di * n / m.mamba.chunk_size) * a
-            if m.mamba.inner_norms:
-                inner += 2 * (r + 2 * n) * a + 12
-            out["mamba"] += norm_kept if "mamba" in parts else norm_full + inner
-            largest = max(largest, inner)
-        if ffn == "mlp":
-            out["mlp"] += norm_kept if "mlp" in parts else norm_full + hidden * f_dense * a
-            largest = max(largest, hidden * f_dense * a)
-        elif ffn == "moe":
+        if ffn == "moe":
             router = 8 * E + 12 + (D * 4 if a == 2 else 0)  # the router's fp32 copy of its input under bf16
             # The combine keeps the expert outputs in token order (token side); the experts keep their input rows
             # and, without recompute, their gate/up, SiLU and product (expert side).
@@ -339,7 +293,7 @@ def memory_plan(
             "expert_rows_factor": expert_rows_factor(cfg),
         },
         "params_local": {"dense": dense, "expert": expert},
-        "activations_by_part_gb": {k: act[k] / GB for k in ("attention", "mamba", "mlp", "moe", "head")},
+        "activations_by_part_gb": {k: v / GB for k, v in act.items() if k not in ("total", "transient", "p2p")},
         "transient_gb": {k: val / GB for k, val in transient.items()},
         "host_gb": {"save_staging": save_staging / GB},
         "memory_per_rank_gb": {

@@ -9,10 +9,10 @@ tests/test_bench_common.py).
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from moe_dist.config import JobConfig
+from moe_dist.layers import registry
 from moe_dist.models.activation_checkpointing import checkpointed_parts
 from moe_dist.planning.collectives import LAST_BACKWARD, NEXT_FORWARD, SCALAR_ALL_REDUCES_PER_STEP, Call
 
@@ -64,13 +64,10 @@ def stage_share(cost: ModelCost, pp: int) -> ModelCost:
     if pp == 1:
         return cost
     share = 1.0 / pp
-    scaled = ("fwd_flops_per_token", "dense_params", "expert_params", "n_moe_layers", "n_layers", "n_mamba_layers")
-    scaled += ("recompute_flops_per_token", "n_attn_layers", "n_mamba2_layers", "n_gdn_layers")
-    return replace(cost, **{name: getattr(cost, name) * share for name in scaled})
-
-
-# activation_checkpointing's part name of each mixer kind (MoE layers recompute only their experts).
-_MIXER_PART = {"attention": "attention", "mamba1": "mamba", "mamba2": "mamba2", "gdn": "gdn"}
+    scaled = ("fwd_flops_per_token", "dense_params", "expert_params", "n_moe_layers", "n_layers")
+    scaled += ("recompute_flops_per_token",)
+    layers = {k: n * share for k, n in cost.layers.items()}
+    return replace(cost, layers=layers, **{name: getattr(cost, name) * share for name in scaled})
 
 
 @dataclass(frozen=True)
@@ -83,34 +80,15 @@ class ModelCost:
     n_moe_layers: int
     n_layers: int
     d_model: int
-    n_mamba_layers: int = 0
-    ssm_proj_width: int = 0  # x_proj's output per token: dt_rank + 2 · d_state
     recompute_flops_per_token: float = 0.0  # the forward FLOPs activation checkpointing repeats in the backward
     recomputed: frozenset = frozenset()  # train.activation_checkpointing's parts
-    n_attn_layers: int = 0
-    n_mamba2_layers: int = 0
-    n_gdn_layers: int = 0
+    layers: dict = field(default_factory=dict)  # layer kind → how many sublayers of it (a stage's share under PP)
 
 
 def mixer_flops_per_token(cfg: JobConfig, kind: str) -> float:
-    """Forward FLOPs per token of a mixer beyond its weights: causal attention scores, or the recurrent scan."""
-    m, S = cfg.model, cfg.train.seq_len
-    if kind == "attention":  # QKᵀ and AV, causal: half of 4·S·H·Dh per token
-        return 2.0 * S * m.attention.n_heads * (m.attention.head_dim or m.d_model // m.attention.n_heads)
-    if kind == "mamba1":  # discretize + recurrence + readout (Mamba §3)
-        return 9.0 * m.mamba.expand * m.d_model * m.mamba.d_state
-    if kind == "mamba2":
-        # Chunked SSD: intra-chunk C·Bᵀ and its use (2·chunk·(N + P) per head, half for causality) plus the state
-        # update and readout (4·P·N per head): the quadratic-in-chunk plus linear-in-state terms of Mamba-2.
-        m2 = m.mamba2
-        return m2.heads(m.d_model) * (2.0 * m2.chunk_size * (m2.d_state + m2.head_dim) + 4.0 * m2.head_dim * m2.d_state)
-    if kind == "gdn":
-        # Chunked gated delta rule per value head: the same shape with dk for N and dv for P, plus the WY
-        # correction (the chunk's triangular solve and k·S products, about 2·chunk·dk + 4·dk·dv).
-        g = m.gdn
-        dk, dv = g.head_k_dim, g.head_v_dim
-        return g.n_v_heads * (2.0 * g.chunk_size * (2 * dk + dv) + 8.0 * dk * dv)
-    return 0.0
+    """Forward FLOPs per token of a mixer beyond its weights (causal attention scores, the recurrent scans):
+    the kind's `flops_per_token` at the run's sequence length."""
+    return registry.kind(kind).flops_per_token(cfg.model, cfg.train.seq_len)
 
 
 def model_cost(cfg: JobConfig) -> ModelCost:
@@ -128,12 +106,12 @@ def model_cost(cfg: JobConfig) -> ModelCost:
         if not name.startswith("blocks."):
             return False  # embedding, final norm, LM head
         _, i, sub, *rest = name.split(".")
-        mixer, ffn = kinds[int(i)]
-        if sub == "mixer":
-            return _MIXER_PART[mixer] in parts
-        if sub == "ffn":
-            return ("moe_experts" in parts and rest[0] == "experts") if ffn == "moe" else "mlp" in parts
-        return False  # the blocks' norms
+        kind = kinds[int(i)][0 if sub == "mixer" else 1] if sub in ("mixer", "ffn") else None
+        if kind is None:
+            return False  # the blocks' norms
+        # An FFN kind with routed experts (MoE) recomputes only them (activation_checkpointing.py).
+        routed = sub == "ffn" and hasattr(model.blocks[int(i)].ffn, "experts")
+        return registry.kind(kind).part in parts and (not routed or rest[0] == "experts")
 
     matmul = dense = expert = again = 0.0
     for name, p in model.named_parameters():
@@ -147,27 +125,13 @@ def model_cost(cfg: JobConfig) -> ModelCost:
         flops = p.numel() * (m.moe.top_k / m.moe.num_experts if is_expert else 1.0)
         matmul += flops
         again += flops if recomputed(name) else 0.0
-    count = {k: sum(mixer == k for mixer, _ in kinds) for k in _MIXER_PART}
-    mixers = {k: count[k] * mixer_flops_per_token(cfg, k) for k in _MIXER_PART}
+    count = {k: sum(k in pair for pair in kinds) for k in registry.KINDS}
+    mixers = {k: count[k] * mixer_flops_per_token(cfg, k) for k in registry.KINDS}
     fwd = 2.0 * matmul + sum(mixers.values())
-    again = 2.0 * again + sum(v for k, v in mixers.items() if _MIXER_PART[k] in parts)
+    again = 2.0 * again + sum(v for k, v in mixers.items() if registry.kind(k).part in parts)
     n_moe = sum(ffn == "moe" for _, ffn in kinds)
-    dt_rank = m.mamba.dt_rank or math.ceil(m.d_model / 16)
-    return ModelCost(
-        fwd,
-        int(dense),
-        int(expert),
-        n_moe,
-        m.n_layers,
-        m.d_model,
-        count["mamba1"],
-        dt_rank + 2 * m.mamba.d_state,
-        again,
-        parts,
-        count["attention"],
-        count["mamba2"],
-        count["gdn"],
-    )
+    layers = {k: n for k, n in count.items() if n}
+    return ModelCost(fwd, int(dense), int(expert), n_moe, m.n_layers, m.d_model, again, parts, layers)
 
 
 def _group_placement(ranks: list[int], ranks_per_node: int) -> tuple[int, int]:
@@ -221,31 +185,10 @@ def recompute_flops_per_rank(cfg: JobConfig, layout: Layout, cost: ModelCost | N
     return cost.recompute_flops_per_token * tokens / (layout.tp * layout.cp)
 
 
-def cp_piece_bytes(cfg: JobConfig, kind: str, tp: int, cp: int) -> tuple[float, float]:
-    """(summary, halo) bytes of one piece of one sequence that a recurrent mixer all-gathers under CP, per rank (its
-    1/tp of the channels), as parallel/state_passing.py sends them: the summary packs the piece's final state and its
-    transition in fp32 (a per-channel decay for Mamba-1, a per-head one for Mamba-2, the dk × dk operator per value
-    head for the delta rule); the conv halo is its last min(d_conv − 1, piece length) conv inputs, in the
-    activation dtype, in a second all-gather. Neither grows with the sequence once pieces are d_conv − 1 long."""
-    m = cfg.model
-    act = 2 if cfg.train.dtype == "bf16" else 4
-    piece = cfg.train.seq_len // (2 * cp)
-    if kind == "mamba1":
-        di, n = m.mamba.expand * m.d_model // tp, m.mamba.d_state
-        return 4.0 * 2 * di * n, act * min(m.mamba.d_conv - 1, piece) * di
-    if kind == "mamba2":
-        m2 = m.mamba2
-        heads, conv = m2.heads(m.d_model) // tp, (m2.d_inner(m.d_model) + 2 * m2.n_groups * m2.d_state) // tp
-        return 4.0 * heads * (m2.head_dim * m2.d_state + 1), act * min(m2.d_conv - 1, piece) * conv
-    g = m.gdn  # gdn
-    hv, conv = g.n_v_heads // tp, (2 * g.n_k_heads * g.head_k_dim + g.n_v_heads * g.head_v_dim) // tp
-    return 4.0 * hv * g.head_k_dim * (g.head_v_dim + g.head_k_dim), act * min(g.conv_size - 1, piece) * conv
-
-
 def step_calls(cfg: JobConfig, layout: Layout, ranks_per_node: int, cost: ModelCost | None = None) -> list[Call]:
     """Every collective one rank issues in one optimizer step (docs/perf_model.md, section "The model")."""
     cost = cost or model_cost(cfg)
-    m, t, moe = cfg.model, cfg.train, cfg.model.moe
+    _m, t, moe = cfg.model, cfg.train, cfg.model.moe
     act = 2 if t.dtype == "bf16" else 4  # activations (and, in fp32 training, the gradients) in the training dtype
     micro = micro_batches_per_rank(cfg, layout)
     tokens_mb = tokens_per_micro_batch(cfg, layout)
@@ -271,40 +214,17 @@ def step_calls(cfg: JobConfig, layout: Layout, ranks_per_node: int, cost: ModelC
     # Tensor parallelism: all-reduces at the region boundaries, see the docstring (sequence parallelism replaces each
     # by an all-gather and a reduce-scatter: the same hops and bytes).
     add("all_reduce", "tp_act", "tp", tokens_mb * cost.d_model * act, micro * (4 * cost.n_layers + 2))
-    add(
-        "all_reduce",
-        "tp_ssm",
-        "tp",
-        tokens_mb * cost.ssm_proj_width * act,
-        (fwd("mamba") + micro) * cost.n_mamba_layers,
-    )
     add("all_reduce", "tp_router", "tp", tokens_mb * moe.top_k * 4, micro * cost.n_moe_layers)
     add("all_reduce", "tp_loss", "tp", tokens_mb * 4, 3 * micro)
-    m2 = m.mamba2
-    if cost.n_mamba2_layers and m2.n_groups < tp:  # a B/C group spans tp / n_groups ranks (apply_tp's _mamba2)
-        bc = tokens_mb * m2.n_groups * m2.d_state * act  # B or C, all groups, gathered before the scan
-        add("all_gather", "tp_ssd_groups", "tp", bc, 2 * fwd("mamba2") * cost.n_mamba2_layers)
-        add("reduce_scatter", "tp_ssd_groups", "tp", bc, 2 * micro * cost.n_mamba2_layers)
-        norm = tokens_mb * tp * 4  # the gated norm's fp32 sums of squares, one per rank and token
-        add("all_gather", "tp_ssd_norm", "tp", norm, fwd("mamba2") * cost.n_mamba2_layers)
-        add("reduce_scatter", "tp_ssd_norm", "tp", norm, micro * cost.n_mamba2_layers)
-    # Context parallelism: attention all-gathers the whole sequence's K and V (this rank's KV heads), backward
-    # reduce-scatters their gradients to the owners; a recurrent layer gathers the 2·cp pieces' summaries and conv
-    # halos (parallel/state_passing.py); every gather's backward reduce-scatters its gradient.
-    if cp > 1:
-        head_dim = m.attention.head_dim or m.d_model // m.attention.n_heads
-        kv = t.micro_batch_size * t.seq_len * (m.attention.n_kv_heads // tp) * head_dim * act  # K or V, whole
-        add("all_gather", "cp_kv", "cp", kv, 2 * fwd("attention") * cost.n_attn_layers)
-        add("reduce_scatter", "cp_kv", "cp", kv, 2 * micro * cost.n_attn_layers)
-        for kind, n_layers in (
-            ("mamba1", cost.n_mamba_layers),
-            ("mamba2", cost.n_mamba2_layers),
-            ("gdn", cost.n_gdn_layers),
-        ):
-            for label, per_piece in zip(("cp_state", "cp_halo"), cp_piece_bytes(cfg, kind, tp, cp), strict=True):
-                payload = 2 * cp * t.micro_batch_size * per_piece  # every piece of the micro-batch's sequences
-                add("all_gather", label, "cp", payload, fwd(_MIXER_PART[kind]) * n_layers)
-                add("reduce_scatter", label, "cp", payload, micro * n_layers)
+    # What each layer kind's own forward issues beyond the region boundaries (its `collectives`): under TP, e.g.
+    # Mamba's x_proj sum; under CP, attention's K/V gather or a recurrent kind's piece summaries and conv halos
+    # (every gather's backward reduce-scatters its gradient).
+    for name, n_layers in cost.layers.items():
+        kind = registry.kind(name)
+        for collective, label, group, payload, n_fwd, n_bwd in kind.collectives(cfg, tp, cp, tokens_mb, act):
+            if group == "cp" and cp == 1:
+                continue
+            add(collective, label, group, payload, (n_fwd * fwd(kind.part) + n_bwd * micro) * n_layers)
     # Data parallelism (dense over dp × cp, experts over the EDP group; docs/perf_model.md, "The reduction").
     dense_local = cost.dense_params / tp
     expert_local = cost.expert_params / (layout.ep * etp)

@@ -12,7 +12,9 @@ from support import DEBUG_CONFIG
 
 from moe_dist.config import ConfigError, load_config
 from moe_dist.config.parallel_checks import check_layout
-from moe_dist.models.decoder import MIXER_CLASSES, Decoder, check_context_parallel
+from moe_dist.layers.registry import kind as layer_kind
+from moe_dist.layers.registry import kinds
+from moe_dist.models.decoder import Decoder, check_context_parallel
 from moe_dist.parallel.context_parallel import SeqShard, takes_shard
 from moe_dist.parallel.mesh import ep_rank_of, layout_groups
 
@@ -93,12 +95,12 @@ def test_probability_drops_without_capacity_are_fine_under_cp():
     _cfg("parallel.cp=2", "model.moe.drop_policy=probability", "model.moe.capacity_factor=null")
 
 
-@pytest.mark.parametrize("kind", sorted(MIXER_CLASSES))
+@pytest.mark.parametrize("kind", sorted(k.name for k in kinds("mixer")))
 def test_a_mixer_without_a_shard_aware_forward_is_refused(kind):
     """Each mixer kind: accepted under CP exactly when its class's forward takes `shard=`; otherwise one line
     naming it (config check), and the model refuses a shard rather than run its local pieces as one sequence."""
     cfg = _cfg("model.mixer_pattern=A", "model.ffn_pattern=E", f'model.layers=["{kind}+moe","moe"]', "model.n_layers=2")
-    if takes_shard(MIXER_CLASSES[kind]):
+    if takes_shard(layer_kind(kind).module):
         check_context_parallel(cfg.model, 2)
         return
     with pytest.raises(ConfigError, match=rf"^parallel\.cp: 2 needs context-parallel support .*; {kind} has none"):
