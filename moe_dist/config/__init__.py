@@ -1,48 +1,40 @@
-"""Job configuration: the schema (schema.py), strict loading from JSON and overrides (loading.py), the rules a
-config must satisfy (checks.py; the parallel layout's in parallel_checks.py) and the generator of docs/config.md
-(doc.py). Imports run one way: schema <- parallel_checks <- checks <- loading; doc reads the schema.
+"""Job configuration: the schema (schema.py: the tree of dataclasses, each layer kind's section declared in its
+layer file), strict loading from JSON and overrides (loading.py), the rules a config must satisfy (checks.py; the
+parallel layout's in parallel_checks.py) and the generator of docs/config.md (doc.py). Imports run one way: errors
+<- schema <- parallel_checks <- checks <- loading; doc reads the schema.
 
-The names below are the public interface: `from moe_dist.config import load_config, ConfigError, JobConfig`.
+The names below are the public interface: `from moe_dist.config import load_config, ConfigError, JobConfig`, and
+each layer kind's section by its class name (`from moe_dist.config import MoEConfig`). They are resolved when first
+asked for: the layer files import `moe_dist.config.errors` while the schema gathers their sections, so this package
+must not load the schema when it is itself imported.
 """
 
-from moe_dist.config.checks import validate
-from moe_dist.config.loading import config_from_dict, config_to_dict, load_config, parse_override
-from moe_dist.config.parallel_checks import check_global_batch, check_layout
-from moe_dist.config.schema import (
-    AttentionConfig,
-    ConfigError,
-    DataConfig,
-    DeepSpeedConfig,
-    GDNConfig,
-    JobConfig,
-    Mamba2Config,
-    MambaConfig,
-    MixtureComponent,
-    ModelConfig,
-    MoEConfig,
-    ParallelConfig,
-    TrainConfig,
-)
+from importlib import import_module
 
-__all__ = [
-    "AttentionConfig",
-    "ConfigError",
-    "DataConfig",
-    "DeepSpeedConfig",
-    "GDNConfig",
-    "JobConfig",
-    "Mamba2Config",
-    "MambaConfig",
-    "MixtureComponent",
-    "ModelConfig",
-    "MoEConfig",
-    "ParallelConfig",
-    "TrainConfig",
-    "check_global_batch",
-    "check_layout",
-    "config_from_dict",
-    "config_to_dict",
-    "load_config",
-    "parse_override",
-    "validate",
-]
+from moe_dist.config.errors import ConfigError
+
+_FROM = {
+    "validate": "checks",
+    "config_from_dict": "loading",
+    "config_to_dict": "loading",
+    "load_config": "loading",
+    "parse_override": "loading",
+    "check_global_batch": "parallel_checks",
+    "check_layout": "parallel_checks",
+    **dict.fromkeys(
+        ("DataConfig", "DeepSpeedConfig", "JobConfig", "MixtureComponent", "ModelConfig", "ParallelConfig"), "schema"
+    ),
+    **dict.fromkeys(("PlanConfig", "TrainConfig"), "schema"),
+}
+
+
+def __getattr__(name: str):
+    if name in _FROM:
+        return getattr(import_module(f"moe_dist.config.{_FROM[name]}"), name)
+    for kind in import_module("moe_dist.config.schema").layer_kinds():  # a kind's section, by its class name
+        if kind.config is not None and kind.config.__name__ == name:
+            return kind.config
+    raise AttributeError(f"module 'moe_dist.config' has no attribute {name!r}")
+
+
+__all__ = ["ConfigError", *_FROM]

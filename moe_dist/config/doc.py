@@ -38,8 +38,13 @@ def field_comments(cls: type) -> dict[str, str]:
     """{field name: its trailing comment} for a dataclass, base classes first so a subclass's comment wins."""
     comments: dict[str, str] = {}
     for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):
-        # dedent: a class defined inside a function (as in the tests) has indented source; line numbers keep.
-        src = textwrap.dedent(inspect.getsource(klass))
+        # A field made in code (ModelConfig's layer-kind sections) carries its line in its metadata.
+        comments.update({f.name: f.metadata["doc"] for f in dataclasses.fields(klass) if "doc" in f.metadata})
+        try:
+            # dedent: a class defined inside a function (as in the tests) has indented source; line numbers keep.
+            src = textwrap.dedent(inspect.getsource(klass))
+        except OSError:  # made by dataclasses.make_dataclass: no class statement to read
+            continue
         by_line = {
             tok.start[0]: tok.string.lstrip("#").strip()
             for tok in tokenize.generate_tokens(io.StringIO(src).readline)
@@ -114,7 +119,8 @@ def render(root: type = JobConfig) -> str:
     header = [
         "# Configuration reference",
         "",
-        f"Generated from the field comments in `moe_dist/config/schema.py` by `{COMMAND}`; do not edit by hand",
+        f"Generated from the field comments in `moe_dist/config/schema.py` and the layer files' sections by `{COMMAND}`;",
+        "do not edit by hand",
         "(tests/test_config_doc.py fails when this page is stale).",
         'Keys go in the JSON config under their section (`{"model": {"moe": {"top_k": 1}}}`) or on the command',
         "line as dotted overrides (`--set model.moe.top_k=1`); unknown keys and wrong types are errors.",

@@ -8,132 +8,21 @@ this module imports neither.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
+from moe_dist.config.errors import ConfigError, require
+from moe_dist.layers.registry import KINDS
 
-class ConfigError(ValueError):
-    """A configuration problem; the message is one line naming the dotted key."""
-
-
-def require(cond: bool, message: str) -> None:
-    """A config rule: `message` (one line naming the key) as a ConfigError unless `cond` holds."""
-    if not cond:
-        raise ConfigError(message)
+__all__ = ["ConfigError", "require"]  # re-exported: rules elsewhere take them from here
 
 
 @dataclass
-class AttentionConfig:
-    n_heads: int = 8  # query heads
-    n_kv_heads: int = 8  # key/value heads (grouped-query attention when < n_heads)
-    head_dim: Optional[int] = None  # per-head size; null = d_model // n_heads
-    rope: bool = True  # rotary position embeddings (Jamba's attention has none: its Mamba layers carry position)
-    rope_theta: float = 10000.0  # RoPE base frequency
-    sliding_window: Optional[int] = None  # attend only to the last N positions (Mistral/Mixtral); null = all
-    impl: Literal["auto", "torch", "triton"] = (
-        "auto"  # attention: torch = SDPA, triton = ours, auto = SDPA but ours for documents/prefix-LM on CUDA
-    )
-    mask: Literal["causal", "prefix"] = "causal"  # prefix = prefix-LM: a document's prompt tokens see each other
-    qk_norm: Literal["none", "head", "full"] = "none"  # RMSNorm of q and k: per head (Qwen3), over all heads (OLMoE)
-    qkv_bias: bool = False  # biases in the q, k and v projections (Qwen2)
-    softmax_scale: Optional[float] = None  # multiplier of q·k before the softmax; null = 1/sqrt(head_dim) (Granite)
-    output_gate: bool = False  # wq also gives a sigmoid gate per output channel, per head [q | gate] (Qwen3-Next)
-    rope_fraction: float = 1.0  # RoPE rotates the first int(head_dim × this) dims of each head (Qwen3-Next: 0.25)
+class _ModelFields:
+    """The model section's own keys; `ModelConfig` adds each layer kind's section (below)."""
 
-
-@dataclass
-class MambaConfig:
-    d_state: int = 16  # SSM state size N per channel
-    d_conv: int = 4  # depthwise causal conv width
-    expand: int = 2  # d_inner = expand * d_model
-    dt_rank: Optional[int] = None  # rank of the Δ projection; null = ceil(d_model / 16)
-    conv_bias: bool = True  # bias in the depthwise conv1d
-    proj_bias: bool = False  # bias in in_proj / out_proj
-    inner_norms: bool = False  # Jamba's RMSNorms on Δ, B and C after x_proj
-    chunk_size: int = 16  # chunk length of the chunked PyTorch scan (the CPU path; 16 is fastest on CPU)
-    impl: Literal["auto", "torch", "triton"] = "auto"  # scan: auto = Triton kernel on CUDA, chunked PyTorch on CPU
-
-
-@dataclass
-class Mamba2Config:
-    d_state: int = 128  # SSM state size N per head (shared by the heads of a group)
-    d_conv: int = 4  # depthwise causal conv width (over x, B and C)
-    expand: int = 2  # d_inner = expand * d_model when n_heads is null
-    n_heads: Optional[int] = None  # SSM heads; null = expand * d_model // head_dim; set: d_inner = n_heads * head_dim
-    head_dim: int = 64  # channels per head (one scalar decay per head and step)
-    n_groups: int = 1  # B/C groups: the heads are split evenly over them (also the gated norm's groups)
-    chunk_size: int = 64  # chunk length of the chunked PyTorch SSD (a power of two)
-    dt_min: float = 0.001  # init: the step size softplus(dt_bias) is log-uniform in [dt_min, dt_max]
-    dt_max: float = 0.1  # init: upper end of that range
-    dt_init_floor: float = 1e-4  # init: lower bound on the sampled step size
-    dt_limit: Optional[list[float]] = (
-        None  # [low, high] clamp of softplus(dt + dt_bias), high may be Infinity; null = none
-    )
-    conv_bias: bool = True  # bias in the depthwise conv1d
-    proj_bias: bool = False  # bias in in_proj / out_proj
-    impl: Literal["auto", "torch", "triton"] = "auto"  # SSD scan: torch = chunked; triton = fla-core's (extra `fla`)
-
-    def d_inner(self, d_model: int) -> int:
-        """The SSM width, n_heads * head_dim (the kind's config rules make the default n_heads exact)."""
-        return self.heads(d_model) * self.head_dim
-
-    def heads(self, d_model: int) -> int:
-        """n_heads, or expand * d_model // head_dim when null."""
-        return self.n_heads if self.n_heads is not None else self.expand * d_model // self.head_dim
-
-
-@dataclass
-class GDNConfig:
-    n_k_heads: int = 2  # query/key heads (Qwen3-Next: linear_num_key_heads)
-    n_v_heads: int = 4  # value heads, a multiple of n_k_heads; each key head serves n_v_heads / n_k_heads of them
-    head_k_dim: int = 64  # per-head query/key size (the state is head_k_dim × head_v_dim per value head)
-    head_v_dim: int = 64  # per-head value size
-    conv_size: int = 4  # width of the causal depthwise conv over q, k and v
-    chunk_size: int = 64  # chunk length of the chunked PyTorch delta rule (a power of two); the result is the same
-    impl: Literal["auto", "torch", "triton"] = "auto"  # delta rule: torch = chunked; triton = fla-core's (extra `fla`)
-
-
-@dataclass
-class MoEConfig:
-    num_experts: int = 8  # routed experts per MoE layer
-    top_k: int = 2  # experts chosen per token
-    d_ff: Optional[int] = None  # expert hidden size; null = model.d_ff
-    capacity_factor: Optional[float] = 1.25  # per-expert capacity multiplier; null = dropless
-    min_capacity: int = 0  # lower bound on the per-expert capacity
-    drop_policy: Literal["position", "probability"] = "position"  # which over-capacity assignments are dropped
-    renormalize: bool = True  # renormalize the top-k weights to sum to 1 (Mixtral)
-    aux_loss_coef: float = 0.01  # coefficient of the Switch/GShard load-balancing loss
-    z_loss_coef: float = 0.001  # coefficient of the ST-MoE router z-loss
-    impl: Literal["auto", "torch", "triton"] = "auto"  # token permutation: auto = Triton kernel on CUDA, PyTorch on CPU
-    backend: Literal["native", "megablocks"] = "native"  # expert GEMMs: torch grouped_mm, or MegaBlocks (CUDA only)
-    score: Literal["softmax", "sigmoid"] = "softmax"  # router score: softmax over experts (Mixtral) or sigmoid each
-    route_scale: float = 1.0  # multiplier of the chosen experts' combine weights (DeepSeek-V3's routed scaling factor)
-    bias_update_rate: float = 0.0  # loss-free balancing: per-expert choice bias moved by this × sign each step; 0 = off
-    aux_loss_scope: Literal["micro_batch", "sequence", "global_batch"] = (
-        "micro_batch"  # load fractions f_i of the aux loss: per micro-batch, per sequence, or the whole step
-    )
-    global_batch_load: Literal["this_step", "previous_step"] = (
-        "this_step"  # aux_loss_scope global_batch's f_i: this step's, from a no-grad routing pre-pass (one extra
-        # forward per micro-batch), or the previous step's (no extra forward, one step stale)
-    )
-    n_groups: int = 1  # expert groups for group-limited routing (contiguous blocks of experts); 1 = off
-    topk_groups: int = 1  # groups a token may choose its experts from (best by the sum of their top-2 scores)
-    group_by: Literal["experts", "ep_rank", "node"] = "experts"  # what the groups must coincide with under EP
-    n_shared_experts: int = 0  # shared experts: a dense SwiGLU on every token beside the routed ones (0 = none)
-    shared_d_ff: Optional[int] = None  # hidden size of the shared SwiGLU; null = n_shared_experts × expert d_ff
-    shared_gate: bool = False  # scale the shared experts' output by sigmoid(x · w) per token (Qwen2-MoE)
-    dead_expert_window: int = 100  # telemetry: an expert is dead when no token reached it in this many steps
-
-    def shared_hidden(self, d_ff: int) -> int:
-        """Hidden size of the layer's shared SwiGLU (0 without shared experts); `d_ff` is model.d_ff."""
-        if self.n_shared_experts == 0:
-            return 0
-        return self.shared_d_ff or self.n_shared_experts * (self.d_ff or d_ff)
-
-
-@dataclass
-class ModelConfig:
     vocab_size: int = 256  # tokens (256 = raw bytes)
     d_model: int = 256  # residual width
     n_layers: int = 4  # decoder blocks
@@ -151,11 +40,6 @@ class ModelConfig:
     embedding_multiplier: float = 1.0  # the embeddings are scaled by this (Granite)
     residual_multiplier: float = 1.0  # each sublayer's output is scaled by this before the residual add (Granite)
     logits_scaling: float = 1.0  # the logits are divided by this (Granite)
-    attention: AttentionConfig = field(default_factory=AttentionConfig)  # attention mixer
-    mamba: MambaConfig = field(default_factory=MambaConfig)  # Mamba mixer
-    mamba2: Mamba2Config = field(default_factory=Mamba2Config)  # Mamba-2 (SSD) mixer ("mamba2" layers)
-    gdn: GDNConfig = field(default_factory=GDNConfig)  # Gated DeltaNet mixer ("gdn" layers)
-    moe: MoEConfig = field(default_factory=MoEConfig)  # MoE FFN
 
     def layer_list(self) -> list[str]:
         """Every layer's kinds, e.g. "attention+moe": `layers` as given, or mixer_pattern/ffn_pattern tiled over
@@ -175,11 +59,24 @@ class ModelConfig:
         return any(kind in pair for pair in self.layer_kinds())
 
 
-def layer_kinds(role: Optional[str] = None) -> list:
-    """The layer kinds (layers/registry.py), all or those of `role` ("mixer" | "ffn"). Imported when asked: the
-    kinds' layer files read their sections from this module, so it cannot import them at its own import."""
-    from moe_dist.layers.registry import KINDS
+def _with_kind_sections(fields: type) -> type:
+    """ModelConfig: the model's keys, then one section per layer kind that has settings (`model.<section>`, its
+    dataclass declared in the kind's layer file), in registry order."""
+    sections = [
+        (k.section, k.config, field(default_factory=k.config, metadata={"doc": k.doc}))
+        for k in KINDS.values()
+        if k.section is not None
+    ]
+    cls = dataclasses.make_dataclass("ModelConfig", sections, bases=(fields,))
+    cls.__module__, cls.__doc__ = __name__, "The model: its own keys and each layer kind's section."
+    return cls
 
+
+ModelConfig = _with_kind_sections(_ModelFields)
+
+
+def layer_kinds(role: Optional[str] = None) -> list:
+    """The layer kinds (layers/registry.py), all or those of `role` ("mixer" | "ffn")."""
     return [k for k in KINDS.values() if role is None or k.role == role]
 
 

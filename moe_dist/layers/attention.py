@@ -9,14 +9,13 @@ PyTorch SDPA (which never materializes repeated k/v for grouped-query heads) or 
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Literal, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe_dist.config import AttentionConfig
-from moe_dist.config.schema import require
+from moe_dist.config.errors import require
 from moe_dist.layers.kernel_choice import (
     Kernel,
     attention_choice,
@@ -29,6 +28,25 @@ from moe_dist.layers.kind import LayerKind, TensorSplit, divides
 from moe_dist.layers.norm import RMSNorm
 from moe_dist.layers.rope import apply_rope, document_positions, rope_cos_sin
 from moe_dist.parallel.context_parallel import SeqShard
+
+
+@dataclass
+class AttentionConfig:
+    n_heads: int = 8  # query heads
+    n_kv_heads: int = 8  # key/value heads (grouped-query attention when < n_heads)
+    head_dim: Optional[int] = None  # per-head size; null = d_model // n_heads
+    rope: bool = True  # rotary position embeddings (Jamba's attention has none: its Mamba layers carry position)
+    rope_theta: float = 10000.0  # RoPE base frequency
+    sliding_window: Optional[int] = None  # attend only to the last N positions (Mistral/Mixtral); null = all
+    impl: Literal["auto", "torch", "triton"] = (
+        "auto"  # attention: torch = SDPA, triton = ours, auto = SDPA but ours for documents/prefix-LM on CUDA
+    )
+    mask: Literal["causal", "prefix"] = "causal"  # prefix = prefix-LM: a document's prompt tokens see each other
+    qk_norm: Literal["none", "head", "full"] = "none"  # RMSNorm of q and k: per head (Qwen3), over all heads (OLMoE)
+    qkv_bias: bool = False  # biases in the q, k and v projections (Qwen2)
+    softmax_scale: Optional[float] = None  # multiplier of q·k before the softmax; null = 1/sqrt(head_dim) (Granite)
+    output_gate: bool = False  # wq also gives a sigmoid gate per output channel, per head [q | gate] (Qwen3-Next)
+    rope_fraction: float = 1.0  # RoPE rotates the first int(head_dim × this) dims of each head (Qwen3-Next: 0.25)
 
 
 def document_mask(
@@ -459,6 +477,7 @@ def _collectives(cfg, tp: int, cp: int, tokens: int, a: int):
 
 
 KIND = LayerKind(
+    config=AttentionConfig,
     name="attention",
     role="mixer",
     module=Attention,

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe_dist.config import ConfigError
+from moe_dist.config.errors import ConfigError
 from moe_dist.layers.mlp import gated_silu, relu2
 
 

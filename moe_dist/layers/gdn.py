@@ -10,20 +10,31 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Literal, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe_dist.config import GDNConfig
-from moe_dist.config.schema import require
+from moe_dist.config.errors import require
 from moe_dist.layers.delta_rule import chunk_gated_delta_rule
 from moe_dist.layers.kernel_choice import Kernel, resolve, why_no_fla
 from moe_dist.layers.kind import LayerKind, TensorSplit, divides, piece_collectives
 from moe_dist.layers.step_size import inverse_softplus_step_sizes
 from moe_dist.parallel import state_passing as sp
 from moe_dist.parallel.context_parallel import SeqShard
+
+
+@dataclass
+class GDNConfig:
+    n_k_heads: int = 2  # query/key heads (Qwen3-Next: linear_num_key_heads)
+    n_v_heads: int = 4  # value heads, a multiple of n_k_heads; each key head serves n_v_heads / n_k_heads of them
+    head_k_dim: int = 64  # per-head query/key size (the state is head_k_dim × head_v_dim per value head)
+    head_v_dim: int = 64  # per-head value size
+    conv_size: int = 4  # width of the causal depthwise conv over q, k and v
+    chunk_size: int = 64  # chunk length of the chunked PyTorch delta rule (a power of two); the result is the same
+    impl: Literal["auto", "torch", "triton"] = "auto"  # delta rule: torch = chunked; triton = fla-core's (extra `fla`)
+
 
 # The range of A = exp(A_log) at init (Qwen3-Next: U(0.01, 16), kept away from 0 so log A is finite); the step
 # size's is step_size.py's (fla's GatedDeltaNet, as Mamba's).
@@ -330,6 +341,7 @@ def _collectives(cfg, tp: int, cp: int, tokens: int, a: int):
 
 
 KIND = LayerKind(
+    config=GDNConfig,
     name="gdn",
     role="mixer",
     module=GatedDeltaNet,

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Protocol
 import torch
 from torch import nn
 
+from moe_dist.config.errors import require
+
 if TYPE_CHECKING:
     from moe_dist.config.schema import JobConfig, ModelConfig
 
@@ -64,6 +66,7 @@ class LayerKind:
     tensor parallelism and `cp` of context parallelism; `a` is the activation dtype's bytes."""
 
     name: str  # its name in the layer list ("attention", "mamba2", "moe")
+    config: Optional[type]  # the dataclass of its settings, `model.<section>` (None: it reads the model's keys)
     role: Literal["mixer", "ffn"]
     module: type[nn.Module]  # what `build` returns (the registry finds a module's kind by its class)
     build: Callable[[ModelConfig, Any], nn.Module]  # (model config, device kernels are chosen for) → module
@@ -95,8 +98,6 @@ class LayerKind:
 
 def divides(value: int, key: str, what: str, tp: int) -> None:
     """The tensor-parallel rule of a split dimension, as a one-line ConfigError naming the key."""
-    from moe_dist.config.schema import require  # config is below layers; imported where a rule runs
-
     require(value % tp == 0, f"{key}: {what} {value} is not divisible by parallel.tp={tp}")
 
 

@@ -9,14 +9,13 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Literal, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe_dist.config import MambaConfig
-from moe_dist.config.schema import require
+from moe_dist.config.errors import require
 from moe_dist.layers.kernel_choice import Kernel, resolve
 from moe_dist.layers.kind import LayerKind, TensorSplit, divides, piece_collectives
 from moe_dist.layers.norm import RMSNorm
@@ -24,6 +23,19 @@ from moe_dist.layers.scan import initial_state_outputs, selective_scan
 from moe_dist.layers.step_size import inverse_softplus_step_sizes
 from moe_dist.parallel import state_passing as sp
 from moe_dist.parallel.context_parallel import SeqShard
+
+
+@dataclass
+class MambaConfig:
+    d_state: int = 16  # SSM state size N per channel
+    d_conv: int = 4  # depthwise causal conv width
+    expand: int = 2  # d_inner = expand * d_model
+    dt_rank: Optional[int] = None  # rank of the Δ projection; null = ceil(d_model / 16)
+    conv_bias: bool = True  # bias in the depthwise conv1d
+    proj_bias: bool = False  # bias in in_proj / out_proj
+    inner_norms: bool = False  # Jamba's RMSNorms on Δ, B and C after x_proj
+    chunk_size: int = 16  # chunk length of the chunked PyTorch scan (the CPU path; 16 is fastest on CPU)
+    impl: Literal["auto", "torch", "triton"] = "auto"  # scan: auto = Triton kernel on CUDA, chunked PyTorch on CPU
 
 
 def scan_kernel(impl: str, device: torch.device | str = "cpu", chunk_size: int = 16) -> Kernel:
@@ -318,6 +330,7 @@ def _collectives(cfg, tp: int, cp: int, tokens: int, a: int):
 
 
 KIND = LayerKind(
+    config=MambaConfig,
     name="mamba1",
     role="mixer",
     module=Mamba,

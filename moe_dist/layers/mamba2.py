@@ -12,20 +12,47 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Literal, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe_dist.config import Mamba2Config
-from moe_dist.config.schema import require
+from moe_dist.config.errors import require
 from moe_dist.layers.kernel_choice import Kernel, resolve, why_no_fla
 from moe_dist.layers.kind import LayerKind, TensorSplit, piece_collectives
 from moe_dist.layers.ssd import ssd_scan
 from moe_dist.layers.step_size import inverse_softplus_step_sizes
 from moe_dist.parallel import state_passing as sp
 from moe_dist.parallel.context_parallel import SeqShard
+
+
+@dataclass
+class Mamba2Config:
+    d_state: int = 128  # SSM state size N per head (shared by the heads of a group)
+    d_conv: int = 4  # depthwise causal conv width (over x, B and C)
+    expand: int = 2  # d_inner = expand * d_model when n_heads is null
+    n_heads: Optional[int] = None  # SSM heads; null = expand * d_model // head_dim; set: d_inner = n_heads * head_dim
+    head_dim: int = 64  # channels per head (one scalar decay per head and step)
+    n_groups: int = 1  # B/C groups: the heads are split evenly over them (also the gated norm's groups)
+    chunk_size: int = 64  # chunk length of the chunked PyTorch SSD (a power of two)
+    dt_min: float = 0.001  # init: the step size softplus(dt_bias) is log-uniform in [dt_min, dt_max]
+    dt_max: float = 0.1  # init: upper end of that range
+    dt_init_floor: float = 1e-4  # init: lower bound on the sampled step size
+    dt_limit: Optional[list[float]] = (
+        None  # [low, high] clamp of softplus(dt + dt_bias), high may be Infinity; null = none
+    )
+    conv_bias: bool = True  # bias in the depthwise conv1d
+    proj_bias: bool = False  # bias in in_proj / out_proj
+    impl: Literal["auto", "torch", "triton"] = "auto"  # SSD scan: torch = chunked; triton = fla-core's (extra `fla`)
+
+    def d_inner(self, d_model: int) -> int:
+        """The SSM width, n_heads * head_dim (the kind's config rules make the default n_heads exact)."""
+        return self.heads(d_model) * self.head_dim
+
+    def heads(self, d_model: int) -> int:
+        """n_heads, or expand * d_model // head_dim when null."""
+        return self.n_heads if self.n_heads is not None else self.expand * d_model // self.head_dim
 
 
 def scan_kernel(impl: str, device: torch.device | str = "cpu", chunk_size: int = 64, d_state: int = 128) -> Kernel:
@@ -400,6 +427,7 @@ def _collectives(cfg, tp: int, cp: int, tokens: int, a: int):
 
 
 KIND = LayerKind(
+    config=Mamba2Config,
     name="mamba2",
     role="mixer",
     module=Mamba2,

@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from moe_dist.config import ConfigError
+from moe_dist.config.errors import ConfigError
 from moe_dist.layers.mlp import gated_silu
 
 

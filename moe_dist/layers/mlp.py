@@ -131,6 +131,7 @@ def hidden_kept(activation: str) -> int:
 
 
 KIND = LayerKind(
+    config=None,
     name="mlp",
     role="ffn",
     module=SwiGLU,

@@ -17,19 +17,56 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable, Optional, Protocol
+from typing import Callable, Literal, Optional, Protocol
 
 import torch
 from torch import nn
 
-from moe_dist.config import MoEConfig
-from moe_dist.config.schema import require
+from moe_dist.config.errors import require
 from moe_dist.layers.experts import Experts
 from moe_dist.layers.kind import LayerKind, TensorSplit, divides
 from moe_dist.layers.mlp import SharedExperts, split_ffn_tp
 from moe_dist.layers.permutation import Permutation
 from moe_dist.layers.router import Router, Routing, RoutingStats, check_routing
 from moe_dist.parallel.context_parallel import SeqShard
+
+
+@dataclass
+class MoEConfig:
+    num_experts: int = 8  # routed experts per MoE layer
+    top_k: int = 2  # experts chosen per token
+    d_ff: Optional[int] = None  # expert hidden size; null = model.d_ff
+    capacity_factor: Optional[float] = 1.25  # per-expert capacity multiplier; null = dropless
+    min_capacity: int = 0  # lower bound on the per-expert capacity
+    drop_policy: Literal["position", "probability"] = "position"  # which over-capacity assignments are dropped
+    renormalize: bool = True  # renormalize the top-k weights to sum to 1 (Mixtral)
+    aux_loss_coef: float = 0.01  # coefficient of the Switch/GShard load-balancing loss
+    z_loss_coef: float = 0.001  # coefficient of the ST-MoE router z-loss
+    impl: Literal["auto", "torch", "triton"] = "auto"  # token permutation: auto = Triton kernel on CUDA, PyTorch on CPU
+    backend: Literal["native", "megablocks"] = "native"  # expert GEMMs: torch grouped_mm, or MegaBlocks (CUDA only)
+    score: Literal["softmax", "sigmoid"] = "softmax"  # router score: softmax over experts (Mixtral) or sigmoid each
+    route_scale: float = 1.0  # multiplier of the chosen experts' combine weights (DeepSeek-V3's routed scaling factor)
+    bias_update_rate: float = 0.0  # loss-free balancing: per-expert choice bias moved by this × sign each step; 0 = off
+    aux_loss_scope: Literal["micro_batch", "sequence", "global_batch"] = (
+        "micro_batch"  # load fractions f_i of the aux loss: per micro-batch, per sequence, or the whole step
+    )
+    global_batch_load: Literal["this_step", "previous_step"] = (
+        "this_step"  # aux_loss_scope global_batch's f_i: this step's, from a no-grad routing pre-pass (one extra
+        # forward per micro-batch), or the previous step's (no extra forward, one step stale)
+    )
+    n_groups: int = 1  # expert groups for group-limited routing (contiguous blocks of experts); 1 = off
+    topk_groups: int = 1  # groups a token may choose its experts from (best by the sum of their top-2 scores)
+    group_by: Literal["experts", "ep_rank", "node"] = "experts"  # what the groups must coincide with under EP
+    n_shared_experts: int = 0  # shared experts: a dense SwiGLU on every token beside the routed ones (0 = none)
+    shared_d_ff: Optional[int] = None  # hidden size of the shared SwiGLU; null = n_shared_experts × expert d_ff
+    shared_gate: bool = False  # scale the shared experts' output by sigmoid(x · w) per token (Qwen2-MoE)
+    dead_expert_window: int = 100  # telemetry: an expert is dead when no token reached it in this many steps
+
+    def shared_hidden(self, d_ff: int) -> int:
+        """Hidden size of the layer's shared SwiGLU (0 without shared experts); `d_ff` is model.d_ff."""
+        if self.n_shared_experts == 0:
+            return 0
+        return self.shared_d_ff or self.n_shared_experts * (self.d_ff or d_ff)
 
 
 @dataclass
@@ -184,6 +221,7 @@ def _check_tp(cfg) -> None:
 
 
 KIND = LayerKind(
+    config=MoEConfig,
     name="moe",
     role="ffn",
     module=MoE,

@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe_dist.config import MoEConfig
-from moe_dist.config.schema import require
+from moe_dist.config.errors import require
 from moe_dist.parallel.context_parallel import SeqShard, piece_chunks
+
+if TYPE_CHECKING:
+    from moe_dist.layers.moe import MoEConfig
 
 
 def expert_capacity(cfg: MoEConfig, tokens: int) -> Optional[int]:
