@@ -443,6 +443,18 @@ def _check(cfg, placed: bool) -> None:
     )
 
 
+def _slow_paths(cfg, attn: Attention, device: torch.device) -> list[str]:
+    """The run's mask kind on CUDA without a fast kernel: what the layer chose for it when it was built (under
+    context parallelism the query-offset kernels, `cp_kernels`, run instead), not chosen again here."""
+    if device.type != "cuda":
+        return []
+    a, documents = cfg.model.attention, cfg.data.document_masking
+    window = a.sliding_window is not None and cfg.train.seq_len > a.sliding_window
+    kind = attention_mask_kind(documents, documents and a.mask == "prefix", window)
+    slow = (attn.cp_kernels if cfg.parallel.cp > 1 else attn.kernels)[kind].slow
+    return [slow] if slow else []
+
+
 def _check_tp(cfg) -> None:
     a, tp = cfg.model.attention, cfg.parallel.tp
     require(
@@ -491,6 +503,8 @@ KIND = LayerKind(
     check=_check,
     check_tp=_check_tp,
     tp_rule=_split_tp,
+    compilable=True,
+    slow_paths=_slow_paths,
     new_state=lambda attn, batch, max_len, device, dtype: attn.new_cache(batch, max_len, device, dtype),
     flops_per_token=lambda m, S: 2.0 * S * m.attention.n_heads * _head_dim(m),  # QKᵀ and AV, causal: half of 4·S·H·Dh
     activation_bytes=_activation_bytes,

@@ -80,6 +80,10 @@ class LayerKind:
     check: Optional[Callable[[JobConfig, bool], None]] = None
     check_tp: Optional[Callable[[JobConfig], None]] = None
     tp_rule: Optional[Callable[[nn.Module, TensorSplit], None]] = None  # None: no tensor parallelism
+    compilable: bool = False  # static shapes: train.compile may torch.compile it (not data-dependent rows or scans)
+    # The slow paths the module built for `device` takes in the run `job` (start-up warns of each): (job, module,
+    # device) → reasons.
+    slow_paths: Callable[[JobConfig, nn.Module, torch.device], list[str]] = lambda cfg, module, device: []
     # Inference state for incremental decoding: (module, batch, max_len, device, dtype) → state (None: stateless).
     new_state: Optional[Callable[[nn.Module, int, int, torch.device, torch.dtype], Any]] = None
     # Forward FLOPs per token beyond the weights' matmuls (attention scores, scans), sequence length S.

@@ -141,5 +141,6 @@ KIND = LayerKind(
     doc="dense FFN (SwiGLU, or relu² with model.ffn_activation)",
     check_tp=lambda cfg: divides(cfg.model.d_ff, "model.d_ff", "the dense FFN hidden size", cfg.parallel.tp),
     tp_rule=_split_tp,
+    compilable=True,
     activation_bytes=_activation_bytes,
 )

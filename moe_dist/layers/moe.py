@@ -212,6 +212,14 @@ def _check(cfg, placed: bool) -> None:
     check_routing(moe)
 
 
+def _slow_paths(cfg, moe: MoE, device: torch.device) -> list[str]:
+    """Experts whose GEMMs torch's grouped GEMM cannot take on CUDA (`grouped_mm_unfit`)."""
+    if device.type != "cuda":
+        return []
+    why = moe.experts.slow_path(device.type, torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32)
+    return [f"grouped GEMM: {why}; the experts run one matmul per expert"] if why else []
+
+
 def _check_tp(cfg) -> None:
     m, tp, moe = cfg.model, cfg.parallel.tp, cfg.model.moe
     if cfg.parallel.expert_tp > 1:  # parallel.etp=1 keeps the experts whole
@@ -233,4 +241,5 @@ KIND = LayerKind(
     check=_check,
     check_tp=_check_tp,
     tp_rule=_split_tp,
+    slow_paths=_slow_paths,
 )

@@ -1,7 +1,8 @@
 """What start-up prints (rank 0, once, before the first step): one line of versions, one line of the kernels the
 model chose for its device (`Decoder.implementations`), and a warning line for each slow path this run will take
-on CUDA: attention with a mask no fast kernel takes (the layers' own `attention_kernels`), experts whose GEMMs
-torch's grouped GEMM cannot take (`grouped_mm_unfit`). Tested in tests/train/test_startup_report.py."""
+on CUDA: each layer kind's own (`LayerKind.slow_paths`: attention with a mask no fast kernel takes, experts whose
+GEMMs torch's grouped GEMM cannot take), and every kernel "auto" could not take. Tested in
+tests/train/test_startup_report.py."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ import torch
 from torch import nn
 
 from moe_dist.config import JobConfig
-from moe_dist.layers.attention import Attention
-from moe_dist.layers.experts import Experts
-from moe_dist.layers.kernel_choice import Kernel, attention_mask_kind
+from moe_dist.layers.kernel_choice import Kernel
+from moe_dist.layers.registry import kind_of
+from moe_dist.models.decoder import held_blocks
 
 
 def _version(package: str) -> str:
@@ -45,19 +46,11 @@ def slow_paths(cfg: JobConfig, model: nn.Module, device: torch.device) -> list[s
     """One warning line per slow path the run `cfg` takes with `model` (built for `device`); none off CUDA."""
     if device.type != "cuda":
         return []
-    lines = []
-    a, t = cfg.model.attention, cfg.train
-    documents = cfg.data.document_masking
-    window = a.sliding_window is not None and t.seq_len > a.sliding_window
-    kind = attention_mask_kind(documents, documents and a.mask == "prefix", window)
-    # what each layer chose for this run's mask kind when it was built (attention_kernels), not chosen again here
-    # (under context parallelism the query-offset kernels, `cp_kernels`, run instead)
-    chosen = "cp_kernels" if cfg.parallel.cp > 1 else "kernels"
-    attention = dict.fromkeys(getattr(m, chosen)[kind].slow for m in model.modules() if isinstance(m, Attention))
-    lines += [f"warning: slow path: {w}" for w in attention if w]
-    dtype = torch.bfloat16 if t.dtype == "bf16" else torch.float32
-    why = dict.fromkeys(m.slow_path(device.type, dtype) for m in model.modules() if isinstance(m, Experts))
-    lines += [f"warning: slow path: grouped GEMM: {w}; the experts run one matmul per expert" for w in why if w]
+    blocks = held_blocks(model)
+    reasons = [
+        r for b in blocks for s in (b.mixer, b.ffn) if s is not None for r in kind_of(s).slow_paths(cfg, s, device)
+    ]
+    lines = [f"warning: slow path: {w}" for w in dict.fromkeys(reasons)]
     # Kernels "auto" could not take (Kernel.slow: e.g. fla-core not installed for the Mamba-2 / GDN layers).
     kernels = dict.fromkeys(k.slow for m in model.modules() for k in vars(m).values() if isinstance(k, Kernel))
     lines += [f"warning: slow path: {w}" for w in kernels if w]

@@ -94,7 +94,7 @@ def test_a_registered_kind_builds_trains_decodes_and_is_recomputed(gate_kind):
     assert isinstance(gate, Gate) and registry.kind_of(gate) is GATE
     tokens = torch.randint(0, cfg.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
     ref = model(tokens).logits
-    apply_activation_checkpointing(model, _cfg('train.activation_checkpointing=full').train)
+    apply_activation_checkpointing(model, _cfg("train.activation_checkpointing=full").train)
     gate.calls = 0
     model(tokens).logits.float().sum().backward()
     assert gate.calls == 2  # its forward, then its recompute in the backward
