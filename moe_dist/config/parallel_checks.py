@@ -144,10 +144,6 @@ def _check_tensor_parallel(cfg: JobConfig) -> None:
         require(value % tp == 0, f"{key}: {what} {value} is not divisible by parallel.tp={tp}")
 
     divides(m.vocab_size, "model.vocab_size", "the vocabulary (split across tensor-parallel ranks)")
-    require(
-        m.ffn_activation == "swiglu",
-        f"model.ffn_activation: {m.ffn_activation!r} FFNs do not support tensor parallelism yet (parallel.tp > 1)",
-    )
     if m.has_kind("mamba2"):
         _check_mamba2_tp(m.d_model, m.mamba2, tp)
     if m.has_kind("gdn"):  # each key head keeps its value heads (a multiple of n_k_heads, so they split too)

@@ -28,7 +28,7 @@ from moe_dist.layers.gdn import GatedDeltaNet
 from moe_dist.layers.kernel_choice import Kernel
 from moe_dist.layers.mamba import Mamba
 from moe_dist.layers.mamba2 import GatedRMSNorm, Mamba2
-from moe_dist.layers.mlp import SwiGLU
+from moe_dist.layers.mlp import SharedExperts, SwiGLU
 from moe_dist.layers.moe import MoE
 from moe_dist.models.decoder import held_blocks
 from moe_dist.parallel import private_api
@@ -254,28 +254,36 @@ def _gdn(g: GatedDeltaNet, mesh: Mesh, b: _Boundaries) -> None:
     _region(g, b)
 
 
-def _swiglu(ffn: SwiGLU, mesh: Mesh, b: _Boundaries) -> None:
-    _shard_param(ffn.w1, "weight", 0, mesh)
-    _shard_param(ffn.w3, "weight", 0, mesh)
+def _shard_ffn(ffn: SwiGLU | SharedExperts, mesh: Mesh) -> None:
+    """A dense FFN's hidden units split over TP: the up projections w1 (and w3, SwiGLU's second one) by rows, the
+    down projection w2 by columns. The activation (silu(w1 x) · w3 x, or relu²'s relu(w1 x)² without w3) is
+    elementwise per hidden unit, so each rank's units are exact and w2's partial sums add up over TP."""
+    for lin in (ffn.w1, ffn.w3):
+        if lin is not None:
+            _shard_param(lin, "weight", 0, mesh)
     _shard_param(ffn.w2, "weight", 1, mesh)
+
+
+def _swiglu(ffn: SwiGLU, mesh: Mesh, b: _Boundaries) -> None:
+    _shard_ffn(ffn, mesh)
     _region(ffn, b)
 
 
 def _moe(moe: MoE, mesh: Mesh, b: _Boundaries) -> None:
     experts = moe.experts
-    if mesh.experts_split:
-        _shard_param(experts, "w13", 2, mesh, parts=2)  # (E, D, 2F) = [w1 | w3]: each half's F split
-        _shard_param(experts, "w2", 1, mesh)  # (E, F, D)
+    up, down = experts.weight_names
+    if mesh.experts_split:  # each expert's F hidden units split, as the dense FFN's
+        # SwiGLU's w13 (E, D, 2F) = [w1 | w3]: each half's F split alone; relu²'s w1 (E, D, F): its F split
+        _shard_param(experts, up, 2, mesh, parts=2 if experts.gated else 1)
+        _shard_param(experts, down, 1, mesh)  # (E, F, D)
     else:  # whole experts, another EP rank's on each TP peer (or another ZeRO partition): each counted in the norm
-        private_api.mark_model_parallel(experts.w13)
-        private_api.mark_model_parallel(experts.w2)
+        private_api.mark_model_parallel(getattr(experts, up))
+        private_api.mark_model_parallel(getattr(experts, down))
     _region(moe, b)  # the dispatcher's token split is set where it is built (expert_parallel.build_dispatcher)
     group, scale = mesh.tp_group, 1.0 / mesh.tp
     moe.router.register_forward_pre_hook(lambda m, args: (_ScaleGrad.apply(args[0], scale), *args[1:]))
     if moe.shared is not None:  # sharded like the dense FFN, inside the MoE region (one all-reduce for both)
-        _shard_param(moe.shared.w1, "weight", 0, mesh)
-        _shard_param(moe.shared.w3, "weight", 0, mesh)
-        _shard_param(moe.shared.w2, "weight", 1, mesh)
+        _shard_ffn(moe.shared, mesh)
         if moe.shared.gate is not None:  # replicated, as the router: full gradient in, input gradient / tp
             moe.shared.gate.register_forward_pre_hook(lambda m, args: (_ScaleGrad.apply(args[0], scale),))
             moe.shared.gate.register_forward_hook(lambda m, args, out: copy_to_region(out, group))
