@@ -254,7 +254,8 @@ def nemotron_runs(tmp_path_factory, run_train):
         out[layout] = root / layout
         shutil.copytree(root / "imported", out[layout])
         args = ["--config", str(out[layout] / "config.json"), "--run-dir", str(out[layout]), "--resume"]
-        run_train("python" if world == 1 else "torchrun", world, [*args, *(["--set", *extra] if extra else [])])
+        proc = run_train("python" if world == 1 else "torchrun", world, [*args, *(["--set", *extra] if extra else [])])
+        assert f"resuming from {out[layout] / 'checkpoints' / 'step_0'} (step 0)" in proc.stderr  # the import's weights
     return out
 
 
