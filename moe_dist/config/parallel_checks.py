@@ -137,10 +137,6 @@ def _check_tensor_parallel(cfg: JobConfig) -> None:
         require(value % tp == 0, f"{key}: {what} {value} is not divisible by parallel.tp={tp}")
 
     divides(m.vocab_size, "model.vocab_size", "the vocabulary (split across tensor-parallel ranks)")
-    require(
-        m.ffn_activation == "swiglu",
-        f"model.ffn_activation: {m.ffn_activation!r} FFNs do not support tensor parallelism yet (parallel.tp > 1)",
-    )
     for kind in layer_kinds():  # each kind placed in the model splits its own dimensions (its tp_rule)
         if not m.has_kind(kind.name):
             continue

@@ -41,7 +41,7 @@ def expert_gemm_s(cfg: JobConfig, layout: Layout, hw: Hardware, ranks_per_device
     share of the k·T rows × the active expert weights, 1/tp of them either way: all TP peers' rows through 1/tp of
     each expert's hidden units (etp = tp), or its own 1/tp token slice's rows through whole experts (etp = 1)."""
     moe = cfg.model.moe
-    weights_per_row = cost.expert_params / max(cost.n_moe_layers, 1) / moe.num_experts  # one expert's 3·d·f
+    weights_per_row = cost.expert_params / max(cost.n_moe_layers, 1) / moe.num_experts  # one expert: 3·d·f, relu² 2·d·f
     flops = 2.0 * tokens_per_micro_batch(cfg, layout) * moe.top_k * weights_per_row / layout.tp
     return flops * ranks_per_device / hw.flops_per_s
 

@@ -179,11 +179,25 @@ def test_relu2_moe_matches_a_per_token_loop():
     torch.testing.assert_close(dense(x), dense.w2(F.relu(dense.w1(x)) ** 2), rtol=0, atol=0)
 
 
-def test_relu2_refuses_megablocks_and_tensor_parallelism_by_name():
+def test_relu2_refuses_megablocks_and_splits_over_tensor_parallelism():
+    """MegaBlocks runs SwiGLU experts only: refused by name. Tensor parallelism splits squared-ReLU FFNs as SwiGLU's
+    (sharded == unsharded: tests/parallel/test_tp_layers.py), so a relu2 layout is accepted where every hidden size
+    divides by parallel.tp, and refused by the key of the one that does not."""
     from moe_dist.config import ConfigError, config_from_dict
     from moe_dist.config.parallel_checks import check_layout
 
     with pytest.raises(ConfigError, match="model.moe.backend"):
         MoE(16, 8, MoEConfig(backend="megablocks"), init_std=0.02, n_layers=2, activation="relu2")
-    with pytest.raises(ConfigError, match="model.ffn_activation"):
-        check_layout(config_from_dict({"model": {"ffn_activation": "relu2"}, "parallel": {"tp": 2}}), 2)
+
+    def layout(tp: int, **model) -> None:
+        model = {"ffn_activation": "relu2", "ffn_pattern": "DE", "n_layers": 2, **model}
+        check_layout(config_from_dict({"model": model, "parallel": {"tp": tp}}), tp)
+
+    layout(2, moe={"n_shared_experts": 1, "shared_d_ff": 30})
+    for key, model in (
+        ("model.d_ff", {"d_ff": 30, "moe": {"d_ff": 32}}),  # the dense FFN's
+        ("model.moe.d_ff", {"moe": {"d_ff": 30}}),
+        ("model.moe.shared_d_ff", {"moe": {"n_shared_experts": 1, "shared_d_ff": 30}}),
+    ):
+        with pytest.raises(ConfigError, match=key):
+            layout(4, **model)

@@ -3,8 +3,9 @@ equal one process with gradient accumulation step by step (losses, clipped-gradi
 parameters and Adam moments), and checkpoints reshard tp=2 → tp=1 → tp=2 and across combined layouts on the
 same trajectory; the same for expert parallelism folded across TP (parallel.etp = 1), and checkpoints reshard
 between etp = 1 and etp = tp; a Mamba-2 / Gated DeltaNet hybrid at tp = 2 and (2, 2, 2) with sequence parallelism,
-its checkpoint resharded to one process. (dp, ep, tp) = (4, 4, 1) from scratch is test_ep_e2e.py's; the single-process
-reference is the session's, shared with it."""
+its checkpoint resharded to one process; an imported Nemotron-H (squared-ReLU dense FFNs, experts and shared expert)
+at tp = 2 and (2, 2, 2). (dp, ep, tp) = (4, 4, 1) from scratch is test_ep_e2e.py's; the single-process reference is
+the session's, shared with it."""
 
 from __future__ import annotations
 
@@ -13,7 +14,10 @@ import shutil
 
 import pytest
 import torch
-from support import E2E_MODES, E2E_SAVE, e2e_args, train_records
+from support import E2E_BASE, E2E_CONFIG, E2E_MODES, E2E_SAVE, E2E_STEPS, e2e_args, train_records
+
+from moe_dist.config import load_config
+from moe_dist.hf import import_hf_to_run
 
 LAYOUTS = {  # dp-ep-tp: world size, overrides
     "dp1-ep1-tp2": (2, ["parallel.tp=2"]),
@@ -224,3 +228,68 @@ def test_checkpoint_reshards_between_etp1_and_etp_tp(
         [r for r in train_records(metrics(folded)) if r["step"] > E2E_SAVE + 1], metrics(ref), first_step=E2E_SAVE + 2
     )
     same_final_state(folded, ref, ATOL_OF_SCALE)
+
+
+# Nemotron-H as `convert.py import` brings it in: transformers' own model (test_hf_hybrids.NEMOTRON: Mamba-2, attention,
+# a relu² MLP and two dropless MoE layers of 8 relu² experts, top-3 of sigmoid scores in 2 groups with the correction
+# bias, a relu² shared expert), trained from its step-0 checkpoint with E2E_BASE's steps, in one process and under TP.
+# Each run loads the unsharded import into its shards (w1/w2 sliced by `tp_dim`) and saves them gathered whole,
+# compared with the one-process run's tensors: the relu² shapes reshard both ways.
+NEMOTRON_LAYOUTS = {  # dp-ep-tp: world size, overrides
+    "dp1-ep1-tp1": (1, []),
+    "dp1-ep1-tp2": (2, ["parallel.tp=2"]),
+    "dp2-ep2-tp2": (4, ["parallel.tp=2", "parallel.ep=2"]),
+}
+
+
+@pytest.fixture(scope="module")
+def nemotron_runs(tmp_path_factory, run_train):
+    from test_hf_hybrids import family_dir  # imports transformers: only where this fixture runs
+
+    root = tmp_path_factory.mktemp("nemotron_h")
+    family_dir("nemotron_h", root / "hf")
+    import_hf_to_run(root / "hf", root / "imported", load_config(E2E_CONFIG, E2E_BASE))
+    out = {}
+    for layout, (world, extra) in NEMOTRON_LAYOUTS.items():
+        out[layout] = root / layout
+        shutil.copytree(root / "imported", out[layout])
+        args = ["--config", str(out[layout] / "config.json"), "--run-dir", str(out[layout]), "--resume"]
+        proc = run_train("python" if world == 1 else "torchrun", world, [*args, *(["--set", *extra] if extra else [])])
+        assert f"resuming from {out[layout] / 'checkpoints' / 'step_0'} (step 0)" in proc.stderr  # the import's weights
+    return out
+
+
+@pytest.mark.parametrize("layout", [k for k in NEMOTRON_LAYOUTS if k != "dp1-ep1-tp1"])
+def test_imported_nemotron_h_under_tp_equals_one_process(
+    nemotron_runs, metrics, same_trajectory, same_final_state, checkpoint_tensors, layout
+):
+    """Losses, clipped-gradient norms, expert load and correction biases of every step, and the final parameters and
+    Adam moments (each relu² w1/w2 whole, once), equal the one-process run with gradient accumulation."""
+    ref = nemotron_runs["dp1-ep1-tp1"]
+    cfg = json.loads((ref / "config.json").read_text())
+    assert cfg["model"]["ffn_activation"] == "relu2" and cfg["model"]["layers"].count("moe") == 2
+    same_trajectory(metrics(nemotron_runs[layout]), metrics(ref))
+    got = same_final_state(nemotron_runs[layout], ref, ATOL_OF_SCALE)
+    # the relu² up projections whole: the experts' by global index, the shared expert's and the MLP's
+    relu2 = {f"blocks.1.ffn.experts.w1.{e}" for e in range(8)} | {"blocks.1.ffn.shared.w1.weight"}
+    relu2.add("blocks.3.ffn.w1.weight")
+    assert relu2 <= got.keys()
+    _print_agreement(layout, metrics(nemotron_runs[layout]), metrics(ref), got, checkpoint_tensors(ref / FINAL))
+
+
+FINAL = f"checkpoints/step_{E2E_STEPS}"
+
+
+def _print_agreement(layout: str, got: list[dict], ref: list[dict], final: dict, ref_final: dict) -> None:
+    """The measured agreement (shown with -s): largest relative differences of the steps' losses and gradient norms,
+    and of the final parameters (Adam moments left out) the largest |difference|, absolute and of the tensor's scale."""
+    pairs = list(zip(train_records(got), train_records(ref), strict=True))
+    rel = {k: max(abs(g[k] - r[k]) / abs(r[k]) for g, r in pairs) for k in ("loss", "grad_norm")}
+    params = [k for k in ref_final if not k.startswith("exp_avg")]  # exp_avg.* and exp_avg_sq.*: the moments
+    diff = {k: (final[k] - ref_final[k]).abs().max().item() for k in params}
+    of_scale = {k: diff[k] / max(ref_final[k].abs().max().item(), 1e-30) for k in params}
+    worst = max(params, key=of_scale.get)
+    print(
+        f"nemotron_h {layout}: max rel diff loss {rel['loss']:.2e} grad_norm {rel['grad_norm']:.2e}; max |param diff| "
+        f"{max(diff.values()):.2e}, of its tensor's scale at most {of_scale[worst]:.2e} ({worst})"
+    )

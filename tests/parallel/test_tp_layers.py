@@ -13,8 +13,9 @@ from moe_dist.parallel.tensor_parallel import shard, shard_ranges, unshard
 WORKER = Path(__file__).with_name("tp_worker.py")
 LAYERS = ["attention", "mamba", "swiglu", "moe", "model"]
 # Jamba's inner norms with an untied head; plain Mamba with a tied head; the first with sequence parallelism; the
-# MoE recipes (sigmoid scores, bias, groups, sequence aux loss, gated shared experts)
-VARIANTS = ["norms_untied", "plain_tied", "sp_norms_untied", "moe_recipes"]
+# MoE recipes (sigmoid scores, bias, groups, sequence aux loss, gated shared experts); squared-ReLU FFNs (dense,
+# experts split over TP, shared expert), and with whole experts (etp = 1) and sequence parallelism
+VARIANTS = ["norms_untied", "plain_tied", "sp_norms_untied", "moe_recipes", "relu2", "sp_relu2_whole"]
 # Mamba-2 and Gated DeltaNet layers: one B/C group (fewer than the ranks) with an untied head; four groups with
 # sequence parallelism
 SSM_LAYERS = ["mamba2", "gateddeltanet", "swiglu", "moe", "model"]

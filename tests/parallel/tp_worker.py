@@ -3,12 +3,14 @@
 Both ranks build the same single-device model, keep an unsharded copy as the reference, shard the other with
 the real `apply_tp` (tp = 2), and run every layer (attention with grouped-query heads, Mamba with and without
 Jamba's inner norms, Mamba-2 with fewer and more B/C groups than ranks, Gated DeltaNet, dense SwiGLU, MoE with
-capacity drops, vocabulary-parallel embedding and loss, tied and untied heads) forward and backward on the same
+capacity drops, squared-ReLU dense FFNs, experts (split, or whole behind the all-to-all) and shared experts,
+vocabulary-parallel embedding and loss, tied and untied heads) forward and backward on the same
 inputs through both. Each rank writes, per compared tensor, the largest absolute difference and the reference's
 largest magnitude; the test asserts on them.
 """
 
 import copy
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -16,9 +18,11 @@ from pathlib import Path
 import torch
 
 from moe_dist.config import load_config
+from moe_dist.layers.experts import Experts
 from moe_dist.layers.moe import MoE
 from moe_dist.models.activation_checkpointing import apply_activation_checkpointing
 from moe_dist.models.decoder import build_model, lm_loss, materialize_whole
+from moe_dist.parallel.expert_parallel import apply_ep
 from moe_dist.parallel.mesh import init_distributed
 from moe_dist.parallel.tensor_parallel import apply_tp, shard, vocab_parallel_lm_loss
 
@@ -59,6 +63,17 @@ VARIANTS = {
         "model.attention.rope_fraction=0.5",  # partial RoPE
         "model.norm_zero_centered=true",  # and zero-centred norms
     ],
+    # Nemotron-H's squared-ReLU FFNs (no gate: w1 up, w2 down) in the dense FFN, the experts (split over TP) and the
+    # shared expert
+    "relu2": ["model.ffn_activation=relu2", "model.moe.n_shared_experts=1"],
+    # the same with whole experts (etp = 1) behind an all-to-all over the TP ranks (`_folded`), sequence parallel
+    "sp_relu2_whole": [
+        "model.ffn_activation=relu2",
+        "model.moe.n_shared_experts=1",
+        "parallel.ep=2",
+        "parallel.etp=1",
+        "parallel.sequence_parallel=true",
+    ],
 }
 # Mamba-2 and Gated DeltaNet (the patterns reset to their defaults for a layer list). One B/C group, fewer than the TP
 # ranks (Granite's default): split along its state and all-gathered, its norm statistics summed over the ranks; four
@@ -97,17 +112,54 @@ VARIANTS.update(
 )
 
 
+def _folded(mesh):
+    """The 2-rank TP mesh as (dp, ep, tp, etp) = (1, 2, 2, 1): expert parallelism folded across TP, its EP group the
+    TP group (both ranks hold the same tokens, each dispatches its slice of them to whole experts)."""
+    return dataclasses.replace(
+        mesh, ep=2, ep_rank=mesh.tp_rank, ep_group=mesh.tp_group, ep_group_name="ep_size_2", etp=1
+    )
+
+
+def _models(cfg, mesh):
+    """The single-device model (seed 0) and its tensor-parallel version with the same values: a copy sharded by
+    apply_tp, or with whole experts (etp = 1) the model built with this rank's experts (apply_ep) and then sharded."""
+    ref = materialize_whole(build_model(cfg.model), "cpu", seed=0)
+    if cfg.parallel.etp == 1:
+        mesh = _folded(mesh)
+        model = materialize_whole(apply_ep(build_model(cfg.model), mesh), "cpu", seed=0)
+    else:
+        model = copy.deepcopy(ref)
+    return ref, apply_tp(model, mesh, cfg.parallel.sequence_parallel)
+
+
 def _diff(got: torch.Tensor, want: torch.Tensor) -> dict:
     return {"err": (got.float() - want.float()).abs().max().item(), "scale": want.float().abs().max().item()}
 
 
 def _compare_grads(ref: torch.nn.Module, sharded: torch.nn.Module, mesh, prefix: str, out: dict) -> None:
+    offsets = {id(p): m.expert_offset for m in sharded.modules() if isinstance(m, Experts) for p in m.parameters()}
     for (name, p_ref), (name_tp, p_tp) in zip(ref.named_parameters(), sharded.named_parameters(), strict=True):
         assert name_tp == name, (name_tp, name)  # apply_tp keeps global parameter names
         want = p_ref.grad
+        if id(p_tp) in offsets:  # this rank's experts (all of them unless apply_ep kept a slice)
+            want = want[offsets[id(p_tp)] : offsets[id(p_tp)] + p_tp.shape[0]]
         if hasattr(p_tp, "tp_dim"):
             want = shard(want, p_tp.tp_dim, mesh.tp_rank, mesh.tp, p_tp.tp_parts)
         out[f"{prefix}.grad.{name}"] = _diff(p_tp.grad, want)
+
+
+def _check_relu2_shards(cfg, model: torch.nn.Module) -> None:
+    """Squared-ReLU FFNs have no w3; their up projections are split (or the experts kept whole) as SwiGLU's are."""
+    if cfg.model.ffn_activation != "relu2":
+        return
+    moe = next(m for m in model.modules() if isinstance(m, MoE))
+    experts, dense = moe.experts, next(b.ffn for b in model.blocks if not isinstance(b.ffn, MoE))
+    assert dense.w3 is None and moe.shared.w3 is None and not hasattr(experts, "w13")
+    assert dense.w1.weight.tp_dim == moe.shared.w1.weight.tp_dim == 0
+    if cfg.parallel.etp == 1:  # two of the four experts, whole (d_ff 64)
+        assert experts.w1.shape == (2, 32, 64) and not hasattr(experts.w1, "tp_dim")
+    else:  # all four, half of each one's hidden units
+        assert experts.w1.shape == (4, 32, 32) and (experts.w1.tp_dim, experts.w1.tp_parts) == (2, 1)
 
 
 def _run_module(ref, sharded, x, mesh, prefix: str, out: dict, sp: bool) -> None:
@@ -134,8 +186,7 @@ def _documents(overrides: list[str], mesh, variant: str, out: dict) -> None:
     """Packed documents (dropless MoE, where routing is per token): the sharded model keeps them apart as the
     single-device one does; changing one document leaves the other documents' logits unchanged."""
     cfg = load_config(None, BASE + overrides + ["model.moe.capacity_factor=null"])
-    ref = materialize_whole(build_model(cfg.model), "cpu", seed=0)
-    tp_model = apply_tp(copy.deepcopy(ref), mesh, cfg.parallel.sequence_parallel)
+    ref, tp_model = _models(cfg, mesh)
     docs = torch.tensor([[0] * 5 + [1] * 7 + [2] * 4, [0] * 9 + [1] * 7])  # (2, 16)
     tokens = torch.randint(0, cfg.model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
     changed = tokens.clone()
@@ -157,10 +208,9 @@ def main(path: str) -> None:
         cfg = load_config(None, BASE + overrides)
         if mesh is None:
             mesh = init_distributed(cfg)
-        ref = materialize_whole(build_model(cfg.model), "cpu", seed=0)
-        tp_model = apply_activation_checkpointing(
-            apply_tp(copy.deepcopy(ref), mesh, cfg.parallel.sequence_parallel), cfg.train
-        )
+        ref, tp_model = _models(cfg, mesh)
+        _check_relu2_shards(cfg, tp_model)
+        tp_model = apply_activation_checkpointing(tp_model, cfg.train)
         x = torch.randn(2, 16, cfg.model.d_model, generator=torch.Generator().manual_seed(0))
         for b_ref, b_tp in zip(ref.blocks, tp_model.blocks):
             kind = type(b_ref.mixer).__name__.lower()

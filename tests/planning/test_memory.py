@@ -236,6 +236,34 @@ def test_moe_rows_under_tp_are_those_the_dispatch_keeps():
     assert no_ep["moe"] == activation_bytes(_moe_plan(full[2]))["moe"]
 
 
+@pytest.mark.parametrize("etp", [None, 1])
+def test_relu2_ffns_plan_the_shards_apply_tp_holds(etp):
+    """Squared-ReLU FFNs (Nemotron-H) under tp 2: the plan's parameters per rank are those `apply_tp` leaves on a rank
+    (w1 and w2 split, no w3: dense FFN, shared expert and experts, or whole experts with etp 1 and ep 2), and each
+    FFN keeps 2 activations per hidden unit of its 1/tp share (SwiGLU: 4)."""
+    from moe_dist.layers.experts import Experts
+    from moe_dist.parallel.expert_parallel import apply_ep
+    from moe_dist.parallel.mesh import Mesh
+    from moe_dist.parallel.tensor_parallel import apply_tp
+    from moe_dist.planning.memory import local_param_counts
+
+    relu2 = ["model.ffn_activation=relu2", "model.moe.n_shared_experts=1", "model.moe.shared_d_ff=64"]
+    cfg = load_config("configs/debug.json", [*SMALL, "model.mixer_pattern=A", "model.ffn_pattern=DE", *relu2])
+    ep = 2 if etp == 1 else 1
+    mesh = Mesh(0, 2, 0, 2, torch.device("cpu"), 1, 0, ep, 0, None, None, f"ep_size_{ep}", tp=2, etp=etp)
+    model = apply_tp(apply_ep(build_model(cfg.model, "meta"), mesh), mesh)
+    experts = {id(p) for m in model.modules() if isinstance(m, Experts) for p in m.parameters()}
+    held = (
+        sum(p.numel() for p in model.parameters() if id(p) not in experts),
+        sum(p.numel() for p in model.parameters() if id(p) in experts),
+    )
+    assert local_param_counts(cfg, tp=2, ep=ep, etp=etp) == held
+    assert not any(name.endswith("w3.weight") or ".w13" in name for name, _ in model.named_parameters())
+    swiglu = load_config("configs/debug.json", [*SMALL, "model.mixer_pattern=A", "model.ffn_pattern=DE"])
+    dense_ffn = activation_bytes(swiglu, tp=2)["mlp"] - activation_bytes(cfg, tp=2)["mlp"]
+    assert dense_ffn == pytest.approx(2 * 2 * 96 / 2 * 128 * 2 * 4)  # 2 layers · 2 fewer · F/tp units · T tokens, fp32
+
+
 def test_dry_run_prints_the_plan_with_json_last(tmp_path):
     cmd = [sys.executable, str(REPO / "launch/train.py"), "--config", str(REPO / "configs/mixtral_8x7b.json")]
     proc = subprocess.run([*cmd, "--dry-run", "--world-size", "64"], capture_output=True, text=True, timeout=120)
