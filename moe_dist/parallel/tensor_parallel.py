@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_dist.data.batches import IGNORE
-from moe_dist.layers.kind import Parts
+from moe_dist.layers.kind import Parts, TensorSplit
 from moe_dist.layers.registry import kind_of
 from moe_dist.models.decoder import held_blocks
 from moe_dist.parallel import private_api
@@ -204,6 +204,19 @@ def register_grad_sums(model: nn.Module, mesh: Mesh) -> None:
             p.register_hook(lambda g: all_reduce_sum(g.contiguous().clone(), mesh.tp_group))
 
 
+def split_sublayer(sublayer: nn.Module, split: TensorSplit) -> None:
+    """Shard one mixer or FFN by its kind's TP rule (`LayerKind.tp_rule`)."""
+    kind = kind_of(sublayer)
+    if kind is None or kind.tp_rule is None:  # the config checks refuse tp > 1 for such a kind
+        raise ValueError(f"apply_tp: {type(sublayer).__name__} has no tensor-parallel rule")
+    kind.tp_rule(sublayer, split)
+
+
+def tensor_split(mesh: Mesh, sequence_parallel: bool = False) -> TensorSplit:
+    """The TP seam the layer kinds' rules receive, over `mesh`'s TP group."""
+    return _Split(mesh, _Boundaries(mesh.tp_group, sequence_parallel))
+
+
 def apply_tp(model: nn.Module, mesh: Mesh, sequence_parallel: bool = False) -> nn.Module:
     """Shard a materialized model over the TP group (after apply_ep, which shards experts over EP)."""
     if mesh.tp == 1:
@@ -213,10 +226,7 @@ def apply_tp(model: nn.Module, mesh: Mesh, sequence_parallel: bool = False) -> n
     split = _Split(mesh, b)
     blocks = held_blocks(model)
     for sublayer in (s for blk in blocks for s in (blk.mixer, blk.ffn) if s is not None):
-        kind = kind_of(sublayer)
-        if kind is None or kind.tp_rule is None:  # the config checks refuse tp > 1 for such a kind
-            raise ValueError(f"apply_tp: {type(sublayer).__name__} has no tensor-parallel rule")
-        kind.tp_rule(sublayer, split)
+        split_sublayer(sublayer, split)
     if sequence_parallel:  # the norms outside the regions see only this rank's tokens
         for norm in [model.norm, *(n for blk in blocks for n in (blk.mixer_norm, blk.ffn_norm) if n is not None)]:
             for p in norm.parameters() if norm is not None else ():

@@ -59,7 +59,7 @@ def run(layer, x, weight, **kw):
 
 def tp_times_cp(rank: int) -> dict:
     """tp = 2 × cp = 2 (tp innermost: TP groups {0, 1} {2, 3}, CP groups {0, 2} {1, 3}): the mixers split over TP
-    by the real sharding (tensor_parallel's per-mixer functions), run with a shard; parameter gradients summed over
+    by the real sharding (each kind's TP rule), run with a shard; parameter gradients summed over
     CP, then gathered over TP into full tensors, against the whole unsplit mixer in one process."""
     tp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     cp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
@@ -67,16 +67,16 @@ def tp_times_cp(rank: int) -> dict:
     mesh = Mesh(
         rank, 4, rank, 4, torch.device("cpu"), 2, rank // 2, 1, 0, None, None, "ep_size_1", 2, rank % 2, tp_group
     )
-    split = {"mamba": tpm._mamba, "mamba2": tpm._mamba2, "gdn": tpm._gdn}
+    split = tpm.tensor_split(mesh)
     results = {}
     seqlen = 16
     g = torch.Generator().manual_seed(seqlen)
     x = torch.randn(BATCH, seqlen, D_MODEL, generator=g, dtype=torch.float64)
     weight = torch.randn(BATCH, seqlen, D_MODEL, generator=g, dtype=torch.float64)
     shard = SeqShard(cp_group, 2, rank // 2, seqlen)
-    for kind, sharder in split.items():
+    for kind in ("mamba", "mamba2", "gdn"):
         whole, layer = build(kind), build(kind)
-        sharder(layer, mesh, tpm._Boundaries(tp_group, False))
+        tpm.split_sublayer(layer, split)
         tpm.register_grad_sums(layer, mesh)
         for docs in (None, DOCS[:, :seqlen]):
             ref_out, ref_dx, ref_grads = run(whole, x, weight, document_ids=docs)
