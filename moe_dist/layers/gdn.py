@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_dist.config.errors import require
+from moe_dist.layers.causal_conv import causal_conv, causal_conv_step
 from moe_dist.layers.delta_rule import chunk_gated_delta_rule
 from moe_dist.layers.kernel_choice import Kernel, resolve, why_no_fla
 from moe_dist.layers.kind import LayerKind, TensorSplit, divides, piece_collectives
@@ -210,13 +211,10 @@ class GatedDeltaNet(nn.Module):
             return self._forward_cp(x, shard, document_ids)
         if cache is not None:
             return self._forward_cached(x, cache)
-        seqlen = x.shape[1]
         qkv, z, b, a = self._project(x)
+        qkv = causal_conv(qkv, self.conv1d.weight, None, document_ids)  # (B, conv_dim, L)
         reset = None
-        if document_ids is None:
-            qkv = self.conv1d(qkv)[..., :seqlen]  # (B, conv_dim, L): right padding dropped → causal
-        else:
-            qkv = _document_conv(qkv, self.conv1d.weight[:, 0], document_ids)
+        if document_ids is not None:
             reset = torch.zeros_like(document_ids, dtype=torch.bool)  # (B, L): True at a document start
             reset[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
         out, _ = self._mix(F.silu(qkv), z, b, a, reset=reset)
@@ -232,10 +230,7 @@ class GatedDeltaNet(nn.Module):
         K = self.conv1d.kernel_size[0]
         qkv, z, b, a = self._project(sp.to_pieces(x))  # (2B, conv_dim, c), ...
         window, window_ids = sp.conv_window(shard, qkv, K - 1, document_ids)
-        if window_ids is None:
-            qkv = F.conv1d(window, self.conv1d.weight, groups=self.conv_dim)
-        else:
-            qkv = _document_conv(window, self.conv1d.weight[:, 0], window_ids)[..., K - 1 :]
+        qkv = causal_conv(window, self.conv1d.weight, None, window_ids, primed=True)  # (2B, conv_dim, c)
         q, k, v, g, beta = self._rule_inputs(F.silu(qkv), b, a)
         batch, seqlen, heads, dv = v.shape
         dk = k.shape[-1]
@@ -253,22 +248,9 @@ class GatedDeltaNet(nn.Module):
         """The inference path: the conv continues from `state.conv`, the rule from `state.recurrent` (any number
         of new positions: the prompt, then one per step); updates `state`."""
         qkv, z, b, a = self._project(x)
-        xc = torch.cat([state.conv, qkv], dim=-1)  # (B, conv_dim, K − 1 + L)
-        state.conv = xc[..., xc.shape[-1] - state.conv.shape[-1] :]
-        qkv = F.silu(F.conv1d(xc, self.conv1d.weight, groups=self.conv_dim))  # (B, conv_dim, L)
-        out, state.recurrent = self._mix(qkv, z, b, a, initial_state=state.recurrent)
+        qkv, state.conv = causal_conv_step(state.conv, qkv, self.conv1d.weight)  # (B, conv_dim, L)
+        out, state.recurrent = self._mix(F.silu(qkv), z, b, a, initial_state=state.recurrent)
         return out
-
-
-def _document_conv(x: torch.Tensor, w: torch.Tensor, document_ids: torch.Tensor) -> torch.Tensor:
-    """The causal depthwise conv of x (B, C, L) with taps w (C, K) where tap j (input t − j) counts only when
-    t − j is in t's document. Written as K shifted products: nn.Conv1d has no per-position masking."""
-    K, L = w.shape[1], x.shape[-1]
-    out = x * w[:, K - 1, None]  # tap K − 1 is the current input
-    for j in range(1, min(K, L)):
-        same = (document_ids[:, j:] == document_ids[:, :-j])[:, None]  # (B, 1, L − j)
-        out[..., j:] = out[..., j:] + x[..., :-j] * w[:, K - 1 - j, None] * same
-    return out
 
 
 # ------------------------------------------------------------------------------------------ the kind

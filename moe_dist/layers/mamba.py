@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_dist.config.errors import require
+from moe_dist.layers.causal_conv import causal_conv, causal_conv_step
 from moe_dist.layers.kernel_choice import Kernel, resolve
 from moe_dist.layers.kind import LayerKind, TensorSplit, divides, piece_collectives
 from moe_dist.layers.norm import RMSNorm
@@ -163,13 +164,10 @@ class Mamba(nn.Module):
             return self._forward_recurrent(x, cache)
         if shard is not None:
             return self._forward_cp(x, shard, document_ids)
-        seqlen = x.shape[1]
         x, z = self.in_proj(x).chunk(2, dim=-1)  # (B, L, Di) each
+        x = causal_conv(x.transpose(1, 2), self.conv1d.weight, self.conv1d.bias, document_ids)  # (B, Di, L)
         reset = None
-        if document_ids is None:
-            x = self.conv1d(x.transpose(1, 2))[..., :seqlen]  # (B, Di, L): right padding dropped → causal
-        else:
-            x = self._document_conv(x.transpose(1, 2), document_ids)  # (B, Di, L)
+        if document_ids is not None:
             reset = torch.zeros_like(document_ids, dtype=torch.bool)  # (B, L): True at a document start
             reset[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
         y = self._conv_out_scan(x, z, reset)[0]  # (B, Di, L)
@@ -205,10 +203,7 @@ class Mamba(nn.Module):
         K = self.conv1d.kernel_size[0]
         x, z = self.in_proj(sp.to_pieces(x)).chunk(2, dim=-1)  # (2B, c, Di) each
         window, window_ids = sp.conv_window(shard, x.transpose(1, 2), K - 1, document_ids)
-        if window_ids is None:
-            x = F.conv1d(window, self.conv1d.weight, self.conv1d.bias, groups=self.d_inner)  # (2B, Di, c)
-        else:
-            x = self._document_conv(window, window_ids)[..., K - 1 :]
+        x = causal_conv(window, self.conv1d.weight, self.conv1d.bias, window_ids, primed=True)  # (2B, Di, c)
         reset = sp.piece_resets(shard, document_ids)  # (2B, c) or None
         (y, final), dt, C, A = self._conv_out_scan(x, z, reset, final=True)  # (2B, Di, c), (2B, Di, N) fp32
         compute = final.dtype
@@ -226,24 +221,12 @@ class Mamba(nn.Module):
         y = y.transpose(1, 2) + (correction * F.silu(z.to(compute))).to(y.dtype)  # (2B, c, Di)
         return sp.from_pieces(self.out_proj(y))  # (B, L, d_model)
 
-    def _document_conv(self, x: torch.Tensor, document_ids: torch.Tensor) -> torch.Tensor:
-        """The causal depthwise conv of x (B, Di, L) where tap j (input t - j) counts only when t - j is in t's
-        document. Written as K shifted products (K = d_conv, 4): nn.Conv1d has no per-position masking."""
-        K, L = self.conv1d.kernel_size[0], x.shape[-1]
-        w = self.conv1d.weight[:, 0]  # (Di, K): tap K - 1 is the current input
-        out = x * w[:, K - 1, None]
-        for j in range(1, min(K, L)):
-            same = (document_ids[:, j:] == document_ids[:, :-j])[:, None]  # (B, 1, L - j)
-            out[..., j:] = out[..., j:] + x[..., :-j] * w[:, K - 1 - j, None] * same
-        return out if self.conv1d.bias is None else out + self.conv1d.bias[:, None]
-
     def _forward_recurrent(self, x: torch.Tensor, state: MambaState) -> torch.Tensor:
         """The inference path: the conv continues from `state.conv`, the SSM from `state.ssm`, one step per
         position (the training scan starts from h = 0 and does not return its final state); updates `state`."""
         x, z = self.in_proj(x).chunk(2, dim=-1)  # (B, L, Di) each
-        xc = torch.cat([state.conv, x.transpose(1, 2)], dim=-1)  # (B, Di, K - 1 + L)
-        state.conv = xc[..., xc.shape[-1] - state.conv.shape[-1] :]
-        x = F.silu(F.conv1d(xc, self.conv1d.weight, self.conv1d.bias, groups=self.d_inner))  # (B, Di, L)
+        x, state.conv = causal_conv_step(state.conv, x.transpose(1, 2), self.conv1d.weight, self.conv1d.bias)
+        x = F.silu(x)  # (B, Di, L)
 
         dt, B, C, A = self._ssm_inputs(x.transpose(1, 2))
         compute = state.ssm.dtype

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_dist.config.errors import require
+from moe_dist.layers.causal_conv import causal_conv, causal_conv_step
 from moe_dist.layers.kernel_choice import Kernel, resolve, why_no_fla
 from moe_dist.layers.kind import LayerKind, TensorSplit, piece_collectives
 from moe_dist.layers.ssd import ssd_scan
@@ -102,18 +103,6 @@ class GatedRMSNorm(nn.Module):
         return h.pow(2).mean(-1, keepdim=True)
 
 
-def _document_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], document_ids: torch.Tensor):
-    """The causal depthwise conv of x (B, C, L) where tap j (input t - j) counts only when t - j is in t's document
-    (weight (C, 1, K), tap K - 1 the current input); K shifted products, as nn.Conv1d has no per-position mask."""
-    K, L = weight.shape[-1], x.shape[-1]
-    w = weight[:, 0]  # (C, K)
-    out = x * w[:, K - 1, None]
-    for j in range(1, min(K, L)):
-        same = (document_ids[:, j:] == document_ids[:, :-j])[:, None]  # (B, 1, L - j)
-        out[..., j:] = out[..., j:] + x[..., :-j] * w[:, K - 1 - j, None] * same
-    return out if bias is None else out + bias[:, None]
-
-
 class Mamba2(nn.Module):
     """x → in_proj → (z, xBC, dt); xBC → causal depthwise conv → SiLU → (x, B, C); dt → softplus(dt + dt_bias),
     clamped to dt_limit; SSD scan with A = -exp(A_log) and the D skip; gated grouped RMSNorm with z; out_proj.
@@ -191,20 +180,16 @@ class Mamba2(nn.Module):
             if cache is not None:
                 raise ValueError("Mamba2: a context-parallel shard and an inference cache do not combine")
             return self._forward_cp(x, shard, document_ids)
-        batch, seqlen, _ = x.shape
         z, xBC, dt = self.in_proj(x).split([self.d_inner, self.conv_dim, self.n_heads], dim=-1)
         xBC = xBC.transpose(1, 2)  # (B, conv_dim, L)
         reset = None
         if cache is not None:
-            window = torch.cat([cache.conv, xBC], dim=-1)  # (B, conv_dim, K - 1 + L)
-            cache.conv = window[..., window.shape[-1] - cache.conv.shape[-1] :]
-            xBC = F.conv1d(window, self.conv1d.weight, self.conv1d.bias, groups=self.conv_dim)
-        elif document_ids is None:
-            xBC = self.conv1d(xBC)[..., :seqlen]  # right padding dropped → causal
+            xBC, cache.conv = causal_conv_step(cache.conv, xBC, self.conv1d.weight, self.conv1d.bias)
         else:
-            xBC = _document_conv(xBC, self.conv1d.weight, self.conv1d.bias, document_ids)
-            reset = torch.zeros_like(document_ids, dtype=torch.bool)  # (B, L): True at a document start
-            reset[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+            xBC = causal_conv(xBC, self.conv1d.weight, self.conv1d.bias, document_ids)
+            if document_ids is not None:
+                reset = torch.zeros_like(document_ids, dtype=torch.bool)  # (B, L): True at a document start
+                reset[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
         xs, dt, A, B, C = self._ssm_inputs(xBC, dt)
         y, state = self.scan(
             xs, dt, A, B, C, D=self.D, initial_state=None if cache is None else cache.ssm, reset=reset
@@ -235,10 +220,7 @@ class Mamba2(nn.Module):
         K = self.conv1d.kernel_size[0]
         z, xBC, dt = self.in_proj(sp.to_pieces(x)).split([self.d_inner, self.conv_dim, self.n_heads], dim=-1)
         window, window_ids = sp.conv_window(shard, xBC.transpose(1, 2), K - 1, document_ids)
-        if window_ids is None:
-            xBC = F.conv1d(window, self.conv1d.weight, self.conv1d.bias, groups=self.conv_dim)  # (2B, conv_dim, c)
-        else:
-            xBC = _document_conv(window, self.conv1d.weight, self.conv1d.bias, window_ids)[..., K - 1 :]
+        xBC = causal_conv(window, self.conv1d.weight, self.conv1d.bias, window_ids, primed=True)  # (2B, conv_dim, c)
         reset = sp.piece_resets(shard, document_ids)  # (2B, c) or None
         xs, dt, A, B, C = self._ssm_inputs(xBC, dt)
         y, final = self.scan(xs, dt, A, B, C, D=self.D, reset=reset)  # (2B, c, H, P), (2B, H, P, N)
