@@ -21,6 +21,7 @@ from moe_dist.layers.causal_conv import causal_conv, causal_conv_step
 from moe_dist.layers.delta_rule import chunk_gated_delta_rule
 from moe_dist.layers.kernel_choice import Kernel, resolve, why_no_fla
 from moe_dist.layers.kind import LayerKind, TensorSplit, divides, piece_collectives
+from moe_dist.layers.norm import GatedRMSNorm
 from moe_dist.layers.step_size import inverse_softplus_step_sizes
 from moe_dist.parallel import state_passing as sp
 from moe_dist.parallel.context_parallel import SeqShard
@@ -68,25 +69,6 @@ class GDNState:
     recurrent: torch.Tensor  # (B, n_v_heads, head_k_dim, head_v_dim): the delta-rule state S, in fp32 (at least)
 
 
-class GatedRMSNorm(nn.Module):
-    """RMSNorm of x over its last dim, then times silu(gate) (norm before gate; Qwen3-Next's RMSNormGated).
-    Computed in fp32 (at least) and cast back to x's dtype."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.empty(dim))
-
-    def init_weights(self) -> None:
-        with torch.no_grad():
-            self.weight.fill_(1.0)
-
-    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        compute = torch.promote_types(x.dtype, torch.float32)
-        y = F.rms_norm(x.to(compute), self.weight.shape, self.weight.to(compute), self.eps)
-        return (y * F.silu(gate.to(compute))).to(x.dtype)
-
-
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
     compute = torch.promote_types(x.dtype, torch.float32)
     x = x.to(compute)
@@ -125,7 +107,7 @@ class GatedDeltaNet(nn.Module):
         )
         self.dt_bias = nn.Parameter(torch.empty(self.n_v_heads))  # inside the softplus of the decay
         self.A_log = nn.Parameter(torch.empty(self.n_v_heads))  # g = −exp(A_log)·Δ < 0: the state only decays
-        self.norm = GatedRMSNorm(self.head_v_dim, norm_eps)
+        self.norm = GatedRMSNorm(self.head_v_dim, norm_eps, gate_first=False)  # per head
         self.out_proj = nn.Linear(self.value_dim, d_model, bias=False)
 
     @property

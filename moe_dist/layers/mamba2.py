@@ -22,6 +22,7 @@ from moe_dist.config.errors import require
 from moe_dist.layers.causal_conv import causal_conv, causal_conv_step
 from moe_dist.layers.kernel_choice import Kernel, resolve, why_no_fla
 from moe_dist.layers.kind import LayerKind, TensorSplit, piece_collectives
+from moe_dist.layers.norm import GatedRMSNorm
 from moe_dist.layers.ssd import ssd_scan
 from moe_dist.layers.step_size import inverse_softplus_step_sizes
 from moe_dist.parallel import state_passing as sp
@@ -78,31 +79,6 @@ class Mamba2State:
     ssm: torch.Tensor  # (B, H, P, N): the SSM state per head, in fp32 (at least), as the scan returns it
 
 
-class GatedRMSNorm(nn.Module):
-    """y · silu(z), RMS-normalized over each of `groups` equal slices of the last dim, times `weight` (Mamba-2's
-    norm_before_gate=False, the form transformers' Mamba2, NemotronH and GraniteMoeHybrid use). fp32 inside."""
-
-    def __init__(self, dim: int, groups: int, eps: float):
-        super().__init__()
-        self.groups, self.eps = groups, eps
-        self.weight = nn.Parameter(torch.empty(dim))
-
-    def init_weights(self) -> None:
-        with torch.no_grad():
-            self.weight.fill_(1.0)
-
-    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        compute = torch.promote_types(y.dtype, torch.float32)
-        h = y.to(compute) * F.silu(z.to(compute))  # (..., Di)
-        h = h.unflatten(-1, (self.groups, -1))  # (..., G, Di / G)
-        h = (h * torch.rsqrt(self._mean_square(h) + self.eps)).flatten(-2)
-        return self.weight * h.to(y.dtype)
-
-    def _mean_square(self, h: torch.Tensor) -> torch.Tensor:
-        """Each group's mean square (..., G, 1): the statistics apply_tp sums over ranks when a group spans them."""
-        return h.pow(2).mean(-1, keepdim=True)
-
-
 class Mamba2(nn.Module):
     """x → in_proj → (z, xBC, dt); xBC → causal depthwise conv → SiLU → (x, B, C); dt → softplus(dt + dt_bias),
     clamped to dt_limit; SSD scan with A = -exp(A_log) and the D skip; gated grouped RMSNorm with z; out_proj.
@@ -131,7 +107,7 @@ class Mamba2(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(self.n_heads))  # inside the softplus: dt = softplus(dt + dt_bias)
         self.A_log = nn.Parameter(torch.empty(self.n_heads))  # A = -exp(A_log) < 0 keeps the SSM stable
         self.D = nn.Parameter(torch.empty(self.n_heads))  # skip connection x → y per head
-        self.norm = GatedRMSNorm(self.d_inner, self.n_groups, norm_eps)
+        self.norm = GatedRMSNorm(self.d_inner, norm_eps, gate_first=True, groups=self.n_groups)
         self.out_proj = nn.Linear(self.d_inner, d_model, bias=cfg.proj_bias)
 
     @property
@@ -366,7 +342,7 @@ class _SpanningGroupNorm(GatedRMSNorm):
 
     def __init__(self, norm: GatedRMSNorm, tp: TensorSplit, span: int, own: int):
         nn.Module.__init__(self)
-        self.groups, self.eps, self.weight = 1, norm.eps, norm.weight
+        self.groups, self.eps, self.gate_first, self.weight = 1, norm.eps, norm.gate_first, norm.weight
         self.tp, self.span, self.own = tp, span, own
 
     def _mean_square(self, h: torch.Tensor) -> torch.Tensor:
