@@ -173,10 +173,17 @@ class Mamba(nn.Module):
         y = self._conv_out_scan(x, z, reset)[0]  # (B, Di, L)
         return self.out_proj(y.transpose(1, 2))  # (B, L, d_model)
 
-    def _conv_out_scan(self, x: torch.Tensor, z: torch.Tensor, reset: Optional[torch.Tensor], final: bool = False):
-        """The selective scan of the conv output x (B, Di, L) gated by z (B, L, Di): (the scan's output — y (B, Di, L),
-        or with `final` (y, the last state (B, Di, N) fp32) — dt (B, L, Di), C (B, L, N), A). The whole sequence and
-        a CP piece share it."""
+    def _conv_out_scan(
+        self,
+        x: torch.Tensor,
+        z: torch.Tensor,
+        reset: Optional[torch.Tensor],
+        final: bool = False,
+        initial_state: Optional[torch.Tensor] = None,
+    ):
+        """The selective scan of the conv output x (B, Di, L) gated by z (B, L, Di), from `initial_state` (B, Di, N)
+        or zeros: (the scan's output — y (B, Di, L), or with `final` (y, the last state (B, Di, N) fp32) — dt
+        (B, L, Di), C (B, L, N), A). The whole sequence, a CP piece and the inference cache share it."""
         x = F.silu(x)
         dt, B, C, A = self._ssm_inputs(x.transpose(1, 2))
         out = self.scan(
@@ -191,6 +198,7 @@ class Mamba(nn.Module):
             delta_softplus=True,
             **({"return_final_state": True} if final else {}),
             **({} if reset is None else {"reset": reset}),
+            **({} if initial_state is None else {"initial_state": initial_state}),
         )
         return out, dt, C, A
 
@@ -222,24 +230,12 @@ class Mamba(nn.Module):
         return sp.from_pieces(self.out_proj(y))  # (B, L, d_model)
 
     def _forward_recurrent(self, x: torch.Tensor, state: MambaState) -> torch.Tensor:
-        """The inference path: the conv continues from `state.conv`, the SSM from `state.ssm`, one step per
-        position (the training scan starts from h = 0 and does not return its final state); updates `state`."""
+        """The inference path: the conv continues from `state.conv`, the scan from `state.ssm` (any number of new
+        positions: the prompt, then one per step); updates `state`."""
         x, z = self.in_proj(x).chunk(2, dim=-1)  # (B, L, Di) each
         x, state.conv = causal_conv_step(state.conv, x.transpose(1, 2), self.conv1d.weight, self.conv1d.bias)
-        x = F.silu(x)  # (B, Di, L)
-
-        dt, B, C, A = self._ssm_inputs(x.transpose(1, 2))
-        compute = state.ssm.dtype
-        u = x.transpose(1, 2).to(compute)  # (B, L, Di)
-        delta = F.softplus(dt.to(compute) + self.dt_proj.bias.to(compute))  # (B, L, Di)
-        B, C = B.to(compute), C.to(compute)
-        h, ys = state.ssm, []
-        for t in range(u.shape[1]):
-            h = torch.exp(delta[:, t, :, None] * A) * h + (delta[:, t] * u[:, t])[..., None] * B[:, t, None, :]
-            ys.append(torch.einsum("bdn,bn->bd", h, C[:, t]))  # (B, Di)
-        state.ssm = h
-        y = (torch.stack(ys, dim=1) + self.D.to(compute) * u) * F.silu(z.to(compute))  # (B, L, Di)
-        return self.out_proj(y.to(x.dtype))  # (B, L, d_model)
+        (y, state.ssm), *_ = self._conv_out_scan(x, z, None, final=True, initial_state=state.ssm)  # (B, Di, L)
+        return self.out_proj(y.transpose(1, 2))  # (B, L, d_model)
 
 
 # ------------------------------------------------------------------------------------------ the kind
