@@ -7,7 +7,6 @@ Single-device math; `apply_tp` (moe_dist/parallel/tensor_parallel.py) splits the
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from typing import Literal, Optional
@@ -19,7 +18,7 @@ from torch import nn
 from moe_dist.config.errors import require
 from moe_dist.layers.causal_conv import causal_conv, causal_conv_step
 from moe_dist.layers.delta_rule import chunk_gated_delta_rule
-from moe_dist.layers.kernel_choice import Kernel, resolve, why_no_fla
+from moe_dist.layers.kernel_choice import Kernel, recurrent_kernel
 from moe_dist.layers.kind import LayerKind, TensorSplit, divides, piece_collectives
 from moe_dist.layers.norm import GatedRMSNorm
 from moe_dist.layers.step_size import inverse_softplus_step_sizes
@@ -50,15 +49,16 @@ def delta_rule_kernel(
     """`model.gdn.impl` for a layer built for `device`, with `gated_delta_rule_ref`'s signature: the chunked
     PyTorch path (`moe_dist.layers.delta_rule`), or fla-core's chunked Triton kernels (`moe_dist.layers.fla_ops`;
     see there why)."""
+    fla_key_dim = ("model.gdn.head_k_dim", head_k_dim)
+    return recurrent_kernel(
+        impl, "model.gdn.impl", device, chunk_gated_delta_rule, chunk_size, _fla_rule, "gated delta rule", fla_key_dim
+    )
 
-    def kernel():
-        from moe_dist.layers.fla_ops import fla_gated_delta_rule
 
-        return fla_gated_delta_rule
+def _fla_rule():
+    from moe_dist.layers.fla_ops import fla_gated_delta_rule  # lazy: imported only when chosen (resolve)
 
-    torch_fn = functools.partial(chunk_gated_delta_rule, chunk_size=chunk_size)
-    why_not = why_no_fla(head_k_dim, "model.gdn.head_k_dim")
-    return resolve(impl, "model.gdn.impl", device, torch_fn, kernel, "gated delta rule", why_not)
+    return fla_gated_delta_rule
 
 
 @dataclass

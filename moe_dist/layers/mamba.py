@@ -6,7 +6,6 @@ out_proj); only the inner norms are named dt_norm / b_norm / c_norm instead of J
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from typing import Literal, Optional
@@ -17,7 +16,7 @@ from torch import nn
 
 from moe_dist.config.errors import require
 from moe_dist.layers.causal_conv import causal_conv, causal_conv_step
-from moe_dist.layers.kernel_choice import Kernel, resolve
+from moe_dist.layers.kernel_choice import Kernel, recurrent_kernel
 from moe_dist.layers.kind import LayerKind, TensorSplit, divides, piece_collectives
 from moe_dist.layers.norm import RMSNorm
 from moe_dist.layers.scan import initial_state_outputs, selective_scan
@@ -43,13 +42,8 @@ def scan_kernel(impl: str, device: torch.device | str = "cpu", chunk_size: int =
     """`model.mamba.impl` for a layer built for `device`, with `selective_scan_ref`'s signature: the chunked
     PyTorch scan (`moe_dist.layers.scan`) or the Triton kernel (`moe_dist.kernels.selective_scan`, which "auto"
     takes on CUDA)."""
-    return resolve(
-        impl,
-        "model.mamba.impl",
-        device,
-        functools.partial(selective_scan, chunk_size=chunk_size),
-        _triton_scan,
-        "selective scan",
+    return recurrent_kernel(
+        impl, "model.mamba.impl", device, selective_scan, chunk_size, _triton_scan, "selective scan"
     )
 
 

@@ -20,7 +20,7 @@ from torch import nn
 
 from moe_dist.config.errors import require
 from moe_dist.layers.causal_conv import causal_conv, causal_conv_step
-from moe_dist.layers.kernel_choice import Kernel, resolve, why_no_fla
+from moe_dist.layers.kernel_choice import Kernel, recurrent_kernel
 from moe_dist.layers.kind import LayerKind, TensorSplit, piece_collectives
 from moe_dist.layers.norm import GatedRMSNorm
 from moe_dist.layers.ssd import ssd_scan
@@ -60,15 +60,14 @@ class Mamba2Config:
 def scan_kernel(impl: str, device: torch.device | str = "cpu", chunk_size: int = 64, d_state: int = 128) -> Kernel:
     """`model.mamba2.impl` for a layer built for `device`, with `ssd_scan_ref`'s signature: the chunked PyTorch SSD
     (`moe_dist.layers.ssd`), or fla-core's chunked Triton kernels (`moe_dist.layers.fla_ops`; see there why)."""
+    fla_key_dim = ("model.mamba2.d_state", d_state)
+    return recurrent_kernel(impl, "model.mamba2.impl", device, ssd_scan, chunk_size, _fla_ssd, "SSD scan", fla_key_dim)
 
-    def kernel():
-        from moe_dist.layers.fla_ops import fla_ssd_scan
 
-        return fla_ssd_scan
+def _fla_ssd():
+    from moe_dist.layers.fla_ops import fla_ssd_scan  # lazy: imported only when chosen (resolve)
 
-    torch_fn = functools.partial(ssd_scan, chunk_size=chunk_size)
-    why_not = why_no_fla(d_state, "model.mamba2.d_state")
-    return resolve(impl, "model.mamba2.impl", device, torch_fn, kernel, "SSD scan", why_not)
+    return fla_ssd_scan
 
 
 @dataclass
