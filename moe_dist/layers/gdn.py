@@ -7,7 +7,6 @@ Single-device math; `apply_tp` (moe_dist/parallel/tensor_parallel.py) splits the
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from typing import Literal, Optional
@@ -17,9 +16,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_dist.config.errors import require
+from moe_dist.layers.causal_conv import causal_conv, causal_conv_step
 from moe_dist.layers.delta_rule import chunk_gated_delta_rule
-from moe_dist.layers.kernel_choice import Kernel, resolve, why_no_fla
+from moe_dist.layers.kernel_choice import Kernel, recurrent_kernel
 from moe_dist.layers.kind import LayerKind, TensorSplit, divides, piece_collectives
+from moe_dist.layers.norm import GatedRMSNorm
 from moe_dist.layers.step_size import inverse_softplus_step_sizes
 from moe_dist.parallel import state_passing as sp
 from moe_dist.parallel.context_parallel import SeqShard
@@ -48,15 +49,16 @@ def delta_rule_kernel(
     """`model.gdn.impl` for a layer built for `device`, with `gated_delta_rule_ref`'s signature: the chunked
     PyTorch path (`moe_dist.layers.delta_rule`), or fla-core's chunked Triton kernels (`moe_dist.layers.fla_ops`;
     see there why)."""
+    fla_key_dim = ("model.gdn.head_k_dim", head_k_dim)
+    return recurrent_kernel(
+        impl, "model.gdn.impl", device, chunk_gated_delta_rule, chunk_size, _fla_rule, "gated delta rule", fla_key_dim
+    )
 
-    def kernel():
-        from moe_dist.layers.fla_ops import fla_gated_delta_rule
 
-        return fla_gated_delta_rule
+def _fla_rule():
+    from moe_dist.layers.fla_ops import fla_gated_delta_rule  # lazy: imported only when chosen (resolve)
 
-    torch_fn = functools.partial(chunk_gated_delta_rule, chunk_size=chunk_size)
-    why_not = why_no_fla(head_k_dim, "model.gdn.head_k_dim")
-    return resolve(impl, "model.gdn.impl", device, torch_fn, kernel, "gated delta rule", why_not)
+    return fla_gated_delta_rule
 
 
 @dataclass
@@ -65,25 +67,6 @@ class GDNState:
 
     conv: torch.Tensor  # (B, conv_dim, conv_size - 1): the conv's last inputs (q, k, v channels), oldest first
     recurrent: torch.Tensor  # (B, n_v_heads, head_k_dim, head_v_dim): the delta-rule state S, in fp32 (at least)
-
-
-class GatedRMSNorm(nn.Module):
-    """RMSNorm of x over its last dim, then times silu(gate) (norm before gate; Qwen3-Next's RMSNormGated).
-    Computed in fp32 (at least) and cast back to x's dtype."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.empty(dim))
-
-    def init_weights(self) -> None:
-        with torch.no_grad():
-            self.weight.fill_(1.0)
-
-    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        compute = torch.promote_types(x.dtype, torch.float32)
-        y = F.rms_norm(x.to(compute), self.weight.shape, self.weight.to(compute), self.eps)
-        return (y * F.silu(gate.to(compute))).to(x.dtype)
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
@@ -124,7 +107,7 @@ class GatedDeltaNet(nn.Module):
         )
         self.dt_bias = nn.Parameter(torch.empty(self.n_v_heads))  # inside the softplus of the decay
         self.A_log = nn.Parameter(torch.empty(self.n_v_heads))  # g = −exp(A_log)·Δ < 0: the state only decays
-        self.norm = GatedRMSNorm(self.head_v_dim, norm_eps)
+        self.norm = GatedRMSNorm(self.head_v_dim, norm_eps, gate_first=False)  # per head
         self.out_proj = nn.Linear(self.value_dim, d_model, bias=False)
 
     @property
@@ -210,13 +193,10 @@ class GatedDeltaNet(nn.Module):
             return self._forward_cp(x, shard, document_ids)
         if cache is not None:
             return self._forward_cached(x, cache)
-        seqlen = x.shape[1]
         qkv, z, b, a = self._project(x)
+        qkv = causal_conv(qkv, self.conv1d.weight, None, document_ids)  # (B, conv_dim, L)
         reset = None
-        if document_ids is None:
-            qkv = self.conv1d(qkv)[..., :seqlen]  # (B, conv_dim, L): right padding dropped → causal
-        else:
-            qkv = _document_conv(qkv, self.conv1d.weight[:, 0], document_ids)
+        if document_ids is not None:
             reset = torch.zeros_like(document_ids, dtype=torch.bool)  # (B, L): True at a document start
             reset[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
         out, _ = self._mix(F.silu(qkv), z, b, a, reset=reset)
@@ -232,10 +212,7 @@ class GatedDeltaNet(nn.Module):
         K = self.conv1d.kernel_size[0]
         qkv, z, b, a = self._project(sp.to_pieces(x))  # (2B, conv_dim, c), ...
         window, window_ids = sp.conv_window(shard, qkv, K - 1, document_ids)
-        if window_ids is None:
-            qkv = F.conv1d(window, self.conv1d.weight, groups=self.conv_dim)
-        else:
-            qkv = _document_conv(window, self.conv1d.weight[:, 0], window_ids)[..., K - 1 :]
+        qkv = causal_conv(window, self.conv1d.weight, None, window_ids, primed=True)  # (2B, conv_dim, c)
         q, k, v, g, beta = self._rule_inputs(F.silu(qkv), b, a)
         batch, seqlen, heads, dv = v.shape
         dk = k.shape[-1]
@@ -253,22 +230,9 @@ class GatedDeltaNet(nn.Module):
         """The inference path: the conv continues from `state.conv`, the rule from `state.recurrent` (any number
         of new positions: the prompt, then one per step); updates `state`."""
         qkv, z, b, a = self._project(x)
-        xc = torch.cat([state.conv, qkv], dim=-1)  # (B, conv_dim, K − 1 + L)
-        state.conv = xc[..., xc.shape[-1] - state.conv.shape[-1] :]
-        qkv = F.silu(F.conv1d(xc, self.conv1d.weight, groups=self.conv_dim))  # (B, conv_dim, L)
-        out, state.recurrent = self._mix(qkv, z, b, a, initial_state=state.recurrent)
+        qkv, state.conv = causal_conv_step(state.conv, qkv, self.conv1d.weight)  # (B, conv_dim, L)
+        out, state.recurrent = self._mix(F.silu(qkv), z, b, a, initial_state=state.recurrent)
         return out
-
-
-def _document_conv(x: torch.Tensor, w: torch.Tensor, document_ids: torch.Tensor) -> torch.Tensor:
-    """The causal depthwise conv of x (B, C, L) with taps w (C, K) where tap j (input t − j) counts only when
-    t − j is in t's document. Written as K shifted products: nn.Conv1d has no per-position masking."""
-    K, L = w.shape[1], x.shape[-1]
-    out = x * w[:, K - 1, None]  # tap K − 1 is the current input
-    for j in range(1, min(K, L)):
-        same = (document_ids[:, j:] == document_ids[:, :-j])[:, None]  # (B, 1, L − j)
-        out[..., j:] = out[..., j:] + x[..., :-j] * w[:, K - 1 - j, None] * same
-    return out
 
 
 # ------------------------------------------------------------------------------------------ the kind

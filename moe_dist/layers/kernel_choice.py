@@ -10,6 +10,7 @@ full: docs/kernels.md, section "Choosing an implementation"; tested in tests/ker
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -101,6 +102,24 @@ def resolve(
     if why_not is not None:
         raise ValueError(f"{key}='triton': the Triton {what} is not available: {why_not}")
     return Kernel("triton", kernel())
+
+
+def recurrent_kernel(
+    impl: str,
+    key: str,
+    device: torch.device | str,
+    chunked: Callable,
+    chunk_size: int,
+    kernel: Callable[[], Callable],
+    what: str,
+    fla_key_dim: Optional[tuple[str, int]] = None,
+) -> Kernel:
+    """The scan of a recurrent mixer (Mamba-1's selective scan, Mamba-2's SSD, Gated DeltaNet's delta rule), with
+    its oracle's signature (moe_dist.kernels.reference), as `resolve` chooses it for config key `key` = `impl`: the
+    PyTorch path `chunked` run `chunk_size` timesteps per chunk, or the GPU kernel `kernel` loads. `fla_key_dim`,
+    (config key, value) of the layer's key head size, where that kernel is fla-core's (`why_no_fla`)."""
+    why_not = None if fla_key_dim is None else why_no_fla(fla_key_dim[1], fla_key_dim[0])
+    return resolve(impl, key, device, functools.partial(chunked, chunk_size=chunk_size), kernel, what, why_not)
 
 
 def why_no_fla(key_dim: int, dim_key: str) -> Optional[str]:

@@ -6,7 +6,6 @@ out_proj); only the inner norms are named dt_norm / b_norm / c_norm instead of J
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from typing import Literal, Optional
@@ -16,7 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_dist.config.errors import require
-from moe_dist.layers.kernel_choice import Kernel, resolve
+from moe_dist.layers.causal_conv import causal_conv, causal_conv_step
+from moe_dist.layers.kernel_choice import Kernel, recurrent_kernel
 from moe_dist.layers.kind import LayerKind, TensorSplit, divides, piece_collectives
 from moe_dist.layers.norm import RMSNorm
 from moe_dist.layers.scan import initial_state_outputs, selective_scan
@@ -42,13 +42,8 @@ def scan_kernel(impl: str, device: torch.device | str = "cpu", chunk_size: int =
     """`model.mamba.impl` for a layer built for `device`, with `selective_scan_ref`'s signature: the chunked
     PyTorch scan (`moe_dist.layers.scan`) or the Triton kernel (`moe_dist.kernels.selective_scan`, which "auto"
     takes on CUDA)."""
-    return resolve(
-        impl,
-        "model.mamba.impl",
-        device,
-        functools.partial(selective_scan, chunk_size=chunk_size),
-        _triton_scan,
-        "selective scan",
+    return recurrent_kernel(
+        impl, "model.mamba.impl", device, selective_scan, chunk_size, _triton_scan, "selective scan"
     )
 
 
@@ -163,22 +158,26 @@ class Mamba(nn.Module):
             return self._forward_recurrent(x, cache)
         if shard is not None:
             return self._forward_cp(x, shard, document_ids)
-        seqlen = x.shape[1]
         x, z = self.in_proj(x).chunk(2, dim=-1)  # (B, L, Di) each
+        x = causal_conv(x.transpose(1, 2), self.conv1d.weight, self.conv1d.bias, document_ids)  # (B, Di, L)
         reset = None
-        if document_ids is None:
-            x = self.conv1d(x.transpose(1, 2))[..., :seqlen]  # (B, Di, L): right padding dropped → causal
-        else:
-            x = self._document_conv(x.transpose(1, 2), document_ids)  # (B, Di, L)
+        if document_ids is not None:
             reset = torch.zeros_like(document_ids, dtype=torch.bool)  # (B, L): True at a document start
             reset[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
         y = self._conv_out_scan(x, z, reset)[0]  # (B, Di, L)
         return self.out_proj(y.transpose(1, 2))  # (B, L, d_model)
 
-    def _conv_out_scan(self, x: torch.Tensor, z: torch.Tensor, reset: Optional[torch.Tensor], final: bool = False):
-        """The selective scan of the conv output x (B, Di, L) gated by z (B, L, Di): (the scan's output — y (B, Di, L),
-        or with `final` (y, the last state (B, Di, N) fp32) — dt (B, L, Di), C (B, L, N), A). The whole sequence and
-        a CP piece share it."""
+    def _conv_out_scan(
+        self,
+        x: torch.Tensor,
+        z: torch.Tensor,
+        reset: Optional[torch.Tensor],
+        final: bool = False,
+        initial_state: Optional[torch.Tensor] = None,
+    ):
+        """The selective scan of the conv output x (B, Di, L) gated by z (B, L, Di), from `initial_state` (B, Di, N)
+        or zeros: (the scan's output — y (B, Di, L), or with `final` (y, the last state (B, Di, N) fp32) — dt
+        (B, L, Di), C (B, L, N), A). The whole sequence, a CP piece and the inference cache share it."""
         x = F.silu(x)
         dt, B, C, A = self._ssm_inputs(x.transpose(1, 2))
         out = self.scan(
@@ -193,6 +192,7 @@ class Mamba(nn.Module):
             delta_softplus=True,
             **({"return_final_state": True} if final else {}),
             **({} if reset is None else {"reset": reset}),
+            **({} if initial_state is None else {"initial_state": initial_state}),
         )
         return out, dt, C, A
 
@@ -205,10 +205,7 @@ class Mamba(nn.Module):
         K = self.conv1d.kernel_size[0]
         x, z = self.in_proj(sp.to_pieces(x)).chunk(2, dim=-1)  # (2B, c, Di) each
         window, window_ids = sp.conv_window(shard, x.transpose(1, 2), K - 1, document_ids)
-        if window_ids is None:
-            x = F.conv1d(window, self.conv1d.weight, self.conv1d.bias, groups=self.d_inner)  # (2B, Di, c)
-        else:
-            x = self._document_conv(window, window_ids)[..., K - 1 :]
+        x = causal_conv(window, self.conv1d.weight, self.conv1d.bias, window_ids, primed=True)  # (2B, Di, c)
         reset = sp.piece_resets(shard, document_ids)  # (2B, c) or None
         (y, final), dt, C, A = self._conv_out_scan(x, z, reset, final=True)  # (2B, Di, c), (2B, Di, N) fp32
         compute = final.dtype
@@ -226,37 +223,13 @@ class Mamba(nn.Module):
         y = y.transpose(1, 2) + (correction * F.silu(z.to(compute))).to(y.dtype)  # (2B, c, Di)
         return sp.from_pieces(self.out_proj(y))  # (B, L, d_model)
 
-    def _document_conv(self, x: torch.Tensor, document_ids: torch.Tensor) -> torch.Tensor:
-        """The causal depthwise conv of x (B, Di, L) where tap j (input t - j) counts only when t - j is in t's
-        document. Written as K shifted products (K = d_conv, 4): nn.Conv1d has no per-position masking."""
-        K, L = self.conv1d.kernel_size[0], x.shape[-1]
-        w = self.conv1d.weight[:, 0]  # (Di, K): tap K - 1 is the current input
-        out = x * w[:, K - 1, None]
-        for j in range(1, min(K, L)):
-            same = (document_ids[:, j:] == document_ids[:, :-j])[:, None]  # (B, 1, L - j)
-            out[..., j:] = out[..., j:] + x[..., :-j] * w[:, K - 1 - j, None] * same
-        return out if self.conv1d.bias is None else out + self.conv1d.bias[:, None]
-
     def _forward_recurrent(self, x: torch.Tensor, state: MambaState) -> torch.Tensor:
-        """The inference path: the conv continues from `state.conv`, the SSM from `state.ssm`, one step per
-        position (the training scan starts from h = 0 and does not return its final state); updates `state`."""
+        """The inference path: the conv continues from `state.conv`, the scan from `state.ssm` (any number of new
+        positions: the prompt, then one per step); updates `state`."""
         x, z = self.in_proj(x).chunk(2, dim=-1)  # (B, L, Di) each
-        xc = torch.cat([state.conv, x.transpose(1, 2)], dim=-1)  # (B, Di, K - 1 + L)
-        state.conv = xc[..., xc.shape[-1] - state.conv.shape[-1] :]
-        x = F.silu(F.conv1d(xc, self.conv1d.weight, self.conv1d.bias, groups=self.d_inner))  # (B, Di, L)
-
-        dt, B, C, A = self._ssm_inputs(x.transpose(1, 2))
-        compute = state.ssm.dtype
-        u = x.transpose(1, 2).to(compute)  # (B, L, Di)
-        delta = F.softplus(dt.to(compute) + self.dt_proj.bias.to(compute))  # (B, L, Di)
-        B, C = B.to(compute), C.to(compute)
-        h, ys = state.ssm, []
-        for t in range(u.shape[1]):
-            h = torch.exp(delta[:, t, :, None] * A) * h + (delta[:, t] * u[:, t])[..., None] * B[:, t, None, :]
-            ys.append(torch.einsum("bdn,bn->bd", h, C[:, t]))  # (B, Di)
-        state.ssm = h
-        y = (torch.stack(ys, dim=1) + self.D.to(compute) * u) * F.silu(z.to(compute))  # (B, L, Di)
-        return self.out_proj(y.to(x.dtype))  # (B, L, d_model)
+        x, state.conv = causal_conv_step(state.conv, x.transpose(1, 2), self.conv1d.weight, self.conv1d.bias)
+        (y, state.ssm), *_ = self._conv_out_scan(x, z, None, final=True, initial_state=state.ssm)  # (B, Di, L)
+        return self.out_proj(y.transpose(1, 2))  # (B, L, d_model)
 
 
 # ------------------------------------------------------------------------------------------ the kind

@@ -19,8 +19,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_dist.config.errors import require
-from moe_dist.layers.kernel_choice import Kernel, resolve, why_no_fla
+from moe_dist.layers.causal_conv import causal_conv, causal_conv_step
+from moe_dist.layers.kernel_choice import Kernel, recurrent_kernel
 from moe_dist.layers.kind import LayerKind, TensorSplit, piece_collectives
+from moe_dist.layers.norm import GatedRMSNorm
 from moe_dist.layers.ssd import ssd_scan
 from moe_dist.layers.step_size import inverse_softplus_step_sizes
 from moe_dist.parallel import state_passing as sp
@@ -58,15 +60,14 @@ class Mamba2Config:
 def scan_kernel(impl: str, device: torch.device | str = "cpu", chunk_size: int = 64, d_state: int = 128) -> Kernel:
     """`model.mamba2.impl` for a layer built for `device`, with `ssd_scan_ref`'s signature: the chunked PyTorch SSD
     (`moe_dist.layers.ssd`), or fla-core's chunked Triton kernels (`moe_dist.layers.fla_ops`; see there why)."""
+    fla_key_dim = ("model.mamba2.d_state", d_state)
+    return recurrent_kernel(impl, "model.mamba2.impl", device, ssd_scan, chunk_size, _fla_ssd, "SSD scan", fla_key_dim)
 
-    def kernel():
-        from moe_dist.layers.fla_ops import fla_ssd_scan
 
-        return fla_ssd_scan
+def _fla_ssd():
+    from moe_dist.layers.fla_ops import fla_ssd_scan  # lazy: imported only when chosen (resolve)
 
-    torch_fn = functools.partial(ssd_scan, chunk_size=chunk_size)
-    why_not = why_no_fla(d_state, "model.mamba2.d_state")
-    return resolve(impl, "model.mamba2.impl", device, torch_fn, kernel, "SSD scan", why_not)
+    return fla_ssd_scan
 
 
 @dataclass
@@ -75,43 +76,6 @@ class Mamba2State:
 
     conv: torch.Tensor  # (B, conv_dim, d_conv - 1): the conv's last inputs (x, B, C channels), oldest first
     ssm: torch.Tensor  # (B, H, P, N): the SSM state per head, in fp32 (at least), as the scan returns it
-
-
-class GatedRMSNorm(nn.Module):
-    """y · silu(z), RMS-normalized over each of `groups` equal slices of the last dim, times `weight` (Mamba-2's
-    norm_before_gate=False, the form transformers' Mamba2, NemotronH and GraniteMoeHybrid use). fp32 inside."""
-
-    def __init__(self, dim: int, groups: int, eps: float):
-        super().__init__()
-        self.groups, self.eps = groups, eps
-        self.weight = nn.Parameter(torch.empty(dim))
-
-    def init_weights(self) -> None:
-        with torch.no_grad():
-            self.weight.fill_(1.0)
-
-    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        compute = torch.promote_types(y.dtype, torch.float32)
-        h = y.to(compute) * F.silu(z.to(compute))  # (..., Di)
-        h = h.unflatten(-1, (self.groups, -1))  # (..., G, Di / G)
-        h = (h * torch.rsqrt(self._mean_square(h) + self.eps)).flatten(-2)
-        return self.weight * h.to(y.dtype)
-
-    def _mean_square(self, h: torch.Tensor) -> torch.Tensor:
-        """Each group's mean square (..., G, 1): the statistics apply_tp sums over ranks when a group spans them."""
-        return h.pow(2).mean(-1, keepdim=True)
-
-
-def _document_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], document_ids: torch.Tensor):
-    """The causal depthwise conv of x (B, C, L) where tap j (input t - j) counts only when t - j is in t's document
-    (weight (C, 1, K), tap K - 1 the current input); K shifted products, as nn.Conv1d has no per-position mask."""
-    K, L = weight.shape[-1], x.shape[-1]
-    w = weight[:, 0]  # (C, K)
-    out = x * w[:, K - 1, None]
-    for j in range(1, min(K, L)):
-        same = (document_ids[:, j:] == document_ids[:, :-j])[:, None]  # (B, 1, L - j)
-        out[..., j:] = out[..., j:] + x[..., :-j] * w[:, K - 1 - j, None] * same
-    return out if bias is None else out + bias[:, None]
 
 
 class Mamba2(nn.Module):
@@ -142,7 +106,7 @@ class Mamba2(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(self.n_heads))  # inside the softplus: dt = softplus(dt + dt_bias)
         self.A_log = nn.Parameter(torch.empty(self.n_heads))  # A = -exp(A_log) < 0 keeps the SSM stable
         self.D = nn.Parameter(torch.empty(self.n_heads))  # skip connection x → y per head
-        self.norm = GatedRMSNorm(self.d_inner, self.n_groups, norm_eps)
+        self.norm = GatedRMSNorm(self.d_inner, norm_eps, gate_first=True, groups=self.n_groups)
         self.out_proj = nn.Linear(self.d_inner, d_model, bias=cfg.proj_bias)
 
     @property
@@ -191,20 +155,16 @@ class Mamba2(nn.Module):
             if cache is not None:
                 raise ValueError("Mamba2: a context-parallel shard and an inference cache do not combine")
             return self._forward_cp(x, shard, document_ids)
-        batch, seqlen, _ = x.shape
         z, xBC, dt = self.in_proj(x).split([self.d_inner, self.conv_dim, self.n_heads], dim=-1)
         xBC = xBC.transpose(1, 2)  # (B, conv_dim, L)
         reset = None
         if cache is not None:
-            window = torch.cat([cache.conv, xBC], dim=-1)  # (B, conv_dim, K - 1 + L)
-            cache.conv = window[..., window.shape[-1] - cache.conv.shape[-1] :]
-            xBC = F.conv1d(window, self.conv1d.weight, self.conv1d.bias, groups=self.conv_dim)
-        elif document_ids is None:
-            xBC = self.conv1d(xBC)[..., :seqlen]  # right padding dropped → causal
+            xBC, cache.conv = causal_conv_step(cache.conv, xBC, self.conv1d.weight, self.conv1d.bias)
         else:
-            xBC = _document_conv(xBC, self.conv1d.weight, self.conv1d.bias, document_ids)
-            reset = torch.zeros_like(document_ids, dtype=torch.bool)  # (B, L): True at a document start
-            reset[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+            xBC = causal_conv(xBC, self.conv1d.weight, self.conv1d.bias, document_ids)
+            if document_ids is not None:
+                reset = torch.zeros_like(document_ids, dtype=torch.bool)  # (B, L): True at a document start
+                reset[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
         xs, dt, A, B, C = self._ssm_inputs(xBC, dt)
         y, state = self.scan(
             xs, dt, A, B, C, D=self.D, initial_state=None if cache is None else cache.ssm, reset=reset
@@ -235,10 +195,7 @@ class Mamba2(nn.Module):
         K = self.conv1d.kernel_size[0]
         z, xBC, dt = self.in_proj(sp.to_pieces(x)).split([self.d_inner, self.conv_dim, self.n_heads], dim=-1)
         window, window_ids = sp.conv_window(shard, xBC.transpose(1, 2), K - 1, document_ids)
-        if window_ids is None:
-            xBC = F.conv1d(window, self.conv1d.weight, self.conv1d.bias, groups=self.conv_dim)  # (2B, conv_dim, c)
-        else:
-            xBC = _document_conv(window, self.conv1d.weight, self.conv1d.bias, window_ids)[..., K - 1 :]
+        xBC = causal_conv(window, self.conv1d.weight, self.conv1d.bias, window_ids, primed=True)  # (2B, conv_dim, c)
         reset = sp.piece_resets(shard, document_ids)  # (2B, c) or None
         xs, dt, A, B, C = self._ssm_inputs(xBC, dt)
         y, final = self.scan(xs, dt, A, B, C, D=self.D, reset=reset)  # (2B, c, H, P), (2B, H, P, N)
@@ -384,7 +341,7 @@ class _SpanningGroupNorm(GatedRMSNorm):
 
     def __init__(self, norm: GatedRMSNorm, tp: TensorSplit, span: int, own: int):
         nn.Module.__init__(self)
-        self.groups, self.eps, self.weight = 1, norm.eps, norm.weight
+        self.groups, self.eps, self.gate_first, self.weight = 1, norm.eps, norm.gate_first, norm.weight
         self.tp, self.span, self.own = tp, span, own
 
     def _mean_square(self, h: torch.Tensor) -> torch.Tensor:
