@@ -23,6 +23,7 @@ from torch import nn
 from moe_dist.parallel import private_api
 
 GROUP = "ep_size_test"  # a name no training layout uses
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -317,3 +318,18 @@ def test_torch_optimizer_step_is_held_back_too(world):
     _backward(engine, 1)
     engine.step()
     assert all(not torch.equal(before[n], p) for n, p in model.named_parameters())
+
+
+def test_declared_deepspeed_is_the_checked_one_and_installed():
+    """pyproject.toml admits exactly the DeepSpeed release private_api was checked against (a range would let a
+    fresh install pick a version the overlaps refuse), and that is the one installed."""
+    from importlib.metadata import version
+
+    from packaging.requirements import Requirement
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11 on
+    declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    (req,) = [r for r in map(Requirement, declared) if r.name == "deepspeed"]
+    assert [(s.operator, s.version) for s in req.specifier] == [("==", private_api.CHECKED_AGAINST["deepspeed"])]
+    assert req.specifier.contains(version("deepspeed"))
+    assert private_api.deepspeed_version_unchecked_for_overlap() is None
