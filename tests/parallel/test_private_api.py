@@ -9,6 +9,7 @@ integration at real layouts.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -200,6 +201,12 @@ def test_zero_engine_reduces_the_expert_group_over_its_edp_group_and_skips_witho
     opt = engine.optimizer
     expert_index = next(i for i, g in enumerate(opt.optimizer.param_groups) if g.get("moe"))
     assert opt.real_dp_process_group[expert_index] is edp  # ZeRO reduces and partitions it over our EDP group
+    inner = private_api.inner_optimizer(engine)
+    assert isinstance(inner, torch.optim.AdamW) and inner.param_groups[expert_index].get("moe")
+    # the tensors its Adam state is keyed by: one fp32 partition per group
+    partitions = private_api.zero_fp32_partitions(engine)
+    assert [p for g in inner.param_groups for p in g["params"]] == partitions
+    assert all(t.dtype == torch.float32 and t.dim() == 1 for t in partitions)
 
     _backward(engine, 0)
     grads = private_api.reduced_gradient_partitions(opt)
@@ -309,6 +316,8 @@ def test_overlapped_zero1_reduces_the_steps_sum_over_several_buckets(world):
 
 def test_torch_optimizer_step_is_held_back_too(world):
     engine, model = _engine(0, None)
+    assert private_api.inner_optimizer(engine) is engine.optimizer  # no wrapper at ZeRO 0 in fp32
+    assert private_api.zero_fp32_partitions(engine) is None and private_api.zero_weight_buffers(engine) is None
     assert private_api.reduced_gradient_partitions(engine.optimizer) is None  # gradients live in p.grad
     _backward(engine, 0)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -318,6 +327,47 @@ def test_torch_optimizer_step_is_held_back_too(world):
     _backward(engine, 1)
     engine.step()
     assert all(not torch.equal(before[n], p) for n, p in model.named_parameters())
+
+
+def test_weight_buffers_and_the_step_without_its_gather(expert_groups):
+    """ZeRO 1's flat bf16 buffers hold every parameter of their group within the partitions of their group's
+    ranks; with the gather replaced, an applied step asks for it once (`gather()`, after `before_step()`), a step
+    held back does not, and the weights a world of one ends with are the plain step's, bit for bit (its single
+    partition is the whole buffer: the step itself writes it)."""
+    from deepspeed.runtime.zero import stage_1_and_2
+
+    _, edp = expert_groups
+    trained = {}
+    for replaced in (False, True):
+        with private_api.zero1_keeps_its_optimizer():
+            engine, model = _engine(1, GROUP, bf16=True)
+        buffers = private_api.zero_weight_buffers(engine)
+        assert buffers is not None and {id(p) for b in buffers for p in b.params} == {id(p) for p in model.parameters()}
+        assert any(b.group is edp for b in buffers) and any(b.group is not edp for b in buffers)
+        for b in buffers:
+            assert b.flat.dtype == torch.bfloat16 and b.partition_numel * dist.get_world_size(b.group) == b.flat.numel()
+            start, size = b.flat.data_ptr(), b.flat.element_size()
+            for p in b.params:
+                assert start <= p.data_ptr() and p.data_ptr() + p.numel() * size <= start + b.flat.numel() * size
+        calls = []
+        plain_gather = stage_1_and_2.all_gather_dp_groups
+        if replaced:
+            private_api.replace_zero_weight_gather(
+                engine,
+                gather=functools.partial(calls.append, "gather"),
+                before_step=functools.partial(calls.append, "before"),
+            )
+        for seed in range(2):
+            x = torch.randn(3, 4, generator=torch.Generator().manual_seed(seed)).bfloat16()
+            engine.backward(engine(x))
+            if seed == 0:
+                engine.step()
+            else:
+                assert private_api.step_without_update(engine)
+            assert stage_1_and_2.all_gather_dp_groups is plain_gather  # put back after each step
+        assert calls == (["before", "gather", "before"] if replaced else [])
+        trained[replaced] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert all(torch.equal(trained[True][n], trained[False][n]) for n in trained[False])
 
 
 def test_declared_deepspeed_is_the_checked_one_and_installed():
