@@ -1,10 +1,12 @@
 """Every private or undocumented API of DeepSpeed and torch that moe_dist relies on, in one file.
 
-Checked against deepspeed 0.19.8 and torch 2.13.0 (CPU build), the versions the CPU machines install. Each
+Checked against deepspeed 0.19.8 and torch 2.13.0 (CPU build), the versions the CPU machines install
+(`CHECKED_AGAINST`; pyproject.toml pins deepspeed to exactly that release, and a test holds the two equal). Each
 function names what it reaches into and what breaks when that changes. tests/parallel/test_private_api.py runs
 every function against the installed versions in one process (no spawned world, in the quick subset); the
 end-to-end equivalence tests (EP, TP and ZeRO runs == one process) prove the integration as a whole. When
-upgrading either library, read this file first: nothing else in moe_dist touches their internals.
+upgrading either library, read this file first: nothing else in moe_dist/, launch/ or benchmarks/ touches
+DeepSpeed's internals (test_private_api.py scans them for it), and nothing else in moe_dist/ torch.distributed's.
 
 DeepSpeed and torch are imported inside the functions: `import deepspeed` probes the accelerator, and this
 module is imported by mesh.py, which the index-math tests load without a process group.
