@@ -418,9 +418,9 @@ def replace_zero_weight_gather(engine, gather: Callable[[], None], before_step: 
     ends with `all_gather_dp_groups(groups_flat=self.bit16_groups_flat, ...)`, the module-level function that
     runtime/zero/stage_1_and_2.py imports from runtime/utils.py; it is replaced in that module, for the duration
     of this optimizer's `step` only, by a recorder (the optimizer's `step` is shadowed on the instance). Nothing
-    else calls it during the step. If the step stops calling it there, `gather()` never runs and the ranks train
-    on stale weights (the equivalence test diverges from step 2); if the name moves, the first step raises
-    AttributeError.
+    else calls it during the step. If the step gathers another way, `gather()` never runs: the overlap is lost, or,
+    with no gather left, the ranks train on stale weights (the equivalence test diverges from step 2); if the
+    name moves, the first step raises AttributeError.
     """
     from deepspeed.runtime.zero import stage_1_and_2
 
