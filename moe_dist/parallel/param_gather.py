@@ -9,23 +9,17 @@ module by module in forward order, asynchronously, and each module's forward wai
 own regions: the first layers compute while the later ones are still on the wire. Every rank receives the same
 bytes as from the all-gather (the buffer less its partition) and ends with the same values, bit for bit.
 
-deepspeed 0.19.8 (`private_api.CHECKED_AGAINST`; other versions are refused by the config check): the step's
-gather is the module-level `all_gather_dp_groups` that stage_1_and_2 imports, replaced by a recorder for the
-duration of this optimizer's `step` only; the buffers are `bit16_groups_flat`, the partitions
-`parallel_partitioned_bit16_groups`, the groups `real_dp_process_group`. If they move, construction raises
-AttributeError; if their meaning does, the equivalence test (test_grad_reduce.py, bitwise against the plain
-gather) fails.
+What this reads of DeepSpeed's optimizer and how the step's own gather is held back are private: both live in
+private_api.py (`zero_weight_buffers`, `replace_zero_weight_gather`), which says what they touch.
 """
 
 from __future__ import annotations
-
-from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from moe_dist.parallel import comm
+from moe_dist.parallel import comm, private_api
 
 
 def _regions(flat: torch.Tensor, params: list[torch.Tensor]) -> list[tuple[int, int]]:
@@ -58,26 +52,25 @@ class DeferredGather:
     forward (see the module docstring). `wait_all` finishes whatever is in flight (before anything reads every
     parameter outside a forward: a checkpoint, the end of the run)."""
 
-    def __init__(self, optimizer, model: nn.Module):
-        self.opt = optimizer
+    def __init__(self, buffers: list[private_api.ZeroWeightBuffer], model: nn.Module):
+        self.buffers = buffers
         self.pending: dict[int, list] = {}  # id(module) -> works in flight
         modules = forward_order(model)
         self.plan: list[tuple[nn.Module, list[tuple[int, int, int]]]] = []  # module, [(group, start, end)]
         covered = set()
         for m in modules:
             ranges, ids = [], {id(q) for q in m.parameters()}
-            for g, (flat, group_params) in enumerate(zip(optimizer.bit16_groups_flat, optimizer.bit16_groups)):
-                mine = [p for p in group_params if id(p) in ids]
+            for g, buf in enumerate(buffers):
+                mine = [p for p in buf.params if id(p) in ids]
                 covered.update(id(p) for p in mine)
-                ranges += [(g, a, b) for a, b in _regions(flat, mine)]
+                ranges += [(g, a, b) for a, b in _regions(buf.flat, mine)]
             self.plan.append((m, ranges))
             m.register_forward_pre_hook(lambda mod, args: self._wait(mod))
-        rest = [(g, p) for g, ps in enumerate(optimizer.bit16_groups) for p in ps if id(p) not in covered]
+        rest = [(g, p) for g, buf in enumerate(buffers) for p in buf.params if id(p) not in covered]
         if rest:  # parameters outside those modules: gathered with the first
             first, ranges = self.plan[0]
             for g in {g for g, _ in rest}:
-                flat = optimizer.bit16_groups_flat[g]
-                ranges += [(g, a, b) for a, b in _regions(flat, [p for h, p in rest if h == g])]
+                ranges += [(g, a, b) for a, b in _regions(buffers[g].flat, [p for h, p in rest if h == g])]
 
     def _wait(self, module: nn.Module) -> None:
         for work in self.pending.pop(id(module), []):
@@ -89,16 +82,13 @@ class DeferredGather:
 
     def issue(self) -> None:
         """The broadcasts of every module's regions from their owners, in forward order."""
-        opt = self.opt
         for m, ranges in self.plan:
             works = []
             for g, a, b in ranges:
-                group = opt.real_dp_process_group[g]
+                flat, _, part, group = self.buffers[g]
                 world = dist.get_world_size(group=group)
                 if world == 1:
                     continue
-                part = opt.parallel_partitioned_bit16_groups[g][0].numel()
-                flat = opt.bit16_groups_flat[g]
                 for owner in range(a // part, min(world, (b - 1) // part + 1)):
                     lo, hi = max(a, owner * part), min(b, (owner + 1) * part)
                     src = dist.get_global_rank(group, owner)
@@ -106,38 +96,13 @@ class DeferredGather:
             self.pending[id(m)] = works
 
 
-@contextmanager
-def _gather_recorded(asked: list):
-    """Within: stage_1_and_2's `all_gather_dp_groups` records that the step asked for the gather and gathers nothing."""
-    from deepspeed.runtime.zero import stage_1_and_2
-
-    plain = stage_1_and_2.all_gather_dp_groups
-    stage_1_and_2.all_gather_dp_groups = lambda **kwargs: asked.append(True)
-    try:
-        yield
-    finally:
-        stage_1_and_2.all_gather_dp_groups = plain
-
-
 def defer_parameter_gather(engine) -> DeferredGather | None:
-    """On this engine (ZeRO 1/2's DeepSpeedZeroOptimizer): each step's parameter gather becomes a DeferredGather's
-    broadcasts, issued when the step returns; None where the optimizer is another."""
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-
-    opt = engine.optimizer
-    if not isinstance(opt, DeepSpeedZeroOptimizer):
+    """On this engine (ZeRO 1/2's optimizer): each step's parameter gather becomes a DeferredGather's broadcasts,
+    issued when the step returns; None where the optimizer keeps no flat weight buffers."""
+    buffers = private_api.zero_weight_buffers(engine)
+    if buffers is None:
         return None
-    deferred = DeferredGather(opt, engine.module)
-    plain_step = opt.step
-
-    def step(*args, **kwargs):
-        deferred.wait_all()  # a step without a forward since the last (nothing is in flight then, normally)
-        asked: list = []
-        with _gather_recorded(asked):
-            out = plain_step(*args, **kwargs)
-        if asked:  # the step applied an update (a skipped one gathers nothing)
-            deferred.issue()
-        return out
-
-    opt.step = step
+    deferred = DeferredGather(buffers, engine.module)
+    # a step without a forward since the last waits for what is in flight first (nothing, normally)
+    private_api.replace_zero_weight_gather(engine, gather=deferred.issue, before_step=deferred.wait_all)
     return deferred

@@ -1,10 +1,12 @@
 """Every private or undocumented API of DeepSpeed and torch that moe_dist relies on, in one file.
 
-Checked against deepspeed 0.19.8 and torch 2.13.0 (CPU build), the versions the CPU machines install. Each
+Checked against deepspeed 0.19.8 and torch 2.13.0 (CPU build), the versions the CPU machines install
+(`CHECKED_AGAINST`; pyproject.toml pins deepspeed to exactly that release, and a test holds the two equal). Each
 function names what it reaches into and what breaks when that changes. tests/parallel/test_private_api.py runs
 every function against the installed versions in one process (no spawned world, in the quick subset); the
 end-to-end equivalence tests (EP, TP and ZeRO runs == one process) prove the integration as a whole. When
-upgrading either library, read this file first: nothing else in moe_dist touches their internals.
+upgrading either library, read this file first: nothing else in moe_dist/, launch/ or benchmarks/ touches
+DeepSpeed's internals (test_private_api.py scans them for it), and nothing else in moe_dist/ torch.distributed's.
 
 DeepSpeed and torch are imported inside the functions: `import deepspeed` probes the accelerator, and this
 module is imported by mesh.py, which the index-math tests load without a process group.
@@ -15,7 +17,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+from collections.abc import Callable
 from datetime import timedelta
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -142,6 +146,28 @@ def has_partitioned_fp32_state(p: nn.Parameter) -> bool:
     return hasattr(p, "_hp_mapping")
 
 
+def inner_optimizer(engine) -> torch.optim.Optimizer:
+    """The torch optimizer we handed `deepspeed.initialize`, whose `state` and `param_groups` hold the Adam moments
+    and learning rates (under ZeRO 1/2 keyed by the fp32 partitions, `zero_fp32_partitions`).
+
+    deepspeed 0.19.8: its wrappers (DeepSpeedZeroOptimizer, BF16_Optimizer, FP16_Optimizer) keep it as their
+    `optimizer` attribute; without a wrapper (ZeRO 0 in fp32) `engine.optimizer` is the torch optimizer itself. If
+    the attribute moves, this returns the wrapper, whose `state` is empty: checkpoints miss the moments and the
+    exact-resume tests fail.
+    """
+    return getattr(engine.optimizer, "optimizer", engine.optimizer)
+
+
+def zero_fp32_partitions(engine) -> list[torch.Tensor] | None:
+    """ZeRO 1/2: the fp32 master-weight partitions this rank updates, one flat tensor per parameter group (the
+    parameters of `inner_optimizer(engine)`); None for an optimizer that updates the parameters themselves.
+
+    deepspeed 0.19.8: DeepSpeedZeroOptimizer's `single_partition_of_fp32_groups`. If it moves, this returns None
+    and a resumed run creates its Adam state on the bf16 parameters instead: the exact-resume tests fail.
+    """
+    return getattr(engine.optimizer, "single_partition_of_fp32_groups", None)
+
+
 def relink_zero_optimizer_state(optimizer) -> None:
     """(Re)build ZeRO 1/2's per-parameter views of the partitioned Adam state (no-op for other optimizers).
 
@@ -241,12 +267,20 @@ def zero1_keeps_its_optimizer():
 
 
 def deepspeed_version_unchecked_for_overlap() -> str | None:
-    """The installed DeepSpeed version when it is not the one `overlap_zero1_reduction` was checked against, else
-    None (read from the package's metadata: no `import deepspeed`, which probes the accelerator)."""
+    """The installed DeepSpeed version when it is not the one `overlap_zero1_reduction` and
+    `replace_zero_weight_gather` were checked against (and pyproject.toml pins), else None (read from the
+    package's metadata: no `import deepspeed`, which probes the accelerator). Only an install that bypassed the
+    pin (`--no-deps`, a machine's own DeepSpeed) gets another."""
     from importlib.metadata import version
 
     installed = version("deepspeed")
     return None if installed == CHECKED_AGAINST["deepspeed"] else installed
+
+
+def _require_checked_deepspeed(what: str) -> None:
+    unchecked = deepspeed_version_unchecked_for_overlap()
+    if unchecked is not None:
+        raise RuntimeError(f"{what} is checked against deepspeed {CHECKED_AGAINST['deepspeed']}, not {unchecked}")
 
 
 def overlap_zero1_reduction(engine) -> None:
@@ -289,11 +323,7 @@ def overlap_zero1_reduction(engine) -> None:
     opt = engine.optimizer
     if not isinstance(opt, DeepSpeedZeroOptimizer) or not opt.overlap_comm or opt.partition_gradients:
         return
-    unchecked = deepspeed_version_unchecked_for_overlap()
-    if unchecked is not None:
-        raise RuntimeError(
-            f"ZeRO 1 overlap is checked against deepspeed {CHECKED_AGAINST['deepspeed']}, not {unchecked}"
-        )
+    _require_checked_deepspeed("ZeRO 1 overlap")
     plain_backward, plain_copy, plain_reduce = engine.backward, opt.allreduce_and_copy, opt.reduce_gradients
     pending = []  # (work, flat sum, the bucket's tensors (shapes), this rank's partition slices or None)
 
@@ -340,6 +370,78 @@ def overlap_zero1_reduction(engine) -> None:
         pending.clear()
 
     engine.backward, opt.allreduce_and_copy, opt.reduce_gradients = backward, allreduce_and_copy, reduce_gradients
+
+
+# ------------------------------------------------------------------ ZeRO 1/2's gather of the updated weights, deferred
+
+
+class ZeroWeightBuffer(NamedTuple):
+    """One parameter group's low-precision weights under ZeRO 1/2: `flat` holds every parameter of `params` (views
+    into it), cut into equal contiguous partitions of `partition_numel` elements, the i-th updated by rank i of
+    `group` (the group's data-parallel or expert-data-parallel group)."""
+
+    flat: torch.Tensor
+    params: list[nn.Parameter]
+    partition_numel: int
+    group: dist.ProcessGroup
+
+
+def zero_weight_buffers(engine) -> list[ZeroWeightBuffer] | None:
+    """The flat weight buffers of the engine's ZeRO 1/2 optimizer, one per parameter group; None for another
+    optimizer (ZeRO 0, BF16_Optimizer), which has none.
+
+    deepspeed 0.19.8: DeepSpeedZeroOptimizer's `bit16_groups_flat` (the buffers), `bit16_groups` (their
+    parameters), `parallel_partitioned_bit16_groups` (each buffer's partitions, views into it) and
+    `real_dp_process_group` (each group's process group), read once: their tensors, sizes and groups do not
+    change after construction. If they move, this raises AttributeError; if their meaning does, the deferred
+    gather's equivalence test (test_grad_reduce.py, bitwise against DeepSpeed's own gather) fails.
+    """
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    opt = engine.optimizer
+    if not isinstance(opt, DeepSpeedZeroOptimizer):
+        return None
+    return [
+        ZeroWeightBuffer(flat, list(params), parts[0].numel(), group)
+        for flat, params, parts, group in zip(
+            opt.bit16_groups_flat, opt.bit16_groups, opt.parallel_partitioned_bit16_groups, opt.real_dp_process_group
+        )
+    ]
+
+
+def replace_zero_weight_gather(engine, gather: Callable[[], None], before_step: Callable[[], None]) -> None:
+    """Each step of the engine's ZeRO 1/2 optimizer (`zero_weight_buffers` not None): `before_step()`, then the
+    step without its all-gather of the updated weights, then `gather()` where the step applied an update (it
+    asked for the all-gather); a skipped step (overflow, `step_without_update`) gathers nothing either way.
+
+    deepspeed 0.19.8 (refused otherwise: `deepspeed_version_unchecked_for_overlap`): DeepSpeedZeroOptimizer.step
+    ends with `all_gather_dp_groups(groups_flat=self.bit16_groups_flat, ...)`, the module-level function that
+    runtime/zero/stage_1_and_2.py imports from runtime/utils.py; it is replaced in that module, for the duration
+    of this optimizer's `step` only, by a recorder (the optimizer's `step` is shadowed on the instance). Nothing
+    else calls it during the step. If the step gathers another way, `gather()` never runs: the overlap is lost, or,
+    with no gather left, the ranks train on stale weights (the equivalence test diverges from step 2); if the
+    name moves, the first step raises AttributeError.
+    """
+    from deepspeed.runtime.zero import stage_1_and_2
+
+    _require_checked_deepspeed("train.param_gather_overlap")
+    opt = engine.optimizer
+    plain_step = opt.step
+
+    def step(*args, **kwargs):
+        before_step()
+        asked: list = []
+        plain_gather = stage_1_and_2.all_gather_dp_groups
+        stage_1_and_2.all_gather_dp_groups = lambda **kw: asked.append(True)
+        try:
+            out = plain_step(*args, **kwargs)
+        finally:
+            stage_1_and_2.all_gather_dp_groups = plain_gather
+        if asked:
+            gather()
+        return out
+
+    opt.step = step
 
 
 # ------------------------------------------------------------------------------ torch.distributed internals

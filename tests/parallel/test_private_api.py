@@ -9,6 +9,8 @@ integration at real layouts.
 
 from __future__ import annotations
 
+import ast
+import functools
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -23,6 +25,7 @@ from torch import nn
 from moe_dist.parallel import private_api
 
 GROUP = "ep_size_test"  # a name no training layout uses
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -199,6 +202,12 @@ def test_zero_engine_reduces_the_expert_group_over_its_edp_group_and_skips_witho
     opt = engine.optimizer
     expert_index = next(i for i, g in enumerate(opt.optimizer.param_groups) if g.get("moe"))
     assert opt.real_dp_process_group[expert_index] is edp  # ZeRO reduces and partitions it over our EDP group
+    inner = private_api.inner_optimizer(engine)
+    assert isinstance(inner, torch.optim.AdamW) and inner.param_groups[expert_index].get("moe")
+    # the tensors its Adam state is keyed by: one fp32 partition per group
+    partitions = private_api.zero_fp32_partitions(engine)
+    assert [p for g in inner.param_groups for p in g["params"]] == partitions
+    assert all(t.dtype == torch.float32 and t.dim() == 1 for t in partitions)
 
     _backward(engine, 0)
     grads = private_api.reduced_gradient_partitions(opt)
@@ -308,6 +317,8 @@ def test_overlapped_zero1_reduces_the_steps_sum_over_several_buckets(world):
 
 def test_torch_optimizer_step_is_held_back_too(world):
     engine, model = _engine(0, None)
+    assert private_api.inner_optimizer(engine) is engine.optimizer  # no wrapper at ZeRO 0 in fp32
+    assert private_api.zero_fp32_partitions(engine) is None and private_api.zero_weight_buffers(engine) is None
     assert private_api.reduced_gradient_partitions(engine.optimizer) is None  # gradients live in p.grad
     _backward(engine, 0)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -317,3 +328,225 @@ def test_torch_optimizer_step_is_held_back_too(world):
     _backward(engine, 1)
     engine.step()
     assert all(not torch.equal(before[n], p) for n, p in model.named_parameters())
+
+
+def test_weight_buffers_and_the_step_without_its_gather(expert_groups):
+    """ZeRO 1's flat bf16 buffers hold every parameter of their group within the partitions of their group's
+    ranks; with the gather replaced, an applied step asks for it once (`gather()`, after `before_step()`), a step
+    held back does not, and the weights a world of one ends with are the plain step's, bit for bit (its single
+    partition is the whole buffer: the step itself writes it)."""
+    from deepspeed.runtime.zero import stage_1_and_2
+
+    _, edp = expert_groups
+    trained = {}
+    for replaced in (False, True):
+        with private_api.zero1_keeps_its_optimizer():
+            engine, model = _engine(1, GROUP, bf16=True)
+        buffers = private_api.zero_weight_buffers(engine)
+        assert buffers is not None and {id(p) for b in buffers for p in b.params} == {id(p) for p in model.parameters()}
+        assert any(b.group is edp for b in buffers) and any(b.group is not edp for b in buffers)
+        for b in buffers:
+            assert b.flat.dtype == torch.bfloat16 and b.partition_numel * dist.get_world_size(b.group) == b.flat.numel()
+            start, size = b.flat.data_ptr(), b.flat.element_size()
+            for p in b.params:
+                assert start <= p.data_ptr() and p.data_ptr() + p.numel() * size <= start + b.flat.numel() * size
+        calls = []
+        plain_gather = stage_1_and_2.all_gather_dp_groups
+        if replaced:
+            private_api.replace_zero_weight_gather(
+                engine,
+                gather=functools.partial(calls.append, "gather"),
+                before_step=functools.partial(calls.append, "before"),
+            )
+        for seed in range(2):
+            x = torch.randn(3, 4, generator=torch.Generator().manual_seed(seed)).bfloat16()
+            engine.backward(engine(x))
+            if seed == 0:
+                engine.step()
+            else:
+                assert private_api.step_without_update(engine)
+            assert stage_1_and_2.all_gather_dp_groups is plain_gather  # put back after each step
+        assert calls == (["before", "gather", "before"] if replaced else [])
+        trained[replaced] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert all(torch.equal(trained[True][n], trained[False][n]) for n in trained[False])
+
+
+def test_declared_deepspeed_is_the_checked_one_and_installed():
+    """pyproject.toml admits exactly the DeepSpeed release private_api was checked against (a range would let a
+    fresh install pick a version the overlaps refuse), and that is the one installed."""
+    from importlib.metadata import version
+
+    from packaging.requirements import Requirement
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11 on
+    declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    (req,) = [r for r in map(Requirement, declared) if r.name == "deepspeed"]
+    assert [(s.operator, s.version) for s in req.specifier] == [("==", private_api.CHECKED_AGAINST["deepspeed"])]
+    assert req.specifier.contains(version("deepspeed"))
+    assert private_api.deepspeed_version_unchecked_for_overlap() is None
+
+
+# ------------------------------------------------------------------------------ DeepSpeed internals elsewhere
+
+
+# DeepSpeed's marks on parameters besides its `ds_*` ones (ZeRO 3's, the pipeline engine's): ZeRO 1/2's mapping
+PARAMETER_MARKS = {"_hp_mapping"}
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _internal(path: str) -> bool:
+    """A dotted DeepSpeed path that is no public API: under deepspeed.runtime or deepspeed.utils.groups (the expert
+    group registries), or through a `_` name."""
+    parts = path.split(".")
+    return "runtime" in parts or parts[:3] == ["deepspeed", "utils", "groups"] or any(_private(p) for p in parts)
+
+
+def _dotted(node: ast.AST) -> tuple[str, list[str]] | None:
+    """`a.b.c` as ("a", ["b", "c"]); None for anything but names and attributes."""
+    attrs = []
+    while isinstance(node, ast.Attribute):
+        attrs.append(node.attr)
+        node = node.value
+    return (node.id, attrs[::-1]) if isinstance(node, ast.Name) else None
+
+
+def deepspeed_reaches(source: str) -> list[str]:
+    """Each reach into DeepSpeed internals in `source`, as "line: what": an import or attribute path of deepspeed
+    through `runtime`, `utils.groups` or a `_` name; an assignment into a DeepSpeed module or class (patching it);
+    a `_` attribute of an engine or optimizer, or an engine's method replaced; any attribute of the engine's
+    optimizer wrapper (`engine.optimizer.x`, also through a name bound to it or getattr/setattr/hasattr); ZeRO's
+    marks on parameters (`_hp_mapping`, `ds_*`). Public use passes: `import deepspeed`, deepspeed.initialize,
+    deepspeed.utils.safe_get_full_*, engine.step(), handing `engine.optimizer` to a function, our own attributes on
+    an engine. An engine (optimizer) is any name or attribute with "engine" ("optim") in it: a lint, not a proof."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    tree = ast.parse(source)
+    bound: dict[str, str] = {}  # local name -> the DeepSpeed path it stands for
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] == "deepspeed":
+                    bound[a.asname or "deepspeed"] = a.name if a.asname else "deepspeed"
+                    if _internal(a.name):
+                        found.append((node.lineno, f"imports {a.name}"))
+        elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "deepspeed":
+            for a in node.names:
+                bound[a.asname or a.name] = f"{node.module}.{a.name}"
+                if _internal(f"{node.module}.{a.name}"):
+                    found.append((node.lineno, f"imports {node.module}.{a.name}"))
+
+    def named(node, *words: str) -> bool:
+        d = _dotted(node)
+        return d is not None and any(w in (d[1][-1] if d[1] else d[0]).lower() for w in words)
+
+    def engine(node) -> bool:
+        return named(node, "engine")
+
+    wrappers: set[str] = set()  # names bound to the engine's optimizer
+
+    def wrapper(node) -> bool:  # DeepSpeed's optimizer wrapper: engine.optimizer, or a name bound to it
+        if isinstance(node, ast.Name):
+            return node.id in wrappers
+        return isinstance(node, ast.Attribute) and node.attr == "optimizer" and engine(node.value)
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and wrapper(node.value):
+            wrappers.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    for node in ast.walk(tree):
+        stores = []
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Delete)):
+            stores = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.args:
+            obj, name = node.args[0], node.args[1] if len(node.args) > 1 else None
+            name = name.value if isinstance(name, ast.Constant) and isinstance(name.value, str) else None
+            if node.func.id in ("getattr", "setattr", "hasattr", "delattr") and name is not None:
+                if wrapper(obj):
+                    found.append((node.lineno, f"{node.func.id}(engine.optimizer, {name!r})"))
+                elif named(obj, "engine", "optim") and _private(name):
+                    found.append((node.lineno, f"{node.func.id}({ast.unparse(obj)}, {name!r})"))
+                elif name in PARAMETER_MARKS or name.startswith("ds_"):
+                    found.append((node.lineno, f"{node.func.id}(..., {name!r}): DeepSpeed's parameter attribute"))
+            if node.func.id in ("setattr", "delattr"):
+                stores = [ast.Attribute(value=obj, attr=name or "?", lineno=node.lineno)]
+        while any(isinstance(t, (ast.Tuple, ast.List, ast.Starred)) for t in stores):  # a, b.c = ...
+            stores = [e for t in stores for e in (t.elts if isinstance(t, (ast.Tuple, ast.List)) else [t])]
+            stores = [t.value if isinstance(t, ast.Starred) else t for t in stores]
+        for target in stores:
+            if not isinstance(target, ast.Attribute):
+                continue
+            d = _dotted(target)
+            if d is not None and d[0] in bound:
+                found.append((node.lineno, f"patches {'.'.join([bound[d[0]], *d[1]])}"))
+            elif engine(target.value) and hasattr(DeepSpeedEngine, target.attr):
+                found.append((node.lineno, f"replaces engine.{target.attr}"))
+        if isinstance(node, ast.Attribute):
+            d = _dotted(node)
+            if d is not None and d[0] in bound and _internal(".".join([bound[d[0]], *d[1]])):
+                found.append((node.lineno, f"uses {'.'.join([bound[d[0]], *d[1]])}"))
+            elif wrapper(node.value):
+                found.append((node.lineno, f"engine.optimizer.{node.attr}"))
+            elif named(node.value, "engine", "optim") and _private(node.attr):
+                found.append((node.lineno, f"{ast.unparse(node.value)}.{node.attr}"))
+            elif node.attr in PARAMETER_MARKS or node.attr.startswith("ds_"):
+                found.append((node.lineno, f".{node.attr}: DeepSpeed's parameter attribute"))
+    return [f"{line}: {what}" for line, what in sorted(set(found))]
+
+
+def test_the_reach_scan_flags_internals_and_passes_public_use():
+    reaches = """
+from deepspeed.runtime.zero import stage_1_and_2
+import deepspeed
+from deepspeed.utils import groups
+stage_1_and_2.all_gather_dp_groups = lambda **kw: None
+opt = engine.optimizer
+opt.step = step
+x = engine.optimizer.bit16_groups_flat
+y = getattr(engine.optimizer, "optimizer", None)
+engine._backward_prologue()
+engine.backward = backward
+z = deepspeed.runtime.zero.stage_1_and_2
+groups._EXPERT_PARALLEL_GROUP["x"] = g
+deepspeed.comm._x = 1
+engine.backward, other = backward, 1
+optimizer._hp_optimizer_states_linked = False
+partitioned = hasattr(p, "_hp_mapping") or p.ds_pipe_replicated
+"""
+    got = deepspeed_reaches(reaches)
+    assert sorted({int(r.split(":")[0]) for r in got}) == [2, 4, 5, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], got
+    assert "5: patches deepspeed.runtime.zero.stage_1_and_2.all_gather_dp_groups" in got
+    assert "11: replaces engine.backward" in got and "7: engine.optimizer.step" in got
+    public = """
+import deepspeed
+from deepspeed.utils import safe_get_full_fp32_param
+engine, *_ = deepspeed.initialize(model=m, optimizer=o, config=c)
+deepspeed.init_distributed(dist_backend="gloo")
+engine.backward(engine(x))
+engine.step()
+ok = engine.was_step_applied() and engine.is_gradient_accumulation_boundary()
+partitions = private_api.reduced_gradient_partitions(engine.optimizer)
+zero = isinstance(engine.optimizer, object)
+engine.deferred_gather = None
+engine.deferred_gather.wait_all()
+print(deepspeed.__version__, safe_get_full_fp32_param(p), engine.module)
+inner_optimizer(engine).state[p]["exp_avg"].zero_()
+owner._parameters["w"] = p
+"""
+    assert deepspeed_reaches(public) == []
+
+
+def test_nothing_but_private_api_reaches_into_deepspeed():
+    """Every DeepSpeed internal moe_dist uses goes through private_api.py, where its docstring says what breaks
+    when it moves: no other file of moe_dist/, kernels/, launch/ or benchmarks/ reaches one."""
+    files = [f for d in ("moe_dist", "kernels", "launch", "benchmarks") for f in sorted((REPO / d).rglob("*.py"))]
+    assert any(f.name == "param_gather.py" for f in files) and len(files) > 50
+    reaches = [
+        f"{f.relative_to(REPO)}:{r}"
+        for f in files
+        if f != REPO / "moe_dist/parallel/private_api.py"
+        for r in deepspeed_reaches(f.read_text())
+    ]
+    assert not reaches, f"DeepSpeed internals outside moe_dist/parallel/private_api.py: {reaches}"

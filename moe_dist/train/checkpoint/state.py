@@ -15,6 +15,7 @@ from torch import nn
 from moe_dist.layers.experts import Experts
 from moe_dist.parallel import private_api
 from moe_dist.parallel.mesh import Mesh
+from moe_dist.parallel.private_api import inner_optimizer
 from moe_dist.parallel.tensor_parallel import Parts, gather_shards
 from moe_dist.train.checkpoint.plan import MOMENTS, Entry
 
@@ -79,10 +80,6 @@ def stored_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: t for name, t in model.state_dict(keep_vars=True).items() if name not in params}
 
 
-def inner_optimizer(engine):
-    return getattr(engine.optimizer, "optimizer", engine.optimizer)
-
-
 def link_optimizer_state(engine) -> None:
     """(Re)build DeepSpeed's per-parameter views of the partitioned Adam state.
 
@@ -110,7 +107,7 @@ def adam_step(engine) -> int:
 def ensure_optimizer_state(engine, adam_step: int) -> None:
     """Create Adam state where none exists yet (a fresh engine has none before its first step)."""
     inner = inner_optimizer(engine)
-    flats = getattr(engine.optimizer, "single_partition_of_fp32_groups", None)
+    flats = private_api.zero_fp32_partitions(engine)
     params = flats if flats is not None else [p for g in inner.param_groups for p in g["params"]]
     on_device = any(g.get("fused") or g.get("capturable") for g in inner.param_groups)
     for p in params:
