@@ -159,7 +159,9 @@ def _sdpa_offset(
 def attention_kernel(impl: str, device: torch.device | str = "cpu") -> Kernel:
     """`model.attention.impl` for a layer built for `device`, with `flash_attention`'s signature: SDPA ("torch",
     which "auto" takes everywhere: its flash / cuDNN backends on CUDA) or our Triton kernel ("triton")."""
-    return resolve(impl, "model.attention.impl", device, _sdpa, _triton_attention, "flash-attention kernel")
+    return resolve(
+        impl, "model.attention.impl", device, _sdpa, _triton_attention, "flash-attention kernel", auto_on_cuda="torch"
+    )
 
 
 def attention_kernels(impl: str, device: torch.device | str, head_dim: int) -> dict[str, Kernel]:

@@ -1,8 +1,8 @@
 """The one place that turns a kernel choice, "auto" | "torch" | "triton", into a function.
 
 Invariants: the choice is made once, when a layer is built for its device, never per call; "auto" is the PyTorch
-path on every device but CUDA (`AUTO_ON_CUDA` there; attention per mask kind, `attention_choice`) and never falls
-back behind the user's back: a kernel that cannot take its inputs raises a one-line ValueError, and a CUDA choice
+path on every device but CUDA (there the layer's `auto_on_cuda`; attention per mask kind, `attention_choice`) and
+never falls back behind the user's back: a kernel that cannot take its inputs raises a one-line ValueError, and a CUDA choice
 that is a slow path carries its reason for start-up to print; a Triton kernel module is imported only when
 "triton" is chosen and can run (Triton reads TRITON_INTERPRET at import), so CPU runs never import triton. Rules in
 full: docs/kernels.md, section "Choosing an implementation"; tested in tests/kernels/test_kernel_choice.py.
@@ -19,16 +19,6 @@ from typing import Callable, Optional
 import torch
 
 IMPLS = ("auto", "torch", "triton")
-
-# What "auto" takes on CUDA, per config key. Attention: this is its causal kind; every mask kind is
-# `attention_choice`'s.
-AUTO_ON_CUDA = {
-    "model.attention.impl": "torch",
-    "model.mamba.impl": "triton",
-    "model.mamba2.impl": "triton",  # fla-core's chunked simple-GLA kernels (layers/fla_ops.py), where installed
-    "model.moe.impl": "triton",
-    "model.gdn.impl": "triton",  # fla-core's chunked gated-delta-rule kernels (layers/fla_ops.py), where installed
-}
 
 
 @dataclass(frozen=True)
@@ -78,6 +68,7 @@ def resolve(
     kernel: Optional[Callable[[], Callable]],
     what: str,
     why_not: Optional[str] = None,
+    auto_on_cuda: str = "triton",
 ) -> Kernel:
     """The implementation of config value `impl` (of config key `key`) for a layer built for `device`.
 
@@ -86,12 +77,13 @@ def resolve(
     has no GPU kernel ("triton" is then refused); `what` names it in messages ("selective scan"); `why_not` says
     why the kernel cannot take this layer whatever the device (its library missing, shapes it does not take):
     "triton" is then refused with it, and "auto" on CUDA takes the PyTorch path with it as the slow-path reason.
+    `auto_on_cuda`: what "auto" takes on CUDA (the layer's choice: attention's causal path is SDPA, "torch").
     """
     _check_impl(impl, key)
     device = torch.device(device)
     slow = None
     if impl == "auto":  # a CUDA machine without the triton package gets the PyTorch paths
-        impl = AUTO_ON_CUDA[key] if device.type == "cuda" and why_no_triton(device) is None else "torch"
+        impl = auto_on_cuda if device.type == "cuda" and why_no_triton(device) is None else "torch"
         if impl == "triton" and kernel is not None and why_not is not None:
             impl, slow = "torch", f"the {what} takes the PyTorch path ({why_not})"
     if impl == "torch":

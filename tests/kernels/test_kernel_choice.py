@@ -112,9 +112,11 @@ def test_without_the_triton_package(monkeypatch):
     )
 
 
-def test_auto_on_cpu_imports_no_kernel():
-    for key in impl.AUTO_ON_CUDA:
-        assert impl.resolve("auto", key, "cpu", torch_path, no_kernel, "kernel") == impl.Kernel("torch", torch_path)
+@pytest.mark.parametrize("auto_on_cuda", ["torch", "triton"])
+def test_auto_on_cpu_imports_no_kernel(auto_on_cuda):
+    for key in ("model.attention.impl", "model.mamba.impl", "model.moe.impl"):
+        got = impl.resolve("auto", key, "cpu", torch_path, no_kernel, "kernel", auto_on_cuda=auto_on_cuda)
+        assert got == impl.Kernel("torch", torch_path)
 
 
 def test_unknown_choice_names_the_key():
