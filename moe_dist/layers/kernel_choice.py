@@ -2,10 +2,10 @@
 
 Invariants: the choice is made once, when a layer is built for its device, never per call; "auto" is the PyTorch
 path on every device but CUDA (there the layer's `auto_on_cuda`; attention per mask kind, `attention_choice`) and
-never falls back behind the user's back: a kernel that cannot take its inputs raises a one-line ValueError, and a CUDA choice
-that is a slow path carries its reason for start-up to print; a Triton kernel module is imported only when
-"triton" is chosen and can run (Triton reads TRITON_INTERPRET at import), so CPU runs never import triton. Rules in
-full: docs/kernels.md, section "Choosing an implementation"; tested in tests/kernels/test_kernel_choice.py.
+never falls back behind the user's back: a kernel that cannot take its inputs raises a one-line ValueError, and a
+CUDA choice that is a slow path carries its reason for start-up to print; a Triton kernel module is imported only
+when "triton" is chosen and can run (Triton reads TRITON_INTERPRET at import), so CPU runs never import triton.
+Rules in full: docs/kernels.md, section "Choosing an implementation"; tested in tests/kernels/test_kernel_choice.py.
 """
 
 from __future__ import annotations
