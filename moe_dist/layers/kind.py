@@ -90,11 +90,12 @@ class LayerKind:
     flops_per_token: Callable[[ModelConfig, int], float] = lambda m, S: 0.0
     # Bytes autograd keeps inside the sublayer per token (beyond its input norm), by (job, tp, cp, a).
     activation_bytes: Callable[[JobConfig, int, int, int], float] = lambda cfg, tp, cp, a: 0.0
-    # Collectives the kind's own forward issues per micro-batch: (job, tp, cp, tokens per micro-batch, a) →
-    # [(collective, label, "tp" | "cp", payload bytes, forwards per micro-batch that issue it (1), backwards (0/1/2))]
     # Bytes per position of the whole sequence that the kind gathers under context parallelism and keeps for the
     # backward (attention's keys and values; a recurrent kind's per-piece summaries are O(state), not per position).
     cp_gathered_bytes: Callable[[ModelConfig, int, int], float] = lambda m, tp, a: 0.0
+    # Collectives the kind's own forward issues per micro-batch, beyond its TP region's boundaries: (job, tp, cp,
+    # tokens per micro-batch, a) → [(collective, label, "tp" | "cp", payload bytes, times per forward, times per
+    # backward)]; a forward's are issued again where the kind is recomputed.
     collectives: Callable[[JobConfig, int, int, int, int], list[tuple[str, str, str, float, int, int]]] = (
         lambda cfg, tp, cp, tokens, a: []
     )
