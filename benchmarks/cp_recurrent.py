@@ -36,7 +36,8 @@ from moe_dist.config import GDNConfig, Mamba2Config, MambaConfig
 from moe_dist.layers.gdn import GatedDeltaNet
 from moe_dist.layers.mamba import Mamba
 from moe_dist.layers.mamba2 import Mamba2
-from moe_dist.parallel.context_parallel import SeqShard
+from moe_dist.layers.sequence_shard import SeqShard
+from moe_dist.parallel.context_parallel import seq_shard
 
 D_MODEL = 256
 KINDS = ("mamba", "mamba2", "gdn")
@@ -82,7 +83,7 @@ def _worker(rank: int, cp: int, port: int, mode: str, seqs: list[int], reps: int
     for kind in KINDS:
         layer = build(kind)
         for seq in seqs:
-            shard = SeqShard(dist.group.WORLD, cp, rank, seq) if cp > 1 else None
+            shard = seq_shard(dist.group.WORLD, cp, rank, seq) if cp > 1 else None
             x = torch.randn(1, seq, D_MODEL, generator=torch.Generator().manual_seed(seq))
             x = x if shard is None else shard.local(x)
             kw = {} if shard is None else {"shard": shard}

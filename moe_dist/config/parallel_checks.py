@@ -51,7 +51,7 @@ def check_parallel(cfg: JobConfig) -> None:
 def _check_context_parallel(cfg: JobConfig) -> None:
     """`parallel.cp`: the sequence splits into 2·cp equal pieces, and what CP does not support is refused. (Whether
     every mixer of the model has a shard-aware forward is checked where the layers are known:
-    parallel/context_parallel.check_mixers.)"""
+    models/decoder.check_context_parallel.)"""
     cp, t = cfg.parallel.cp, cfg.train
     require(cp >= 1, f"parallel.cp: must be >= 1, got {cp}")
     if cp == 1:

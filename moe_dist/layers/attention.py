@@ -27,7 +27,7 @@ from moe_dist.layers.kernel_choice import (
 from moe_dist.layers.kind import LayerKind, TensorSplit, divides
 from moe_dist.layers.norm import RMSNorm
 from moe_dist.layers.rope import apply_rope, document_positions, rope_cos_sin
-from moe_dist.parallel.context_parallel import SeqShard
+from moe_dist.layers.sequence_shard import SeqShard
 
 
 @dataclass

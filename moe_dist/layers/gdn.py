@@ -21,9 +21,9 @@ from moe_dist.layers.delta_rule import chunk_gated_delta_rule
 from moe_dist.layers.kernel_choice import Kernel, recurrent_kernel
 from moe_dist.layers.kind import LayerKind, TensorSplit, divides, piece_collectives
 from moe_dist.layers.norm import GatedRMSNorm
+from moe_dist.layers.sequence_shard import SeqShard
 from moe_dist.layers.step_size import inverse_softplus_step_sizes
 from moe_dist.parallel import state_passing as sp
-from moe_dist.parallel.context_parallel import SeqShard
 
 
 @dataclass

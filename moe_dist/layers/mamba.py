@@ -20,9 +20,9 @@ from moe_dist.layers.kernel_choice import Kernel, recurrent_kernel
 from moe_dist.layers.kind import LayerKind, TensorSplit, divides, piece_collectives
 from moe_dist.layers.norm import RMSNorm
 from moe_dist.layers.scan import initial_state_outputs, selective_scan
+from moe_dist.layers.sequence_shard import SeqShard
 from moe_dist.layers.step_size import inverse_softplus_step_sizes
 from moe_dist.parallel import state_passing as sp
-from moe_dist.parallel.context_parallel import SeqShard
 
 
 @dataclass

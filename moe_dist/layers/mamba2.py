@@ -23,10 +23,10 @@ from moe_dist.layers.causal_conv import causal_conv, causal_conv_step
 from moe_dist.layers.kernel_choice import Kernel, recurrent_kernel
 from moe_dist.layers.kind import LayerKind, TensorSplit, piece_collectives
 from moe_dist.layers.norm import GatedRMSNorm
+from moe_dist.layers.sequence_shard import SeqShard
 from moe_dist.layers.ssd import ssd_scan
 from moe_dist.layers.step_size import inverse_softplus_step_sizes
 from moe_dist.parallel import state_passing as sp
-from moe_dist.parallel.context_parallel import SeqShard
 
 
 @dataclass

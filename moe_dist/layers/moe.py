@@ -28,7 +28,7 @@ from moe_dist.layers.kind import LayerKind, TensorSplit, divides
 from moe_dist.layers.mlp import SharedExperts, split_ffn_tp
 from moe_dist.layers.permutation import Permutation
 from moe_dist.layers.router import Router, Routing, RoutingStats, check_routing
-from moe_dist.parallel.context_parallel import SeqShard
+from moe_dist.layers.sequence_shard import SeqShard
 
 
 @dataclass

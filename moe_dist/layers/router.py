@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_dist.config.errors import require
-from moe_dist.parallel.context_parallel import SeqShard, piece_chunks
+from moe_dist.layers.sequence_shard import SeqShard, piece_chunks
 
 if TYPE_CHECKING:
     from moe_dist.layers.moe import MoEConfig

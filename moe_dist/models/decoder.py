@@ -24,7 +24,7 @@ from moe_dist.data.batches import IGNORE
 from moe_dist.layers.norm import RMSNorm
 from moe_dist.layers.registry import kind, kind_of
 from moe_dist.layers.router import RoutingStats
-from moe_dist.parallel.context_parallel import SeqShard, takes_shard
+from moe_dist.layers.sequence_shard import SeqShard, takes_shard
 
 
 def held_blocks(model: nn.Module) -> list["Block"]:
@@ -174,7 +174,7 @@ class Decoder(nn.Module):
         in attention (mask, RoPE positions) and the recurrent mixers (conv, state); `prefix` (B, S) bool marks
         prompt tokens that attention layers let see each other (prefix-LM).
 
-        Context parallelism (`shard`, parallel/context_parallel.py): tokens are this rank's S / cp positions of
+        Context parallelism (`shard`, layers/sequence_shard.py): tokens are this rank's S / cp positions of
         each sequence (`shard.local`), logits likewise, while `document_ids` and `prefix` stay the WHOLE (B, S)
         sequences'. Every mixer must be shard-aware (a ValueError otherwise: run on its local pieces alone it
         would be silently wrong); no inference cache."""

@@ -1,102 +1,32 @@
-"""Context parallelism: each sequence of a micro-batch is split along the sequence over the `cp` ranks of a group.
-
-Layout (load-balanced for causal attention): the sequence of S positions is cut into 2·cp equal chunks; CP rank r
-holds chunks r and 2·cp − 1 − r (a head and a tail piece), concatenated in that order as its local sequence of
-S / cp positions. Every rank's causal attention work is then the same. Mixers see their local sequence plus a
-`SeqShard`, which says where each local position sits in the whole sequence and exchanges what a mixer needs from
-the other pieces: keys and values (attention), or one summary per piece (the recurrent mixers' states and conv
-halos). Whole-sequence metadata (document ids, prefix mask) is given to every rank whole: it is tiny (int/bool per
-position) and lets each rank compute masks, RoPE positions and document starts in global positions without a
-collective.
-"""
+"""Context parallelism's collectives: the exchange a `SeqShard` (moe_dist/layers/sequence_shard.py, where the
+layout of the pieces is described) runs over the `cp` ranks of a group, and the one function that builds a rank's
+shard. The layers receive the shard and never name a group."""
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from moe_dist.layers.sequence_shard import SeqShard
 from moe_dist.parallel.comm import all_reduce_sum, gather_sequence
 
 
-def takes_shard(module_class: type) -> bool:
-    """Whether a mixer class's forward is shard-aware (takes `shard=`): only those may run under CP; any other would
-    silently mix its local pieces as if they were one sequence."""
-    return "shard" in inspect.signature(module_class.forward).parameters
-
-
-def piece_chunks(cp: int, cp_rank: int) -> tuple[int, int]:
-    """The two chunk indices (of 2·cp) CP rank `cp_rank` holds, in local order: head, tail."""
-    return cp_rank, 2 * cp - 1 - cp_rank
-
-
 @dataclass(frozen=True)
-class SeqShard:
-    """This rank's part of every sequence of the micro-batch (see the module docstring for the layout)."""
+class GroupExchange:
+    """`SequenceExchange` over a process group, ranks in cp_rank order."""
 
-    group: dist.ProcessGroup | None  # the CP group, ranks in cp_rank order (None when size is 1)
-    size: int  # cp
-    rank: int  # cp_rank
-    seq_len: int  # S, the whole sequence
+    group: dist.ProcessGroup
 
-    def __post_init__(self):
-        if self.seq_len % (2 * self.size):
-            raise ValueError(
-                f"context parallelism: the sequence length {self.seq_len} must be divisible by 2·cp = {2 * self.size}"
-            )
+    def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        return gather_sequence(x, dim, self.group)  # backward: reduce-scatter
 
-    @property
-    def chunk(self) -> int:
-        """Positions per piece: S / (2·cp)."""
-        return self.seq_len // (2 * self.size)
+    def all_reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
+        return all_reduce_sum(x, self.group)  # in place
 
-    @property
-    def pieces(self) -> tuple[tuple[int, int], ...]:
-        """(global start, length) of this rank's pieces, in local order."""
-        return tuple((c * self.chunk, self.chunk) for c in piece_chunks(self.size, self.rank))
 
-    def global_order(self) -> list[int]:
-        """Piece index (global chunk number) of each piece of the rank-order gather [rank 0's two pieces, rank 1's
-        two, ...]: gathered piece j is chunk global_order()[j]."""
-        return [c for r in range(self.size) for c in piece_chunks(self.size, r)]
-
-    def positions(self, device: torch.device | str | None = None) -> torch.Tensor:
-        """(S / cp,) int64: the global position of each local position."""
-        return torch.cat([torch.arange(s, s + n, device=device) for s, n in self.pieces])
-
-    def local(self, whole: torch.Tensor, dim: int = 1) -> torch.Tensor:
-        """This rank's positions of a whole-sequence tensor (size S along `dim`), in local order."""
-        return torch.cat([whole.narrow(dim, s, n) for s, n in self.pieces], dim=dim)
-
-    def gather(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
-        """All-gather the local sequences (size S / cp along `dim`) of the group into the whole sequence in global
-        order. Differentiable: the backward sums every rank's gradient of the whole sequence and returns this rank
-        its own positions' (a reduce-scatter), so a K/V gradient reaches the rank that owns the position."""
-        if self.size == 1:
-            return x
-        gathered = gather_sequence(x, dim, self.group)  # rank order: r0 head, r0 tail, r1 head, ...
-        c = self.chunk
-        order = self.global_order()
-        inverse = sorted(range(len(order)), key=order.__getitem__)  # gathered piece holding chunk k
-        index = torch.cat([torch.arange(j * c, (j + 1) * c, device=x.device) for j in inverse])
-        return gathered.index_select(dim, index)
-
-    def gather_pieces(self, summary: torch.Tensor) -> torch.Tensor:
-        """All-gather per-piece summaries: `summary` (2, ...) for this rank's pieces in local order → (2·cp, ...)
-        for every piece of the sequence in global order. Differentiable as `gather`: the gradient of a piece's
-        summary, summed over the ranks that used it, returns to the rank that produced it."""
-        if summary.shape[0] != 2:
-            raise ValueError(f"gather_pieces: expected a summary per local piece, (2, ...), got {tuple(summary.shape)}")
-        if self.size == 1:
-            return summary  # chunks 0 and 1: already in global order
-        gathered = gather_sequence(summary, 0, self.group)  # (2·cp, ...) in rank order
-        order = self.global_order()
-        inverse = sorted(range(len(order)), key=order.__getitem__)
-        return gathered.index_select(0, torch.tensor(inverse, device=summary.device))
-
-    def sum(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum over the group of a per-rank tensor without gradient (counts: every rank gets the whole
-        micro-batch's); x is left as it is."""
-        return x if self.size == 1 else all_reduce_sum(x.detach().clone(), self.group)
+def seq_shard(group: dist.ProcessGroup | None, cp: int, cp_rank: int, seq_len: int) -> SeqShard:
+    """CP rank `cp_rank`'s pieces of sequences of `seq_len` positions, exchanging over `group` (the cp ranks in
+    cp_rank order; unused, and may be None, when cp is 1)."""
+    return SeqShard(cp, cp_rank, seq_len, None if cp == 1 else GroupExchange(group))

@@ -31,8 +31,9 @@ import torch.distributed as dist
 
 from moe_dist.config import ConfigError, JobConfig
 from moe_dist.config.parallel_checks import check_layout
+from moe_dist.layers.sequence_shard import SeqShard
 from moe_dist.parallel import private_api
-from moe_dist.parallel.context_parallel import SeqShard
+from moe_dist.parallel.context_parallel import seq_shard
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,7 @@ class Mesh:
     etp: int | None = None  # expert tensor-parallel size: tp (None too: experts split over TP) or 1 (whole)
     ep_dedup: DedupGroups | None = None  # the deduplicated dispatch's groups (None: one row per assignment)
     cp: int = 1  # context-parallel degree: each sequence split over `cp` ranks
-    cp_rank: int = 0  # which pieces of every sequence this rank holds (context_parallel.piece_chunks)
+    cp_rank: int = 0  # which pieces of every sequence this rank holds (layers/sequence_shard.piece_chunks)
     cp_group: dist.ProcessGroup | None = None  # the `cp` ranks of this dp_rank and tp_rank (None when cp == 1)
     pp: int = 1  # pipeline-parallel degree: stages of the layer list, the outermost dimension
     pp_rank: int = 0  # which stage(s) this rank runs (stage s runs on pipeline rank s mod pp)
@@ -90,7 +91,7 @@ class Mesh:
 
     def seq_shard(self, seq_len: int) -> SeqShard | None:
         """This rank's pieces of a micro-batch's sequences of `seq_len` positions; None without CP."""
-        return None if self.cp == 1 else SeqShard(self.cp_group, self.cp, self.cp_rank, seq_len)
+        return None if self.cp == 1 else seq_shard(self.cp_group, self.cp, self.cp_rank, seq_len)
 
     @property
     def experts_split(self) -> bool:

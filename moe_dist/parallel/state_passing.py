@@ -20,7 +20,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from moe_dist.parallel.context_parallel import SeqShard, piece_chunks
+from moe_dist.layers.sequence_shard import SeqShard, piece_chunks
 
 
 def to_pieces(x: torch.Tensor, dim: int = 1) -> torch.Tensor:

@@ -83,7 +83,7 @@ def _to_device(t: torch.Tensor, mesh: Mesh) -> torch.Tensor:
 def _forward(ctx: StepContext, batch: Batch):
     """The model's forward of one micro-batch (DecoderOutput). Under context parallelism every CP rank of a dp
     rank has the same micro-batch and gives the model its pieces of the tokens (`shard.local`) with the WHOLE
-    sequences' document ids and prefix (parallel/context_parallel.py)."""
+    sequences' document ids and prefix (layers/sequence_shard.py)."""
     mesh = ctx.mesh
     shard = mesh.seq_shard(batch.tokens.shape[1] - 1)
     extra = {} if batch.document_ids is None else {"document_ids": _to_device(batch.document_ids[:, :-1], mesh)}

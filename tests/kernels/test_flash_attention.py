@@ -16,7 +16,7 @@ from moe_dist.kernels.reference import flash_attention_ref
 from moe_dist.config import AttentionConfig
 from moe_dist.layers.attention import Attention, _sdpa, attention_kernels
 from moe_dist.layers.kernel_choice import ATTENTION_MASKS, attention_choice, attention_cp_choice
-from moe_dist.parallel.context_parallel import SeqShard
+from moe_dist.layers.sequence_shard import SeqShard
 
 ON_CUDA = os.environ.get("MOE_DIST_KERNEL_DEVICE") == "cuda"
 F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
@@ -290,7 +290,7 @@ def test_what_auto_takes_on_cuda_under_cp_equals_the_whole_sequence(kind, device
         masks["prefix"] = prefix
     x = torch.randn(2, S, 32, device=device)
     got, want = [], []
-    for model, shard, out in ((layer, SeqShard(None, 1, 0, S), got), (ref, None, want)):
+    for model, shard, out in ((layer, SeqShard(1, 0, S), got), (ref, None, want)):
         xs = x.clone().requires_grad_(True)
         y = model(xs, shard=shard, **masks)
         y.square().sum().backward()

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import moe_dist.layers.attention as attention
 from moe_dist.config import AttentionConfig
 from moe_dist.layers.attention import Attention
-from moe_dist.parallel.context_parallel import SeqShard
+from moe_dist.parallel.context_parallel import seq_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from common import CollectiveTracer  # noqa: E402
@@ -111,7 +111,7 @@ def main(out_path: str) -> None:
         ref_out, ref_dx, ref_dw = run(layer, x, cot, **masks)
         for cp in (2, 4):
             group = groups[4] if cp == 4 else groups[2][rank // 2]
-            shard = SeqShard(group, cp, rank % cp, S)
+            shard = seq_shard(group, cp, rank % cp, S)
             payload = collections.Counter()
             with CollectiveTracer(lambda c, seen=payload: seen.update({c.kind: c.payload_bytes})):
                 out, dx, dw = run(layer, shard.local(x), shard.local(cot), shard, **masks)

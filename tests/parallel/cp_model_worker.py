@@ -22,7 +22,7 @@ import torch.distributed as dist
 from moe_dist.config import load_config
 from moe_dist.data.batches import IGNORE, Batch
 from moe_dist.models.decoder import build_model, lm_loss, materialize_whole
-from moe_dist.parallel.context_parallel import SeqShard
+from moe_dist.parallel.context_parallel import seq_shard
 
 B, S = 2, 16
 CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "debug.json")
@@ -72,7 +72,7 @@ def run_case(cfg, model, cp: int, group, cp_rank: int, docs: bool) -> dict:
     loss.backward()
 
     mine = copy.deepcopy(model)
-    shard = SeqShard(group, cp, cp_rank, S)
+    shard = seq_shard(group, cp, cp_rank, S)
     n_targets = (targets != IGNORE).sum().item() / cp
     out_cp = mine(shard.local(batch.tokens[:, :-1]), shard=shard, **extra)
     loss_cp = loss_of(out_cp, shard.local(targets), coef, n_targets)

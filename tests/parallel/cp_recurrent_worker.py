@@ -22,7 +22,7 @@ from moe_dist.layers.gdn import GatedDeltaNet
 from moe_dist.layers.mamba import Mamba
 from moe_dist.layers.mamba2 import Mamba2
 from moe_dist.parallel import tensor_parallel as tpm
-from moe_dist.parallel.context_parallel import SeqShard
+from moe_dist.parallel.context_parallel import seq_shard
 from moe_dist.parallel.mesh import Mesh
 
 D_MODEL, BATCH = 8, 2
@@ -73,7 +73,7 @@ def tp_times_cp(rank: int) -> dict:
     g = torch.Generator().manual_seed(seqlen)
     x = torch.randn(BATCH, seqlen, D_MODEL, generator=g, dtype=torch.float64)
     weight = torch.randn(BATCH, seqlen, D_MODEL, generator=g, dtype=torch.float64)
-    shard = SeqShard(cp_group, 2, rank // 2, seqlen)
+    shard = seq_shard(cp_group, 2, rank // 2, seqlen)
     for kind in ("mamba", "mamba2", "gdn"):
         whole, layer = build(kind), build(kind)
         tpm.split_sublayer(layer, split)
@@ -105,7 +105,7 @@ def main(out_dir: Path) -> None:
         layer = build(kind)
         for cp, seqlen in ((2, 16), (4, 16), (4, 8)):
             group = groups[cp][rank // cp]
-            shard = SeqShard(group, cp, rank % cp, seqlen)
+            shard = seq_shard(group, cp, rank % cp, seqlen)
             g = torch.Generator().manual_seed(seqlen)
             x = torch.randn(BATCH, seqlen, D_MODEL, generator=g, dtype=torch.float64)
             weight = torch.randn(BATCH, seqlen, D_MODEL, generator=g, dtype=torch.float64)

@@ -92,7 +92,7 @@ def test_one_rank_shard_matches_the_layer_without_cp(case):
     masks = {"document_ids": ids if docs else None, "prefix": prefix if pfx else None}
     g = torch.Generator().manual_seed(1)
     x, cot = (torch.randn(w.B, w.S, w.D, generator=g, dtype=torch.float64) for _ in range(2))
-    shard = attention.SeqShard(None, 1, 0, w.S)
+    shard = attention.SeqShard(1, 0, w.S)
     for got, want in zip(w.run(layer, x, cot, shard, **masks), w.run(layer, x, cot, **masks)):
         for a, b in zip(*(t.values() if isinstance(t, dict) else [t] for t in (got, want))):
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)

@@ -14,8 +14,8 @@ from moe_dist.config import ConfigError, load_config
 from moe_dist.config.parallel_checks import check_layout
 from moe_dist.layers.registry import kind as layer_kind
 from moe_dist.layers.registry import kinds
+from moe_dist.layers.sequence_shard import SeqShard, takes_shard
 from moe_dist.models.decoder import Decoder, check_context_parallel
-from moe_dist.parallel.context_parallel import SeqShard, takes_shard
 from moe_dist.parallel.mesh import ep_rank_of, layout_groups
 
 TRAIN = str(Path(__file__).resolve().parents[2] / "launch" / "train.py")
@@ -108,7 +108,7 @@ def test_a_mixer_without_a_shard_aware_forward_is_refused(kind):
     check_context_parallel(cfg.model, 1)
     model = Decoder(cfg.model)
     with pytest.raises(ValueError, match="has no shard-aware forward"):
-        model(torch.zeros(1, 4, dtype=torch.long), shard=SeqShard(None, 2, 0, 8))
+        model(torch.zeros(1, 4, dtype=torch.long), shard=SeqShard(2, 0, 8))
 
 
 def test_the_model_refuses_a_cache_or_a_whole_sequence_under_cp():
@@ -117,7 +117,7 @@ def test_the_model_refuses_a_cache_or_a_whole_sequence_under_cp():
     cfg = _cfg("model.mixer_pattern=A", "model.ffn_pattern=E", 'model.layers=["moe","mlp"]', "model.n_layers=2")
     model = Decoder(cfg.model)
     model.to_empty(device="cpu")
-    shard = SeqShard(None, 2, 0, 8)
+    shard = SeqShard(2, 0, 8)
     with pytest.raises(ValueError, match="4 local positions expected, got 8"):
         model(torch.zeros(1, 8, dtype=torch.long), shard=shard)
     with pytest.raises(ValueError, match="no inference cache"):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_dist.parallel.context_parallel import SeqShard
+from moe_dist.layers.sequence_shard import SeqShard
 
 _spec = importlib.util.spec_from_file_location(
     "cp_recurrent_worker", Path(__file__).with_name("cp_recurrent_worker.py")
@@ -31,7 +31,7 @@ def test_one_rank_shard_equals_whole_sequence(kind, seqlen, docs):
     if docs and seqlen == 10:
         doc_ids = torch.tensor([[0] * 5 + [1] * 5, [0] * 3 + [1] * 7])  # a start at the piece edge; one inside
     ref = run(layer, x, weight, document_ids=doc_ids)
-    got = run(layer, x, weight, document_ids=doc_ids, shard=SeqShard(None, 1, 0, seqlen))
+    got = run(layer, x, weight, document_ids=doc_ids, shard=SeqShard(1, 0, seqlen))
     torch.testing.assert_close(got[0], ref[0], rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(got[1], ref[1], rtol=1e-11, atol=1e-12)
     for name, grad in ref[2].items():
