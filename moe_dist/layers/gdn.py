@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_dist.config.errors import require
+from moe_dist.layers import state_passing as sp
 from moe_dist.layers.causal_conv import causal_conv, causal_conv_step
 from moe_dist.layers.delta_rule import chunk_gated_delta_rule
 from moe_dist.layers.kernel_choice import Kernel, recurrent_kernel
@@ -23,7 +24,6 @@ from moe_dist.layers.kind import LayerKind, TensorSplit, divides, piece_collecti
 from moe_dist.layers.norm import GatedRMSNorm
 from moe_dist.layers.sequence_shard import SeqShard
 from moe_dist.layers.step_size import inverse_softplus_step_sizes
-from moe_dist.parallel import state_passing as sp
 
 
 @dataclass
@@ -203,7 +203,7 @@ class GatedDeltaNet(nn.Module):
         return out
 
     def _forward_cp(self, x: torch.Tensor, shard: SeqShard, document_ids: Optional[torch.Tensor]) -> torch.Tensor:
-        """Context parallelism by state passing (moe_dist/parallel/state_passing.py). The rule is linear in (v, S0):
+        """Context parallelism by state passing (moe_dist/layers/state_passing.py). The rule is linear in (v, S0):
         o = o(v, 0) + o(0, S0) and S_end = F + T S0, T = Π α_t (I − β_t k_t k_tᵀ) (dk × dk, zero once a document
         starts). One pass per piece computes all of it: v widened by dk zero columns and the state started at
         [0 | I], so the extra columns carry T (final state) and qᵀ T_{≤t} (output) at the cost of dk more value

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_dist.config.errors import require
+from moe_dist.layers import state_passing as sp
 from moe_dist.layers.causal_conv import causal_conv, causal_conv_step
 from moe_dist.layers.kernel_choice import Kernel, recurrent_kernel
 from moe_dist.layers.kind import LayerKind, TensorSplit, divides, piece_collectives
@@ -22,7 +23,6 @@ from moe_dist.layers.norm import RMSNorm
 from moe_dist.layers.scan import initial_state_outputs, selective_scan
 from moe_dist.layers.sequence_shard import SeqShard
 from moe_dist.layers.step_size import inverse_softplus_step_sizes
-from moe_dist.parallel import state_passing as sp
 
 
 @dataclass
@@ -197,7 +197,7 @@ class Mamba(nn.Module):
         return out, dt, C, A
 
     def _forward_cp(self, x: torch.Tensor, shard: SeqShard, document_ids: Optional[torch.Tensor]) -> torch.Tensor:
-        """Context parallelism by state passing (moe_dist/parallel/state_passing.py): both local pieces run from a
+        """Context parallelism by state passing (moe_dist/layers/state_passing.py): both local pieces run from a
         zero state, batched; their summaries (final state, and Σ Δ for the decay product exp(A Σ Δ), zero once a
         document starts) cross the CP group in one all-gather; each piece's true initial state h0 then adds
         C_t · (exp(A Σ_{s≤t} Δ_s) ⊙ h0) to y_t up to the piece's first document start (`initial_state_outputs`: the

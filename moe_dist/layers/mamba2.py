@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_dist.config.errors import require
+from moe_dist.layers import state_passing as sp
 from moe_dist.layers.causal_conv import causal_conv, causal_conv_step
 from moe_dist.layers.kernel_choice import Kernel, recurrent_kernel
 from moe_dist.layers.kind import LayerKind, TensorSplit, piece_collectives
@@ -26,7 +27,6 @@ from moe_dist.layers.norm import GatedRMSNorm
 from moe_dist.layers.sequence_shard import SeqShard
 from moe_dist.layers.ssd import ssd_scan
 from moe_dist.layers.step_size import inverse_softplus_step_sizes
-from moe_dist.parallel import state_passing as sp
 
 
 @dataclass
@@ -188,7 +188,7 @@ class Mamba2(nn.Module):
         return xs.unflatten(-1, (self.n_heads, self.head_dim)), dt, A, B.unflatten(-1, groups), C.unflatten(-1, groups)
 
     def _forward_cp(self, x: torch.Tensor, shard: SeqShard, document_ids: Optional[torch.Tensor]) -> torch.Tensor:
-        """Context parallelism by state passing (moe_dist/parallel/state_passing.py): both local pieces run from a
+        """Context parallelism by state passing (moe_dist/layers/state_passing.py): both local pieces run from a
         zero state, batched; their summaries (final state, per-head decay product exp(A Σ dt), zero once a document
         starts) cross the CP group in one all-gather; each piece's true initial state h0 then adds
         exp(A Σ_{s≤t} dt_s) · C_t h0 to y_t up to the piece's first document start (the scan is linear in h0)."""

@@ -6,7 +6,7 @@ This is the PyTorch path of the scan (the CPU path; impl "torch" on any device);
 for backward, only the state entering each chunk; chunk-sized work tensors live in reused buffers; decays are
 multiplied directly, never divided (no log-space cumsum). Why, and where the CPU time goes: docs/kernels.md, section
 "The chunked PyTorch scan". `initial_state_outputs` is what an initial state adds to the outputs (context
-parallelism's correction for the state entering a piece: moe_dist/parallel/state_passing.py).
+parallelism's correction for the state entering a piece: moe_dist/layers/state_passing.py).
 """
 
 from __future__ import annotations

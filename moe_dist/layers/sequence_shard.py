@@ -5,7 +5,7 @@ holds chunks r and 2·cp − 1 − r (a head and a tail piece), concatenated in 
 S / cp positions. Every rank's causal attention work is then the same. Mixers see their local sequence plus a
 `SeqShard`, which says where each local position sits in the whole sequence and exchanges what a mixer needs from
 the other pieces: keys and values (attention), or one summary per piece (the recurrent mixers' states and conv
-halos, parallel/state_passing.py). Whole-sequence metadata (document ids, prefix mask) is given to every rank whole: it
+halos, layers/state_passing.py). Whole-sequence metadata (document ids, prefix mask) is given to every rank whole: it
 is tiny (int/bool per position) and lets each rank compute masks, RoPE positions and document starts in global
 positions without a collective.
 
