@@ -54,6 +54,12 @@ class _ModelFields:
         """(mixer, ffn) per layer from `layer_list`, None where a layer has no such sublayer."""
         return [split_layer(entry) for entry in self.layer_list()]
 
+    def prefix_lm(self) -> bool:
+        """Whether a layer of the model reads the prefix-LM mask (prompt tokens seeing each other), which the trainer
+        then builds from the loss mask and passes (each kind's `prefix_lm`)."""
+        placed = {kind for pair in self.layer_kinds() for kind in pair if kind is not None}
+        return any(k.prefix_lm(self) for k in layer_kinds() if k.name in placed)
+
     def has_kind(self, kind: str) -> bool:
         """Whether any layer holds `kind` (a mixer or FFN kind)."""
         return any(kind in pair for pair in self.layer_kinds())

@@ -506,6 +506,7 @@ KIND = LayerKind(
     check_tp=_check_tp,
     tp_rule=_split_tp,
     compilable=True,
+    prefix_lm=lambda m: m.attention.mask == "prefix",
     slow_paths=_slow_paths,
     new_state=lambda attn, batch, max_len, device, dtype: attn.new_cache(batch, max_len, device, dtype),
     flops_per_token=lambda m, S: 2.0 * S * m.attention.n_heads * _head_dim(m),  # QKᵀ and AV, causal: half of 4·S·H·Dh

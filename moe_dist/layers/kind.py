@@ -80,6 +80,9 @@ class LayerKind:
     check: Optional[Callable[[JobConfig, bool], None]] = None
     check_tp: Optional[Callable[[JobConfig], None]] = None
     tp_rule: Optional[Callable[[nn.Module, TensorSplit], None]] = None  # None: no tensor parallelism
+    prefix_lm: Callable[[ModelConfig], bool] = lambda m: (
+        False
+    )  # whether it reads the prefix-LM mask (the trainer passes it)
     compilable: bool = False  # static shapes: train.compile may torch.compile it (not data-dependent rows or scans)
     # The slow paths the module built for `device` takes in the run `job` (start-up warns of each): (job, module,
     # device) → reasons.

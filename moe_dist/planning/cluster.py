@@ -64,10 +64,10 @@ def memory_per_device(cfg: JobConfig, layout: Layout, cost: ModelCost | None = N
     else:
         grads = local * act / (layout.zero if cfg.deepspeed.zero_stage >= 2 else 1)
     states = 12.0 * (cost.dense_params + cost.expert_params) / (layout.tp * layout.zero)
-    head_dim = m.attention.head_dim or m.d_model // m.attention.n_heads
-    kv = m.attention.n_kv_heads * head_dim
+    # what a layer's mixer keeps per token beyond its projections: at most the attention's K/V (cp_gathered_bytes)
+    kv_bytes = max([registry.kind(k).cp_gathered_bytes(m, 1, act) for k in cost.layers] + [0.0])
     d, f = m.d_model, m.moe.d_ff or m.d_ff
-    per_token_layer = act * (6 * d + 2 * kv + m.moe.top_k * (d + 3 * f))
+    per_token_layer = act * (6 * d + m.moe.top_k * (d + 3 * f)) + kv_bytes
     tokens = tokens_per_micro_batch(cfg, layout)
     if t.activation_checkpointing == "full":  # per layer: residual, two norm outputs, mixer input, expert rows
         acts = act * (4 * d + m.moe.top_k * d) * m.n_layers * tokens + per_token_layer * tokens

@@ -87,7 +87,7 @@ def _forward(ctx: StepContext, batch: Batch):
     mesh = ctx.mesh
     shard = mesh.seq_shard(batch.tokens.shape[1] - 1)
     extra = {} if batch.document_ids is None else {"document_ids": _to_device(batch.document_ids[:, :-1], mesh)}
-    if ctx.cfg.model.attention.mask == "prefix" and batch.loss_mask is not None:
+    if ctx.cfg.model.prefix_lm() and batch.loss_mask is not None:
         extra["prefix"] = _to_device(batch.prefix(), mesh)
     tokens = batch.tokens[:, :-1]
     if shard is not None:

@@ -16,14 +16,14 @@ from moe_dist.parallel.pipeline import Pipeline
 from moe_dist.train.metrics import StepAccumulator
 
 
-def _stacked(batches: list[Batch], attention_mask: str) -> tuple[torch.Tensor, torch.Tensor, dict]:
+def _stacked(batches: list[Batch], prefix_lm: bool) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """(tokens, targets, documents) of the micro-batches stacked by rows, as the schedule splits them again."""
     tokens = torch.cat([b.tokens[:, :-1] for b in batches])
     targets = torch.cat([b.targets() for b in batches])
     documents = {}
     if batches[0].document_ids is not None:
         documents["document_ids"] = torch.cat([b.document_ids[:, :-1] for b in batches])
-        if attention_mask == "prefix" and batches[0].loss_mask is not None:
+        if prefix_lm and batches[0].loss_mask is not None:
             documents["prefix"] = torch.cat([b.prefix() for b in batches])
     return tokens, targets, documents
 
@@ -37,7 +37,7 @@ def moe_layer_index(cfg) -> dict[int, int]:
 def pipeline_micro_batches(pipeline: Pipeline, batches: list[Batch], acc: StepAccumulator, cfg) -> torch.Tensor:
     """Forward and backward of the step's micro-batches through the schedule, their values added to `acc`;
     returns this rank's losses (the last stage's LM losses; a zero elsewhere) for the non-finite check."""
-    tokens, targets, documents = _stacked(batches, cfg.model.attention.mask)
+    tokens, targets, documents = _stacked(batches, cfg.model.prefix_lm())
     lms = pipeline.step(tokens, targets, **documents)
     pipeline.sum_tied_gradients()
     moe = cfg.model.moe
@@ -62,7 +62,7 @@ def pipeline_micro_batches(pipeline: Pipeline, batches: list[Batch], acc: StepAc
 
 def pipeline_evaluate(pipeline: Pipeline, batches: list[Batch], cfg) -> torch.Tensor:
     """(Σ LM loss, micro-batches) of the evaluation batches on this rank (zeros except on the last stage)."""
-    tokens, targets, documents = _stacked(batches, cfg.model.attention.mask)
+    tokens, targets, documents = _stacked(batches, cfg.model.prefix_lm())
     lms = pipeline.evaluate(tokens, targets, len(batches), **documents)
     if not lms:
         return torch.zeros(2, dtype=torch.float64)

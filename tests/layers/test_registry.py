@@ -158,3 +158,12 @@ def test_no_library_file_outside_its_home_names_a_recurrent_kind(name):
             if hit:
                 found.append(f"{path.relative_to(REPO)}:{node.lineno}")
     assert not found, f"{name} is named outside its home: {found}"
+
+
+def test_the_prefix_mask_is_passed_where_a_placed_kind_reads_it():
+    """`ModelConfig.prefix_lm`: the trainer builds the prefix-LM mask only for a model with a layer that reads it."""
+    prefix = ["model.attention.mask=prefix", "data.document_masking=true"]
+    assert _cfg(*prefix).model.prefix_lm()
+    assert not _cfg().model.prefix_lm()
+    mamba_only = ["model.n_layers=1", 'model.layers=["mamba1+moe"]']
+    assert not _cfg(*prefix, *mamba_only).model.prefix_lm()  # the attention section's mask, but no attention layer
