@@ -160,7 +160,7 @@ def test_no_library_file_outside_its_home_names_a_recurrent_kind(name):
     assert not found, f"{name} is named outside its home: {found}"
 
 
-def test_the_prefix_mask_is_passed_where_a_placed_kind_reads_it():
+def test_the_prefix_mask_is_passed_where_a_placed_kind_reads_it(gate_kind):
     """`ModelConfig.prefix_lm`: the trainer builds the prefix-LM mask only for a model with a layer that reads it."""
     prefix = ["model.attention.mask=prefix", "data.document_masking=true"]
     assert _cfg(*prefix).model.prefix_lm()
