@@ -145,7 +145,7 @@ def _ours(raw: dict, device: torch.device):
 
 def part_hf(args, budget, figures):
     """Our model exported (save_hf_model) and run by transformers itself, both in fp32 on the device (TF32 off;
-    our fp32 kernels compute in IEEE fp32): logits agree to 1e-4 (CPU, --dry-run: 2e-5, tests/test_hf.py's
+    our fp32 kernels compute in IEEE fp32): logits agree to 1e-4 (CPU, --dry-run: 2e-5, tests/hf/test_hf.py's
     bound). A mapping or kernel error shows at 1e-2 and above."""
     import transformers
 

@@ -147,7 +147,7 @@ E2E_MODES = {
 }
 
 # support.E2E_MODES["hybrid"] with Mamba-1 too, and two Mamba-2 groups (CP × TP needs n_groups >= tp): the context
-# parallelism tests' model (tests/parallel/test_cp_e2e.py, tests/test_bench_common.py)
+# parallelism tests' model (tests/parallel/test_cp_e2e.py, tests/benchmarks/test_bench_common.py)
 CP_HYBRID = [
     *LAYER_LIST,
     'model.layers=["attention+moe","mamba1+mlp","mamba2+moe","gdn+mlp"]',

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from support import load_script
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ from support import load_script
 from moe_dist.config import MoEConfig
 from moe_dist.layers.moe import MoE
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "benchmarks" / "bench.py"
 ON_CPU = {"permutation": "torch", "experts": "grouped_mm"}  # what a layer built for the CPU runs
 

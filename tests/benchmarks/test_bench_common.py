@@ -20,7 +20,7 @@ from support import CP_HYBRID, free_port, load_script, torchrun
 from moe_dist.config import load_config
 from moe_dist.planning import workload as wl
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BENCHMARKS = REPO / "benchmarks"
 common = load_script(BENCHMARKS / "common.py")
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from support import load_script
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "gpu_check.py"
 gpu_check = load_script(SCRIPT)
 common = sys.modules[gpu_check.Budget.__module__]  # the budget module the script itself uses (one BudgetSpent)

@@ -18,7 +18,7 @@ from moe_dist.config import (
 )
 from moe_dist.config.parallel_checks import check_layout
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((REPO / "configs").glob("*.json"))
 
 
@@ -307,7 +307,7 @@ def test_dry_run_reports_published_parameter_counts(name, total, active):
 
 
 # The README's main command starts one process per GPU: the default job must divide for 1, 2, 4 and 8 of them
-# (1, 2 and 4 are launched in test_launchers.py); the full-size configs for one and many 8-GPU nodes.
+# (1, 2 and 4 are launched in launch/test_launchers.py); the full-size configs for one and many 8-GPU nodes.
 @pytest.mark.parametrize(
     "name, worlds",
     [

@@ -11,7 +11,7 @@ import typing
 import pytest
 import torch
 import transformers
-from test_hf import _cli, _max_diff, _perturb, _tokens, mixtral_dir
+from hf.test_hf import _cli, _max_diff, _perturb, _tokens, mixtral_dir
 
 from moe_dist.config import ConfigError, ModelConfig
 from moe_dist.hf import load_checkpoint_model

@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 WORDS = "red green blue cyan magenta yellow black white".split()
 
 

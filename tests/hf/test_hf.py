@@ -29,7 +29,7 @@ from moe_dist.hf import (
 )
 from moe_dist.models.decoder import build_model, generate, lm_loss, materialize_whole
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # fp32 logits of size ~1-3 agree to ~1e-6 here (measured: Mixtral 7e-7, Jamba 9e-7); 2e-5 leaves headroom for
 # other CPUs' summation orders while still catching any real mapping error (those show up at 1e-2 and above).
 ATOL = 2e-5

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 import transformers
-from test_hf import (
+from hf.test_hf import (
     _greedy_as_transformers,
     _max_diff,
     _perturb,

@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 import transformers
+from hf.test_hf import _greedy_as_transformers, _perturb, _same_tensors, _tensors, _tokens, _transformers_reloads_to
 from safetensors.torch import load_file, save_file
-from test_hf import _greedy_as_transformers, _perturb, _same_tensors, _tensors, _tokens, _transformers_reloads_to
 
 from moe_dist.config import ModelConfig
 from moe_dist.hf import HFConfigError, config_from_hf, config_to_hf, load_hf_model, save_hf_model
@@ -277,7 +277,7 @@ def test_reference_configs_count_as_transformers(name, cls):
     from moe_dist.config import load_config
     from moe_dist.models.decoder import param_counts
 
-    cfg = load_config(Path(__file__).resolve().parents[1] / f"configs/{name}.json").model
+    cfg = load_config(Path(__file__).resolve().parents[2] / f"configs/{name}.json").model
     hf = json.loads(json.dumps(config_to_hf(cfg)))  # through JSON, as a config.json file is read
     hf_cfg = transformers.AutoConfig.for_model(**hf)
     with torch.device("meta"):

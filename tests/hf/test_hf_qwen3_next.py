@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from safetensors.torch import save_file
-from test_hf import (
+from hf.test_hf import (
     _greedy_as_transformers,
     _max_diff,
     _perturb,
@@ -24,6 +23,7 @@ from test_hf import (
     _tokens,
     _transformers_reloads_to,
 )
+from safetensors.torch import save_file
 
 from moe_dist.config import load_config
 from moe_dist.hf import HFConfigError, config_from_hf, config_to_hf, load_hf_model, save_hf_model
@@ -185,7 +185,7 @@ def test_export_refuses_what_the_family_cannot_hold(family):
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BIG = {"qwen3_next_80b_a3b": transformers.Qwen3NextForCausalLM, "qwen3_5_35b_a3b": transformers.Qwen3_5MoeForCausalLM}
 
 

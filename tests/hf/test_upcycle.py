@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 import transformers
-from test_hf import _cli, _max_diff, _perturb, _tokens
+from hf.test_hf import _cli, _max_diff, _perturb, _tokens
 
 from moe_dist.config import load_config
 from moe_dist.hf import load_checkpoint_model, load_hf_model, write_initial_checkpoint

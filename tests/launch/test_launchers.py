@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from support import DEBUG_CONFIG, ONE_THREAD, console_script, free_port, shm_buffers, train_records
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TRAIN = str(REPO / "launch" / "train.py")
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]

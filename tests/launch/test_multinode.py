@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from support import console_script, free_port, train_records
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TRAIN = str(REPO / "launch" / "train.py")
 NETNS = str(REPO / "tests" / "netns_cluster.sh")
 STEPS = 4

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 from support import DEBUG_CONFIG, ONE_THREAD, train_records
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 NETNS = REPO / "tests" / "netns_cluster.sh"
 PACKAGES = ["slurmctld", "slurmd", "slurm-client", "munge"]  # Debian's slurm-wlm, less what a test needs not
 PROGRAMS = ["slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "srun", "munged", "mungekey"]

@@ -1,5 +1,5 @@
 """launch/slurm/slurm_env.py without a cluster: Slurm's variables as a job sees them, mapped to the launchers' flags
-and checked against the layout. The same under a real Slurm: tests/test_slurm.py (root)."""
+and checked against the layout. The same under a real Slurm: tests/launch/test_slurm.py (root)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from support import DEBUG_CONFIG, load_script
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "launch" / "slurm" / "slurm_env.py"
 # What sbatch --nodes 2 --ntasks-per-node 1 --gpus-per-node 8 sets in the batch shell (node 0).
 JOB = {

@@ -6,7 +6,7 @@ from pathlib import Path
 
 def test_repeated_set_flags_add_up():
     """`--set A --set B` keeps both (argparse's default would keep only the last flag's values)."""
-    path = Path(__file__).resolve().parents[1] / "launch" / "train.py"
+    path = Path(__file__).resolve().parents[2] / "launch" / "train.py"
     spec = importlib.util.spec_from_file_location("train_script", path)
     train = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(train)

@@ -13,7 +13,7 @@ from moe_dist.config import load_config
 from moe_dist.hf import write_initial_checkpoint
 from moe_dist.models.decoder import build_model, generate, materialize_whole, sample_next
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
