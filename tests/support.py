@@ -35,11 +35,19 @@ def torchrun(nproc: int, port: int | None = None) -> list[str]:
 TEARDOWN_ABORT = "terminate called without an active exception"
 
 
-def run_torchrun_worker(worker: Path, out: Path, nproc: int = 2, timeout: float = 240) -> None:
-    """`torchrun --nproc_per_node N WORKER OUT` on its own free port; a failure or a hang fails the test.
+def worker_env() -> dict[str, str]:
+    """The environment of a spawned test worker: tests/ on its PYTHONPATH (the workers import `workers`, as test
+    modules do under pytest's `pythonpath`), and faulthandler on, so an abort prints every thread's Python stack
+    into the failure."""
+    tests = str(Path(__file__).resolve().parent)
+    path = os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path, "PYTHONFAULTHANDLER": "1"}
 
-    The workers run with faulthandler on, so an abort prints every thread's Python stack into the failure."""
-    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
+
+def run_torchrun_worker(worker: Path, out: Path, nproc: int = 2, timeout: float = 240) -> None:
+    """`torchrun --nproc_per_node N WORKER OUT` on its own free port (`worker_env`); a failure or a hang fails the
+    test."""
+    env = worker_env()
     for _ in range(2):
         proc = subprocess.run(
             [*torchrun(nproc), str(worker), str(out)], capture_output=True, text=True, timeout=timeout, env=env
