@@ -75,8 +75,8 @@ def train_records(records: list[dict]) -> list[dict]:
 
 
 def load_script(path: Path):
-    """A script of benchmarks/ (or launch/) imported as a module, with its own folder on sys.path while it loads,
-    as when it runs as `python benchmarks/x.py` (its sibling `common` resolves the same way)."""
+    """A script of launch/ imported as a module, with its own folder on sys.path while it loads, as when it runs as
+    `python launch/x.py` (its sibling modules resolve the same way). benchmarks/ is a package: import it."""
     import importlib.util
 
     name = f"script_{path.parent.name}_{path.stem}"

@@ -1,8 +1,12 @@
 """The GPU check: what a first run on one CUDA GPU must prove, in one command that fits in 6 minutes on an H200.
 
-    python benchmarks/gpu_check.py [--out DIR] [--export DIR2]      # every part, cold start included
-    python benchmarks/gpu_check.py --only kernels,bench             # a rerun of some parts
-    python benchmarks/gpu_check.py --dry-run --out /tmp/gc          # no GPU: every part's logic on the CPU, tiny
+    python -m benchmarks.gpu_check [--out DIR] [--export DIR2]      # every part, cold start included
+    python -m benchmarks.gpu_check --only kernels,bench             # a rerun of some parts
+    python -m benchmarks.gpu_check --dry-run --out /tmp/gc          # no GPU: every part's logic on the CPU, tiny
+
+From the repository's root (no install needed). This module is the driver; the parts live beside it: parts.py
+(warm, hf, syncs, dispatch, kernels), runs.py (train, memory, resume), bench.py (bench), budget.py (the time
+budgets and the subprocesses they bound).
 
 On a machine without DeepSpeed, install the carried wheels first (benchmarks/device/prepare_wheels.sh makes them;
 docs/benchmarks.md, "GPU check", has the whole device command).
@@ -45,7 +49,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from gpu_check_common import REPO, Budget, BudgetSpent
+from benchmarks.gpu_check.budget import REPO, Budget, BudgetSpent
 
 STARTED = time.monotonic()  # the whole is timed from here: before torch's import, which a cold start pays too
 
@@ -66,7 +70,7 @@ BUDGETS = {
 TOTAL = 360
 NOT_RUN = "not run"
 # where each part's `part_NAME(args, budget, figures) -> (status, summary)` lives
-MODULES = {"bench": "gpu_check_bench", **dict.fromkeys(("train", "memory", "resume"), "gpu_check_runs")}
+MODULES = {"bench": "bench", **dict.fromkeys(("train", "memory", "resume"), "runs")}
 IN_PROCESS = ("hf", "syncs", "dispatch", "bench")  # stopped by SIGALRM; the others' subprocesses by `finish`
 # --dry-run: budgets scale by this. A busy 2-core CPU has run a tiny training step in 15 s, where a GPU takes
 # milliseconds: the budgets there only stop a part that hangs.
@@ -92,7 +96,7 @@ def run_part(part: str, args, seconds: float) -> Result:
     print(f"\n=== {part} (budget {seconds:.0f} s)", flush=True)
     budget = Budget(part, seconds)
     figures: dict = {}
-    fn = getattr(importlib.import_module(MODULES.get(part, "gpu_check_parts")), f"part_{part}")
+    fn = getattr(importlib.import_module(f"{__name__}.{MODULES.get(part, 'parts')}"), f"part_{part}")
     try:
         if part in IN_PROCESS:
             with budget.interrupting():
@@ -162,7 +166,9 @@ def passed(results: list[Result]) -> bool:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.gpu_check", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--only", default=",".join(PARTS), help=f"comma-separated parts, from {','.join(PARTS)}")
     p.add_argument(
         "--budget",
@@ -201,7 +207,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def main(argv=None) -> int:
+def main(argv=None, started: float | None = None) -> int:
+    """`started`: the monotonic time the whole is timed from (the process's start, under `python -m`)."""
     args = parse_args(argv)
     import torch
 
@@ -224,13 +231,12 @@ def main(argv=None) -> int:
         )
         return 2
     print("gpu_check: " + ", ".join(f"{k} {v}" for k, v in found.items()), flush=True)
-    # The repository first on the path, here and in every process a part starts (a GPU machine has no install),
-    # and the part modules beside this script (also when it was imported rather than run).
-    sys.path[:0] = [str(REPO), str(Path(__file__).resolve().parent)]
+    # The repository on the path of every process a part starts (a GPU machine has no install): launch/train.py
+    # runs as a script, whose own folder is first on its path, not the repository's root.
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     args.out = args.out.resolve()
     args.out.mkdir(parents=True, exist_ok=True)
-    start_s = STARTED if __name__ == "__main__" else time.monotonic()
+    start_s = time.monotonic() if started is None else started
     scale = DRY_RUN_SLOWDOWN if args.dry_run else 1
     results = []
     for part in args.parts:
@@ -254,7 +260,3 @@ def main(argv=None) -> int:
     if args.export:
         export(args.out, args.export)
     return 0 if verdict == "passed" else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

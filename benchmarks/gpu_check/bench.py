@@ -11,8 +11,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from common import interleaved_ms, measure_matmul_gflops
-from gpu_check_common import BudgetSpent
+
+from benchmarks.common import interleaved_ms
+from benchmarks.gpu_check.budget import BudgetSpent
+from moe_dist.train.throughput import measured_peak
 
 BF16 = torch.bfloat16
 
@@ -171,7 +173,7 @@ def part_bench(args, budget, figures) -> tuple[str, str]:
 
         print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     size = 256 if tiny else 8192
-    peak = measure_matmul_gflops([(size, size, size)], BF16, dev, repeats=2 if tiny else 10) / 1e3
+    peak = measured_peak(torch.device(dev), "bf16", n=size, repeats=2 if tiny else 10).flops_per_s / 1e12
     figures["matmul_peak_tflops"] = peak
     print(f"bf16 matmul peak ({size}³, measured): {peak:.1f} TFLOP/s")
     print(f"{'benchmark':<32} {'shape':<34} {'triton':>8} {'torch':>8} {'unit':<8} {'ratio':>7}")

@@ -1,5 +1,4 @@
-"""What gpu_check.py and its part modules share: the time budgets and the subprocesses they bound. One module, so
-that one BudgetSpent class is raised and caught whether gpu_check.py runs as a script or is imported."""
+"""What the GPU check's driver and its part modules share: the time budgets and the subprocesses they bound."""
 
 from __future__ import annotations
 
@@ -9,7 +8,7 @@ import subprocess
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 class BudgetSpent(BaseException):

@@ -1,6 +1,6 @@
-"""The parts of benchmarks/gpu_check.py that check pieces in one process (see its docstring for what each
-proves), the warm part and its worker (`python benchmarks/gpu_check_parts.py warm ...`), and the shared helpers.
-The training runs (train, memory, resume) are in gpu_check_runs.py, the benchmarks in gpu_check_bench.py.
+"""The parts of the GPU check that check pieces in one process (benchmarks/gpu_check/__init__.py says what each
+proves), the warm part and its worker (`python -m benchmarks.gpu_check.parts warm ...`), and the shared helpers.
+The training runs (train, memory, resume) are in runs.py, the benchmarks in bench.py.
 
 Each part is `part_NAME(args, budget, figures) -> (status, summary)`: it fills `figures` (the JSON summary's
 numbers) and raises BudgetSpent when its budget runs out. On --dry-run every part runs on the CPU at a tiny size
@@ -17,7 +17,8 @@ import sys
 from pathlib import Path
 
 import torch
-from gpu_check_common import REPO, Budget, BudgetSpent, finish, start, tail
+
+from benchmarks.gpu_check.budget import REPO, Budget, BudgetSpent, finish, start, tail
 
 FLA_SITE = REPO / ".fla"  # as tests/support.py: fla-core installed apart from the environment
 
@@ -78,11 +79,10 @@ def part_warm(args, budget, figures):
     models = {"train": [DEBUG, *(TINY if args.dry_run else WIDE), *TRAINING, *kernels(args)]}
     models["mixtral"] = [MIXTRAL, *(MIXTRAL_TINY if args.dry_run else MIXTRAL_PROBE), "model.n_layers=1"]
     models["fp32"] = [DEBUG, *QUIET, *kernels(args)]  # the fp32 variants hf and syncs run (head_dim 16)
-    me = str(Path(__file__).resolve())
     env = {"CUDA_VISIBLE_DEVICES": ""} if args.dry_run else {}
     logs = {name: args.out / "logs" / f"warm_{name}.log" for name in models}
     procs = {
-        name: start([sys.executable, me, "warm", "--config", cfg, "--set", *sets], logs[name], env)
+        name: start([sys.executable, "-m", __name__, "warm", "--config", cfg, "--set", *sets], logs[name], env)
         for name, (cfg, *sets) in models.items()
     }
     codes = finish(procs, budget)

@@ -1,5 +1,5 @@
-"""gpu_check's training runs (train, memory, resume: see benchmarks/gpu_check.py) and the memory part's worker
-(`python benchmarks/gpu_check_runs.py memory ...`): each runs our training loop in a process of its own."""
+"""The GPU check's training runs (train, memory, resume: see benchmarks/gpu_check/__init__.py) and the memory part's
+worker (`python -m benchmarks.gpu_check.runs memory ...`): each runs our training loop in a process of its own."""
 
 from __future__ import annotations
 
@@ -11,7 +11,18 @@ import sys
 from pathlib import Path
 
 import torch
-from gpu_check_parts import DEBUG, MIXTRAL, MIXTRAL_PROBE, MIXTRAL_TINY, TINY, TRAINING, WIDE, kernels, run_script
+
+from benchmarks.gpu_check.parts import (
+    DEBUG,
+    MIXTRAL,
+    MIXTRAL_PROBE,
+    MIXTRAL_TINY,
+    TINY,
+    TRAINING,
+    WIDE,
+    kernels,
+    run_script,
+)
 
 # ----------------------------------------------------------------------------------------------- training runs
 
@@ -99,8 +110,7 @@ def part_memory(args, budget, figures):
     sets = MIXTRAL_TINY if args.dry_run else MIXTRAL_PROBE
     out = args.out / "memory.json"
     shutil.rmtree(args.out / "memory_run", ignore_errors=True)  # the worker's run directory (a rerun starts fresh)
-    me = str(Path(__file__).resolve())
-    run_script(args, budget, "memory", [sys.executable, me, "memory", "--out", str(out), "--set", *sets])
+    run_script(args, budget, "memory", [sys.executable, "-m", __name__, "memory", "--out", str(out), "--set", *sets])
     got = json.loads(out.read_text())
     figures.update(got)
     plan = got["plan_gb"]

@@ -1,7 +1,7 @@
 """The balancing study (docs/balancing.md): train one config under several balancing recipes and tabulate, per
 recipe, the final drop fraction per MoE layer, max/mean load, dead experts and eval loss, with a plot.
 
-    python benchmarks/balancing.py --config configs/mixtral_small.json --out runs/balancing [--steps 200]
+    python -m benchmarks.studies.balancing --config configs/mixtral_small.json --out runs/balancing [--steps 200]
         [--only NAME ...] [--set KEY=VALUE ...]
 
 Each recipe trains in its own run directory OUT/NAME (one process, `python launch/train.py`); a recipe whose
@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RECIPES = {  # name: model.moe overrides
     "aux 0": ["model.moe.aux_loss_coef=0"],
     "aux 1e-3": ["model.moe.aux_loss_coef=0.001"],

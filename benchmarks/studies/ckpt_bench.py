@@ -2,8 +2,8 @@
 package or moe_dist/train/checkpoint.py of an earlier commit (`--ref`, from before the package), so that
 before/after figures come from the same script and machine.
 
-    python benchmarks/ckpt_bench.py [--ref COMMIT] [--config C] [--set KEY=VALUE ...]
-    python benchmarks/ckpt_bench.py --train [--steps N] [--save-every K] [--set ...]   # what async_save hides
+    python -m benchmarks.studies.ckpt_bench [--ref COMMIT] [--config C] [--set KEY=VALUE ...]
+    python -m benchmarks.studies.ckpt_bench --train [--steps N] [--save-every K] [--set ...]   # what async_save hides
 
 Builds the model, its DeepSpeed engine (ZeRO from the config) and zero Adam moments, then saves a checkpoint into
 a temporary directory and loads it back. Peak memory is the kernel's high-water mark of this process (VmHWM),
@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # About 160 M parameters: a 1.9 GB checkpoint (fp32 values and both Adam moments).
 DEFAULT_SET = ["model.d_model=768", "model.d_ff=2048", "model.n_layers=4", "model.vocab_size=8192", "train.threads=1"]
 

@@ -1,7 +1,7 @@
 """Context parallelism of the recurrent mixers by state passing: per-rank compute and bytes per layer.
 
-    python benchmarks/cp_recurrent.py time --seq 4096            # per-rank CPU time at cp = 1, 2, 4; wall at cp <= 2
-    python benchmarks/cp_recurrent.py bytes --seqs 1024 4096 16384   # bytes per layer per rank at cp = 2 and 4
+    python -m benchmarks.studies.cp_recurrent time --seq 4096     # per-rank CPU time at cp = 1, 2, 4; wall at cp <= 2
+    python -m benchmarks.studies.cp_recurrent bytes --seqs 1024 4096 16384   # bytes per layer per rank at cp = 2, 4
 
 Each cp runs in its own gloo world of cp processes on this machine (spawned here, a free port each), every rank
 with one thread (torch.set_num_threads(1)). The layers are one Mamba-1, one Mamba-2 and one Gated DeltaNet mixer

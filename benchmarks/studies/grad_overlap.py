@@ -1,7 +1,7 @@
 """Exposed gradient reduction per optimizer step at ZeRO 1 (bf16 weights, fp32 accumulation), with and without
 overlapping it with the last micro-batch's backward (train.grad_reduce_overlap), in one run.
 
-    torchrun --nproc_per_node 2 benchmarks/grad_overlap.py --config configs/debug.json --steps 15 \
+    torchrun --nproc_per_node 2 -m benchmarks.studies.grad_overlap --config configs/debug.json --steps 15 \
         --set train.dtype=bf16 train.global_batch_size=8 train.grad_reduce_bucket_mb=0.25
 
 Two engines are built as training builds them (`initialize_engine`), the same model and tokens, one with the

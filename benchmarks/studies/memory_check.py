@@ -1,13 +1,13 @@
 """Measured memory on the CPU, to hold the memory plan (moe_dist/planning/memory.py) and activation checkpointing
 honest.
 
-    python benchmarks/memory_check.py activations --config C [--set K=V ...] [--settings none,full,...]
+    python -m benchmarks.studies.memory_check activations --config C [--set K=V ...] [--settings none,full,...]
         one process, one micro-batch forward + backward per checkpointing setting: the peak resident memory above
         the level just before the forward (activations + gradients + transients), the bytes autograd saved, and
         the plan's figure for the same; JSON per setting on stdout.
-    torchrun --nproc_per_node N benchmarks/memory_check.py init --config C [--set ...] [--whole-then-slice]
+    torchrun --nproc_per_node N -m benchmarks.studies.memory_check init --config C [--set ...] [--whole-then-slice]
         building the model: each rank's peak resident memory while it builds its shard, against the shard's size
-    torchrun --nproc_per_node N benchmarks/memory_check.py train --config C --run-dir D [--set ...]
+    torchrun --nproc_per_node N -m benchmarks.studies.memory_check train --config C --run-dir D [--set ...]
         a real training run (launch/train.py's `train`); each rank writes D/memory_rankR.json: its peak resident
         memory above its level before the run started (after imports) up to the first checkpoint save, beside the
         plan for its layout.
@@ -61,7 +61,7 @@ def activations(args) -> None:
     settings = args.settings.split(",")
     if len(settings) > 1:  # one fresh process each: freed memory stays resident and would hide the next peak
         for setting in settings:
-            cmd = [sys.executable, __file__, "activations", "--config", args.config, "--settings", setting]
+            cmd = [sys.executable, "-m", __spec__.name, "activations", "--config", args.config, "--settings", setting]
             subprocess.run([*cmd, "--set", *args.set] if args.set else cmd, check=True)
         return
     torch.set_num_threads(1)
@@ -180,7 +180,6 @@ def main(argv=None) -> int:
     p.add_argument("--run-dir", type=Path, default=None)
     p.add_argument("--whole-then-slice", action="store_true", help="init: the former way, for comparison")
     args = p.parse_args(argv)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     {"activations": activations, "train": train_run, "init": init_run}[args.what](args)
     return 0
 

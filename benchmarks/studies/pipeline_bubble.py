@@ -1,6 +1,6 @@
 """The pipeline bubble measured on CPU processes against the performance model's (pp − 1) / (m · v).
 
-    torchrun --nproc_per_node 2 benchmarks/pipeline_bubble.py --config configs/debug.json \
+    torchrun --nproc_per_node 2 -m benchmarks.studies.pipeline_bubble --config configs/debug.json \
         --set model.n_layers=8 train.seq_len=128 --micro 2 4 8 --stages-per-rank 1 2
 
 Each rank builds its pipeline part as training does (`parallelize`, parallel.pp = the world size) and runs
@@ -20,20 +20,16 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from moe_dist.config import load_config  # noqa: E402
-from moe_dist.models.decoder import build_model, lm_loss  # noqa: E402
-from moe_dist.parallel.comm import all_reduce_sum  # noqa: E402
-from moe_dist.parallel.mesh import init_distributed  # noqa: E402
-from moe_dist.parallel.parallelize import parallelize  # noqa: E402
-from moe_dist.parallel.pipeline import build_schedule  # noqa: E402
+from moe_dist.config import load_config
+from moe_dist.models.decoder import build_model, lm_loss
+from moe_dist.parallel.comm import all_reduce_sum
+from moe_dist.parallel.mesh import init_distributed
+from moe_dist.parallel.parallelize import parallelize
+from moe_dist.parallel.pipeline import build_schedule
 
 
 def _timed(pipes: list, busy: list) -> None:

@@ -9,13 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import load_script
 
 from moe_dist.config import MoEConfig
 from moe_dist.layers.moe import MoE
 
 REPO = Path(__file__).resolve().parents[2]
-BENCH = REPO / "benchmarks" / "bench.py"
 ON_CPU = {"permutation": "torch", "experts": "grouped_mm"}  # what a layer built for the CPU runs
 
 
@@ -26,7 +24,9 @@ def moe(shape: str, *args: str) -> list[str]:
 
 
 def run_bench(*args: str, expect_rc: int = 0) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, str(BENCH), *args], capture_output=True, text=True, timeout=300, cwd=REPO)
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.bench", *args], capture_output=True, text=True, timeout=300, cwd=REPO
+    )
     assert proc.returncode == expect_rc, proc.stderr[-2000:]
     return proc
 
@@ -109,7 +109,8 @@ def test_removed_host_and_cpu_kernel_options_are_rejected(args):
 def test_plain_layer_computes_our_layer():
     """With our layer's weights and no capacity, the plain layer's output and every gradient are ours: the
     benchmark compares the same work."""
-    bench = load_script(BENCH)
+    from benchmarks import bench
+
     torch.manual_seed(0)
     moe = MoE(16, 32, MoEConfig(num_experts=4, top_k=2, d_ff=32, capacity_factor=None), init_std=0.5, n_layers=2)
     moe.init_weights()

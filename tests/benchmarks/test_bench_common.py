@@ -1,6 +1,6 @@
-"""benchmarks/common.py (the timer, the matmul peak, the collective tracer) and the two scripts built on its tracer:
-comm_report.py and scaling_worker.py, whose counts must match moe_dist.planning.perfmodel's schedule of the same
-job."""
+"""benchmarks/common.py (the timer, the matmul reference, the collective tracer) and the two scripts built on its
+tracer: comm_report.py and scaling_worker.py, whose counts must match moe_dist.planning.perfmodel's schedule of the
+same job."""
 
 from __future__ import annotations
 
@@ -15,14 +15,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
-from support import CP_HYBRID, free_port, load_script, torchrun
+from support import CP_HYBRID, free_port, torchrun
 
+from benchmarks import common
 from moe_dist.config import load_config
 from moe_dist.planning import workload as wl
 
 REPO = Path(__file__).resolve().parents[2]
-BENCHMARKS = REPO / "benchmarks"
-common = load_script(BENCHMARKS / "common.py")
 
 
 def test_interleaved_ms_runs_round_by_round():
@@ -68,8 +67,8 @@ def test_collective_tracer_sees_each_outermost_call_once_and_uninstalls():
     assert seen[0].args["tensor"].shape == (4,)
 
 
-def _torchrun(nproc: int, script: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    cmd = [*torchrun(nproc), str(BENCHMARKS / script), *args]
+def _torchrun(nproc: int, module: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    cmd = [*torchrun(nproc), "-m", module, *args]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc
@@ -79,7 +78,7 @@ def _torchrun(nproc: int, script: str, *args: str, timeout: float = 300) -> subp
 @pytest.mark.timeout(600)
 def test_comm_report_matches_the_performance_model():
     """The tensor-parallel all-reduces that comm_report counts are the bytes perfmodel schedules for the job."""
-    proc = _torchrun(2, "comm_report.py", "--config", "configs/debug.json", "--set", "parallel.tp=2")
+    proc = _torchrun(2, "benchmarks.comm_report", "--config", "configs/debug.json", "--set", "parallel.tp=2")
     total = int(re.search(r"total bytes per rank for one micro-batch: ([\d,]+)", proc.stdout)[1].replace(",", ""))
     rows = re.findall(r"^\| (blocks\.\d+\.\w+) \| (forward|backward) \| (\w+) \| 2 \|", proc.stdout, re.MULTILINE)
     assert {layer for layer, _, _ in rows} == {f"blocks.{i}.{p}" for i in range(4) for p in ("mixer", "ffn")}
@@ -103,7 +102,9 @@ def test_scaling_worker_counts_the_scheduled_collectives(tmp_path):
         "parallel.ep=2",
         "train.threads=1",
     ]
-    _torchrun(2, "scaling_worker.py", "--config", "configs/debug.json", "--set", *sets, "--run-dir", str(tmp_path))
+    _torchrun(
+        2, "benchmarks.scaling_worker", "--config", "configs/debug.json", "--set", *sets, "--run-dir", str(tmp_path)
+    )
     profiles = [json.loads((tmp_path / "profile" / f"rank{r}.json").read_text()) for r in (0, 1)]
     cfg = load_config(REPO / "configs" / "debug.json", sets)
     a2a = sum(c.count for c in wl.step_calls(cfg, wl.Layout(2, 2, 1), ranks_per_node=2) if c.kind == "all_to_all")
@@ -120,7 +121,7 @@ def test_scaling_worker_counts_the_scheduled_collectives(tmp_path):
 
 def test_scaling_predict_runs():
     proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "scaling.py"), "predict"],
+        [sys.executable, "-m", "benchmarks.scaling", "predict"],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -135,7 +136,7 @@ def test_scaling_predict_runs():
 def test_scaling_sweep_on_one_node_writes_its_report(tmp_path):
     """A two-point sweep (1 and 2 ranks) end to end: runs, aggregation, the fit and every output; the bytes each
     rank sent agree with the fitted model's schedule (bytes, not times: they do not depend on the machine's load)."""
-    cmd = [sys.executable, str(BENCHMARKS / "scaling.py"), "--worlds", "1", "2", "--steps", "3", "--no-netns"]
+    cmd = [sys.executable, "-m", "benchmarks.scaling", "--worlds", "1", "2", "--steps", "3", "--no-netns"]
     proc = subprocess.run([*cmd, "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=800)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     for name in ("scaling.md", "scaling.csv", "predictions.md", "points.json"):
@@ -159,7 +160,7 @@ def test_comm_report_counts_context_parallel_bytes_that_grow_only_for_attention(
     per_layer = {}
     for seq in (64, 256):
         proc = _torchrun(
-            2, "comm_report.py", "--config", "configs/debug.json", "--set", *CP_SETS, f"train.seq_len={seq}"
+            2, "benchmarks.comm_report", "--config", "configs/debug.json", "--set", *CP_SETS, f"train.seq_len={seq}"
         )
         rows = re.findall(
             r"^\| (blocks\.\d)\.mixer \| forward \| all_gather\w* \| 2 \| (\d+) \| ([\d,]+) \|", proc.stdout, re.M

@@ -1,4 +1,4 @@
-"""benchmarks/gpu_check.py without a GPU: its command line, the budgets that stop a part (reported as not run, not
+"""benchmarks/gpu_check/ without a GPU: its command line, the budgets that stop a part (reported as not run, not
 as a failure), the summaries it writes, the comparisons it judges by, and its --dry-run, which runs the parts'
 logic on the CPU (a few in-process parts here; every part in the slow test)."""
 
@@ -13,18 +13,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import load_script
+
+import benchmarks.gpu_check as gpu_check
+from benchmarks.gpu_check import budget as common
+from benchmarks.gpu_check import runs
 
 REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "benchmarks" / "gpu_check.py"
-gpu_check = load_script(SCRIPT)
-common = sys.modules[gpu_check.Budget.__module__]  # the budget module the script itself uses (one BudgetSpent)
-runs = load_script(REPO / "benchmarks" / "gpu_check_runs.py")
 
 
 def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, str(SCRIPT), *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "benchmarks.gpu_check", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
     )
 
 

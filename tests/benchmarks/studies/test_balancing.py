@@ -1,20 +1,16 @@
-"""benchmarks/balancing.py end to end on the test model: two recipes, two steps each, table and plot written, and
-a finished run summarized without retraining."""
+"""benchmarks/studies/balancing.py end to end on the test model: two recipes, two steps each, table and plot
+written, and a finished run summarized without retraining."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-from support import load_script
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_balancing_study_runs_and_tabulates(tmp_path, capsys):
-    study = load_script(REPO / "benchmarks" / "balancing.py")
+    from benchmarks.studies import balancing as study
+
     argv = ["--config", "configs/debug.json", "--out", str(tmp_path), "--steps", "2", "--only", "aux 0", "bias only"]
     argv += ["--set", "train.eval_every=2", "train.save_every=0"]
     assert study.main(argv) == 0
