@@ -136,8 +136,7 @@ def memory_worker(argv: list[str]) -> None:
     import argparse
     import gc
 
-    from memory_check import reset_peak, rss_bytes
-
+    from benchmarks.studies.memory_check import reset_peak, rss_bytes
     from moe_dist.config import load_config
     from moe_dist.planning.collectives import H200_BF16_DENSE_PEAK
     from moe_dist.planning.memory import memory_plan
