@@ -1,8 +1,8 @@
 """Benchmarks: where the time of an MoE layer, the selective scan and a training step goes.
 
-    python benchmarks/bench.py moe --tokens 4096 --d-model 512 --d-ff 1024 --experts 8 --top-k 2 [--dtype bf16]
-    python benchmarks/bench.py scan --batch 2 --seq 2048 --dim 512 --state 16
-    python benchmarks/bench.py step --config configs/mixtral_small.json [--set KEY=VALUE ...] [--steps 4]
+    python -m benchmarks.bench moe --tokens 4096 --d-model 512 --d-ff 1024 --experts 8 --top-k 2 [--dtype bf16]
+    python -m benchmarks.bench scan --batch 2 --seq 2048 --dim 512 --state 16
+    python -m benchmarks.bench step --config configs/mixtral_small.json [--set KEY=VALUE ...] [--steps 4]
 
 Each prints readable lines, then one JSON object as the last stdout line. Speeds are ratios measured in the
 same run (docs/benchmarks.md): achieved FLOP/s against this machine's own torch.mm rate for the dtype; our MoE layer
@@ -26,10 +26,10 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from bench_step import bench_step
-from common import DTYPES, interleaved_ms, matmul_fns, matmul_gflops, resolve_device, sig
 from torch import nn
 
+from benchmarks.bench_step import bench_step
+from benchmarks.common import DTYPES, interleaved_ms, matmul_fns, matmul_gflops, resolve_device, sig
 from moe_dist.config import ConfigError, MoEConfig
 
 IMPLS = ["auto", "torch", "triton"]
@@ -209,7 +209,7 @@ def _peak_mem_mb(moe, x, dy, device) -> tuple[float, str]:
             "torch.cuda.max_memory_allocated rise over one forward+backward",
         )
     out = subprocess.run(
-        [sys.executable, __file__, "_moe_mem", *sys.argv[2:]], capture_output=True, text=True, check=True
+        [sys.executable, "-m", __spec__.name, "_moe_mem", *sys.argv[2:]], capture_output=True, text=True, check=True
     )
     return (
         float(out.stdout.strip().splitlines()[-1]),

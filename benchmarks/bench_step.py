@@ -12,8 +12,8 @@ import copy
 import time
 
 import torch
-from common import DTYPES, interleaved_ms, matmul_fns, matmul_gflops, resolve_device, sig, sync
 
+from benchmarks.common import DTYPES, interleaved_ms, matmul_fns, matmul_gflops, resolve_device, sig, sync
 from moe_dist.config import ConfigError, load_config
 from moe_dist.layers.moe import Dispatcher
 

@@ -1,8 +1,8 @@
 """Communication per layer of one micro-batch's forward and backward, measured, under a parallel layout.
 
-    torchrun --nproc_per_node 2 benchmarks/comm_report.py --config configs/mixtral_small.json --set parallel.tp=2
-    torchrun --nproc_per_node 4 benchmarks/comm_report.py --config ... --set parallel.tp=2 parallel.ep=2
-    torchrun --nproc_per_node 4 benchmarks/comm_report.py --config ... --set parallel.tp=2 parallel.ep=4 parallel.etp=1
+    torchrun --nproc_per_node 2 -m benchmarks.comm_report --config configs/mixtral_small.json --set parallel.tp=2
+    torchrun --nproc_per_node 4 -m benchmarks.comm_report --config ... --set parallel.tp=2 parallel.ep=2
+    torchrun --nproc_per_node 4 -m benchmarks.comm_report --config ... --set parallel.tp=2 parallel.ep=4 parallel.etp=1
 
 Builds this rank's shard exactly as training does (`parallelize`), runs one micro-batch forward, the loss and
 backward (no optimizer: DeepSpeed's gradient reduction over the data-parallel group comes on top, once per step),
@@ -11,10 +11,10 @@ each collective's kind, group size, calls and payload bytes (the tensor each ran
 collectives are attributed to the layer whose backward was running (module backward pre-hooks). Rank 0 prints a
 markdown table.
 
-    torchrun --nproc_per_node 2 benchmarks/comm_report.py --config configs/mixtral_small.json --set parallel.ep=2 \
+    torchrun --nproc_per_node 2 -m benchmarks.comm_report --config configs/mixtral_small.json --set parallel.ep=2 \
         --overlap 1 2 4
 
-    torchrun --nproc_per_node 4 benchmarks/comm_report.py --config configs/debug.json --set train.dtype=bf16 \
+    torchrun --nproc_per_node 4 -m benchmarks.comm_report --config configs/debug.json --set train.dtype=bf16 \
         parallel.ep=2 train.global_batch_size=32 train.eval_batches=4 --step deepspeed.zero_stage=1 \
         deepspeed.zero_stage=2
 
@@ -43,8 +43,8 @@ import warnings
 
 import torch
 import torch.distributed as dist
-from common import CollectiveTracer, interleaved_ms
 
+from benchmarks.common import CollectiveTracer, interleaved_ms
 from moe_dist.config import load_config
 from moe_dist.layers.moe import MoE
 from moe_dist.models.decoder import build_model, lm_loss

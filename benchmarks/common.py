@@ -1,8 +1,6 @@
-"""What the benchmark scripts share: the timer, the dense-matmul peak and the collective tracer (and --device).
-
-The scripts of this folder import it as a sibling module (`from common import interleaved_ms`): run as
-`python benchmarks/<script>.py`, a script's own folder is first on sys.path. benchmarks/ is a folder of scripts,
-not a package; nothing here is installed.
+"""What the benchmarks share: the interleaved timer, the dense-matmul reference timed in the same rounds as the
+thing measured, and the collective tracer (and --device). A standalone matmul peak is the library's
+(`moe_dist.train.throughput.measured_peak`, which training's MFU uses too).
 """
 
 from __future__ import annotations
@@ -94,17 +92,6 @@ def matmul_gflops(ms: dict) -> float:
     if not rates:
         raise ValueError("no ('mm', M, K, N) timings: time matmul_fns alongside")
     return statistics.median(rates)
-
-
-def measure_matmul_gflops(
-    shapes: list[tuple[int, int, int]],
-    dtype: torch.dtype,
-    device: torch.device | str,
-    repeats: int = 5,
-    number: int = 1,
-) -> float:
-    """`matmul_gflops` of `matmul_fns` timed on their own."""
-    return matmul_gflops(interleaved_ms(matmul_fns(shapes, dtype, device), device, repeats, number=number))
 
 
 # ----------------------------------------------------------------------------------------------- collectives

@@ -1,8 +1,8 @@
 """Weak- and strong-scaling sweeps with a time breakdown per collective, and the calibrated performance model.
 
-    python benchmarks/scaling.py [sweep] [--out runs/scaling] [--worlds 1 2 4] [--steps 6] [--no-netns]
-    python benchmarks/scaling.py report --out runs/scaling      # re-aggregate and re-fit a finished sweep
-    python benchmarks/scaling.py predict [--config C] [--mfu 0.4] [--levers] [--published]  # H200s (and H100s)
+    python -m benchmarks.scaling [sweep] [--out runs/scaling] [--worlds 1 2 4] [--steps 6] [--no-netns]
+    python -m benchmarks.scaling report --out runs/scaling      # re-aggregate and re-fit a finished sweep
+    python -m benchmarks.scaling predict [--config C] [--mfu 0.4] [--levers] [--published]  # H200s (and H100s)
 
 `sweep` runs every point on one node (torchrun) and, as root, across two network-namespace nodes
 (tests/netns_cluster.sh), then writes OUT/scaling.md (tables), OUT/scaling.csv, OUT/scaling.png and
@@ -30,8 +30,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-
-from common import measure_matmul_gflops
 
 REPO = Path(__file__).resolve().parents[1]
 KINDS = ("all_to_all", "all_reduce", "reduce_scatter", "all_gather", "other")
@@ -98,7 +96,8 @@ def run_point(p: dict, config: str, overrides: list[str], out: Path, timeout: fl
             str(p["world"]),
             "--master_port",
             str(port),
-            str(REPO / "benchmarks" / "scaling_worker.py"),
+            "-m",
+            "benchmarks.scaling_worker",
             *worker_args,
             "--run-dir",
             str(run_dir),
@@ -124,8 +123,11 @@ def run_point(p: dict, config: str, overrides: list[str], out: Path, timeout: fl
             "--",
             *worker_args,
         ]
+    # netns_cluster.sh runs the worker by its path, whose own folder is first on its path: the repository on
+    # PYTHONPATH lets it import benchmarks.common (under torchrun -m, the working directory does).
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     tic, load = time.perf_counter(), os.getloadavg()[0]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout + 60)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout + 60)
     p["run_dir"] = str(run_dir)
     p["wall_s"] = time.perf_counter() - tic
     p["load"] = (load + os.getloadavg()[0]) / 2  # the machine's run queue: other users' jobs slow every point
@@ -274,10 +276,12 @@ def measure_matmul_peak(n: int = 512) -> float:
     """FLOP/s of an n×n fp32 matmul on one thread: the device's own peak that F is compared with (DESIGN §7)."""
     import torch
 
+    from moe_dist.train.throughput import measured_peak
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return 1e9 * measure_matmul_gflops([(n, n, n)], torch.float32, "cpu", repeats=20)
+        return measured_peak(torch.device("cpu"), "fp32", n=n, repeats=20).flops_per_s
     finally:
         torch.set_num_threads(threads)
 
@@ -355,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     if args.command == "predict":
-        from scaling_predict import predict_table
+        from benchmarks.scaling_predict import predict_table
 
         print(predict_table(args.config or "configs/mixtral_8x7b.json", args.mfu, args.levers, args.published))
         return 0
@@ -400,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [aggregate(pt) for pt in saved["points"]]
     hw, _ = fit_and_predict(rows, saved["config"], saved["set"], saved["steps"], saved["cores"])
     write_outputs(rows, hw, args.out, saved["cores"], saved["matmul_peak"])
-    from scaling_predict import predict_table
+    from benchmarks.scaling_predict import predict_table
 
     (args.out / "predictions.md").write_text(predict_table("configs/mixtral_8x7b.json", args.mfu) + "\n")
     print(f"\nwrote {args.out}/scaling.md, scaling.csv, scaling.png, predictions.md and tb/")

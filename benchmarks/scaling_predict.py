@@ -1,4 +1,4 @@
-"""The H200 predictions of `python benchmarks/scaling.py predict` (docs/perf_model.md, "Mixtral 8x7B and Jamba on
+"""The H200 predictions of `python -m benchmarks.scaling predict` (docs/perf_model.md, "Mixtral 8x7B and Jamba on
 H200"): every layout family at 8 to 1,024 GPUs, the chunked all-to-all's overlap, the fastest layout per GPU count,
 and with --levers what moves 64 and 1,024 GPUs and the global batch at which an efficiency target holds."""
 

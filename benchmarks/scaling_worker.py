@@ -1,7 +1,7 @@
 """One point of a scaling sweep (benchmarks/scaling.py runs it under torchrun or across netns nodes):
 launch/train.py's job with every torch.distributed collective timed.
 
-    torchrun --nproc_per_node 2 benchmarks/scaling_worker.py --config configs/debug.json --run-dir DIR [--set ...]
+    torchrun --nproc_per_node 2 -m benchmarks.scaling_worker --config configs/debug.json --run-dir DIR [--set ...]
 
 The tracer (common.CollectiveTracer) goes in before DeepSpeed binds torch.distributed's functions; the loop itself
 is unchanged, and its step boundaries are those of its StepAccumulator. Per step and rank it records seconds,
@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import Collective, CollectiveTracer
+from benchmarks.common import Collective, CollectiveTracer
 
 MAX_SAMPLES = 4000  # per rank
 

@@ -1,7 +1,7 @@
 """Summarize a run's TensorBoard events as one PNG, for people without a TensorBoard server.
 
-    python benchmarks/tb_report.py RUN_DIR [--out report.png]      (default: RUN_DIR/tb_report.png)
-    python benchmarks/tb_report.py RUN_DIR --bytes                  event-file bytes per step, by kind
+    python -m benchmarks.tb_report RUN_DIR [--out report.png]      (default: RUN_DIR/tb_report.png)
+    python -m benchmarks.tb_report RUN_DIR --bytes                  event-file bytes per step, by kind
 
 Panels: loss curves (train loss, LM loss, eval loss), drop fraction per MoE layer over steps, and the token
 share of every expert of every MoE layer over steps as a heatmap (rows grouped by layer; read from

@@ -89,7 +89,7 @@ def metrics():
 class DebugRuns:
     """`debug_run(launcher)`: the run directory of configs/debug.json as it is (6 steps, eval and checkpoint every
     3; one thread per process) under "python" (1 process), "deepspeed" or "torchrun" (2 processes), trained on
-    first use and shared by every test that compares against it (train/test_train_e2e.py, test_launchers.py,
+    first use and shared by every test that compares against it (train/test_train_e2e.py, launch/test_launchers.py,
     train/test_bad_input.py). Tests copy a run directory before they change anything in it. `shm[launcher]`: the
     DeepSpeed shm buffers the run left behind, looked for right after it ended; `stderr[launcher]`: what it
     printed there (start-up lines, train/test_startup_report.py)."""

@@ -35,11 +35,19 @@ def torchrun(nproc: int, port: int | None = None) -> list[str]:
 TEARDOWN_ABORT = "terminate called without an active exception"
 
 
-def run_torchrun_worker(worker: Path, out: Path, nproc: int = 2, timeout: float = 240) -> None:
-    """`torchrun --nproc_per_node N WORKER OUT` on its own free port; a failure or a hang fails the test.
+def worker_env() -> dict[str, str]:
+    """The environment of a spawned test worker: tests/ on its PYTHONPATH (the workers import `workers`, as test
+    modules do under pytest's `pythonpath`), and faulthandler on, so an abort prints every thread's Python stack
+    into the failure."""
+    tests = str(Path(__file__).resolve().parent)
+    path = os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path, "PYTHONFAULTHANDLER": "1"}
 
-    The workers run with faulthandler on, so an abort prints every thread's Python stack into the failure."""
-    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
+
+def run_torchrun_worker(worker: Path, out: Path, nproc: int = 2, timeout: float = 240) -> None:
+    """`torchrun --nproc_per_node N WORKER OUT` on its own free port (`worker_env`); a failure or a hang fails the
+    test."""
+    env = worker_env()
     for _ in range(2):
         proc = subprocess.run(
             [*torchrun(nproc), str(worker), str(out)], capture_output=True, text=True, timeout=timeout, env=env
@@ -67,8 +75,8 @@ def train_records(records: list[dict]) -> list[dict]:
 
 
 def load_script(path: Path):
-    """A script of benchmarks/ (or launch/) imported as a module, with its own folder on sys.path while it loads,
-    as when it runs as `python benchmarks/x.py` (its sibling `common` resolves the same way)."""
+    """A script of launch/ imported as a module, with its own folder on sys.path while it loads, as when it runs as
+    `python launch/x.py` (its sibling modules resolve the same way). benchmarks/ is a package: import it."""
     import importlib.util
 
     name = f"script_{path.parent.name}_{path.stem}"
@@ -147,7 +155,7 @@ E2E_MODES = {
 }
 
 # support.E2E_MODES["hybrid"] with Mamba-1 too, and two Mamba-2 groups (CP × TP needs n_groups >= tp): the context
-# parallelism tests' model (tests/parallel/test_cp_e2e.py, tests/test_bench_common.py)
+# parallelism tests' model (tests/parallel/test_cp_e2e.py, tests/benchmarks/test_bench_common.py)
 CP_HYBRID = [
     *LAYER_LIST,
     'model.layers=["attention+moe","mamba1+mlp","mamba2+moe","gdn+mlp"]',

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Wheels that let benchmarks/gpu_check.py run on a GPU machine with no network and no DeepSpeed: a pure-Python
+# Wheels that let benchmarks/gpu_check/ run on a GPU machine with no network and no DeepSpeed: a pure-Python
 # DeepSpeed wheel (no compiled ops: DS_BUILD_OPS=0; DeepSpeed compiles an op at first use if one is ever asked for,
 # and moe_dist asks for none) and the cp312 wheels of what it imports that such a machine lacks. Into .whl/
 # (git-ignored); see docs/benchmarks.md, "GPU check", for the one command that carries and installs them.

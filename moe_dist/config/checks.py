@@ -2,7 +2,7 @@
 
 `validate` holds the rules that need only the config (load_config and config_from_dict run it); the parallel
 layout's rules live in parallel_checks.py (`check_parallel` from here, `check_layout` where the world size is
-known). Each failure is a ConfigError of one line naming the key (tests/test_config.py). Rules that need files
+known). Each failure is a ConfigError of one line naming the key (tests/config/test_config.py). Rules that need files
 (data paths, tokenizers, the run directory) are checked where those are read, with errors naming the key as well.
 Depends on schema.py and parallel_checks.py; loading.py imports this module.
 """

@@ -120,7 +120,7 @@ def render(root: type = JobConfig) -> str:
         "# Configuration reference",
         "",
         "Generated from the field comments in `moe_dist/config/schema.py` and in the layer files' sections",
-        f"by `{COMMAND}`; do not edit by hand (tests/test_config_doc.py fails when this page is stale).",
+        f"by `{COMMAND}`; do not edit by hand (tests/config/test_config_doc.py fails when this page is stale).",
         'Keys go in the JSON config under their section (`{"model": {"moe": {"top_k": 1}}}`) or on the command',
         "line as dotted overrides (`--set model.moe.top_k=1`); unknown keys and wrong types are errors.",
         "",

@@ -2,7 +2,7 @@
 model key may change only what leaves the converted weights meaning what they meant in the source. Every key of
 ARCHITECTURE_KEYS is refused with a ConfigError naming it, before anything is read or written; every other model
 key (loss coefficients, capacity, drop policy, balancing recipes, kernels, telemetry) is applied.
-tests/test_convert_overrides.py checks that every model key is either listed here or applied.
+tests/hf/test_convert_overrides.py checks that every model key is either listed here or applied.
 """
 
 from __future__ import annotations

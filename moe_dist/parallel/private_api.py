@@ -498,7 +498,8 @@ def deepspeed_shm_buffer_name(rank: int) -> str:
 
     deepspeed 0.19.8: ops/csrc/cpu/comm/shm.cpp (`shm_initialize`) creates
     `deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>` and never unlinks it. If the format
-    changes, nothing is removed and every run leaks 69 MB of tmpfs per rank again (test_launchers.py's check).
+    changes, nothing is removed and every run leaks 69 MB of tmpfs per rank again
+    (tests/launch/test_launchers.py's check).
     """
     return (
         f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"

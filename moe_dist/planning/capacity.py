@@ -17,7 +17,7 @@ from moe_dist.config import JobConfig
 MIB = 2**20
 GB = 1e9
 # torch.cuda.mem_get_info's total on an H200 SXM, the GPU the shipped configs are planned for: what the dry-run
-# plans against on a machine without a GPU (issue 36's figure; benchmarks/gpu_check.py records the device's own).
+# plans against on a machine without a GPU (issue 36's figure; benchmarks/gpu_check/ records the device's own).
 H200_MIB = 143_771
 # The same for an H100 SXM 80 GB (the figure of plan.device_memory_mib=81559 in tests/planning/test_memory.py).
 H100_MIB = 81_559

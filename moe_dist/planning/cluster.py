@@ -1,5 +1,5 @@
 """The H200 cluster the performance model predicts for, the layout families compared on it, and the sweep of
-docs/perf_model.md ("Mixtral 8x7B and Jamba on H200"): `python benchmarks/scaling.py predict` prints it."""
+docs/perf_model.md ("Mixtral 8x7B and Jamba on H200"): `python -m benchmarks.scaling predict` prints it."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ collectives one training step issues (`step_calls`).
 Invariant: `step_calls` mirrors what a training step of this repository issues (EP, TP, CP, the data-parallel
 reduction) and the rank placement of moe_dist.parallel.mesh; a change to either must change this file too
 (docs/perf_model.md, "The model"; checked against benchmarks/scaling.py's instrumented runs by
-tests/test_bench_common.py).
+tests/benchmarks/test_bench_common.py).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ in one of two modes:
 - interpreter: TRITON_INTERPRET=1 on CPU tensors. Triton reads the variable when a kernel is decorated, i.e. when
   its module is first imported, so it must be set before the process imports any kernel module: a plain
   `python -m pytest` runs these files in fresh subprocesses (test_kernel_suites.py) instead of collecting them.
-- cuda: MOE_DIST_KERNEL_DEVICE=cuda, on a GPU machine (benchmarks/gpu_check.py, or test_kernel_suites.py when
+- cuda: MOE_DIST_KERNEL_DEVICE=cuda, on a GPU machine (benchmarks/gpu_check/, or test_kernel_suites.py when
   CUDA is present); the same tests plus a few realistic sizes run on the GPU.
 In a plain run this directory collects only test_kernel_choice.py (the "auto"/"torch"/"triton" choice) and the runner.
 """

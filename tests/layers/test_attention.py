@@ -1,7 +1,8 @@
 """Attention and RoPE against an explicit masked-softmax reference written here.
 
 The reference repeats k/v heads explicitly for grouped-query attention, masks with a Python-built causal mask
-and rotates with its own half-split RoPE from math.cos/math.sin, all in fp64.
+and rotates with its own half-split RoPE from math.cos/math.sin, all in fp64. What every mixer kind shares
+(causality, meta build + init, backward, documents): test_mixers.py.
 """
 
 import math
@@ -116,17 +117,6 @@ def test_reference_is_not_trivially_satisfied():
     assert (ref - attention_ref(x, ws[0], wk_swapped, wv_swapped, ws[3], 4, 2, 4, 10000.0)).abs().max() > 1e-2
 
 
-def test_causal():
-    layer = build(n_heads=4, n_kv_heads=2)
-    x = torch.randn(2, 13, D_MODEL, dtype=F64)
-    t = 6
-    x2 = x.clone()
-    x2[:, t] += torch.randn(2, D_MODEL, dtype=F64)
-    out, out2 = layer(x), layer(x2)
-    torch.testing.assert_close(out2[:, :t], out[:, :t], rtol=0, atol=1e-12)
-    assert (out2[:, t:] - out[:, t:]).abs().amax(dim=-1).min() > 1e-6  # the change reaches every later position
-
-
 def test_batch_rows_are_independent():
     layer = build(n_heads=4, n_kv_heads=1)
     x = torch.randn(3, 5, D_MODEL, dtype=F64)
@@ -135,28 +125,11 @@ def test_batch_rows_are_independent():
         torch.testing.assert_close(layer(x[b : b + 1]), out[b : b + 1], rtol=1e-12, atol=1e-12)
 
 
-def test_impl_choice():
+def test_attention_kernel_choice():
+    """The kernel function itself (the layer's choice: test_mixers.py): "auto" is SDPA on the CPU and on CUDA."""
     assert attention_kernel("auto") == attention_kernel("torch") == attention_kernel("auto", "cuda")
-    Attention(D_MODEL, AttentionConfig(n_heads=4, n_kv_heads=2, impl="torch"), init_std=0.02, n_layers=2)
-    with pytest.raises(ValueError, match=r"model\.attention\.impl"):
-        Attention(D_MODEL, AttentionConfig(n_heads=4, n_kv_heads=2, impl="triton"), init_std=0.02, n_layers=2)
     with pytest.raises(ValueError, match=r"model\.attention\.impl"):
         attention_kernel("triton")
-
-
-def test_meta_build_materialize_init():
-    cfg = AttentionConfig(n_heads=4, n_kv_heads=2)
-    with torch.device("meta"):
-        layer = Attention(32, cfg, init_std=0.02, n_layers=2)
-    assert all(p.is_meta for p in layer.parameters())
-    assert layer.wq.weight.shape == (32, 32) and layer.wk.weight.shape == (16, 32) and layer.wo.weight.shape == (32, 32)
-    layer.to_empty(device="cpu")
-    torch.manual_seed(0)
-    layer.init_weights()
-    assert 0.015 < layer.wq.weight.std() < 0.025
-    assert 0.007 < layer.wo.weight.std() < 0.013  # init_std / sqrt(2 * n_layers) = 0.01
-    out = layer(torch.randn(2, 5, 32))
-    assert out.shape == (2, 5, 32) and torch.isfinite(out).all()
 
 
 # ------------------------------------------------------------------------------------------------- RoPE

@@ -1,5 +1,6 @@
 """Gated DeltaNet mixer: transformers' own Qwen3NextGatedDeltaNet with the same weights, wiring against an explicit
-recomputation, cached decoding, documents, causality, meta build + init, parameter names, config rules."""
+recomputation, cached decoding against transformers, parameter names, bf16, config rules. What every mixer kind
+shares (causality, meta build + init, seeds, backward, documents, cache): test_mixers.py."""
 
 import pytest
 import torch
@@ -113,41 +114,6 @@ def test_cached_decoding_matches_transformers():
     torch.testing.assert_close(state.recurrent, cache.get_recurrent_state(0), rtol=0, atol=1e-5)
 
 
-def test_cached_steps_equal_the_full_forward():
-    """A prompt, then one position per call, through the cache == the whole sequence at once (generation)."""
-    layer = randomize(build())
-    x = torch.randn(2, 13, D_MODEL, dtype=torch.float64)
-    state = layer.new_state(2, x.device, x.dtype)
-    assert state.recurrent.dtype == torch.float64
-    outs = [layer(x[:, :6], state)] + [layer(x[:, t : t + 1], state) for t in range(6, 13)]
-    torch.testing.assert_close(torch.cat(outs, 1), layer(x), rtol=1e-10, atol=1e-12)
-    assert layer.new_state(1, x.device, torch.bfloat16).recurrent.dtype == torch.float32  # the state stays fp32
-
-
-def test_documents_are_independent():
-    """Packed documents: the conv window and the state restart at each start, as if each ran alone."""
-    layer = randomize(build())
-    lengths = [5, 1, 8, 4]
-    x = torch.randn(1, sum(lengths), D_MODEL, dtype=torch.float64)
-    document_ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None]
-    packed = layer(x, document_ids=document_ids)
-    starts = [0, *torch.tensor(lengths).cumsum(0).tolist()]
-    for s, e in zip(starts[:-1], starts[1:]):
-        torch.testing.assert_close(packed[:, s:e], layer(x[:, s:e]), rtol=1e-10, atol=1e-12)
-    assert (packed - layer(x)).abs().max() > 1e-6  # the masking did something
-
-
-def test_causal():
-    layer = randomize(build())
-    x = torch.randn(2, 13, D_MODEL, dtype=torch.float64)
-    t = 6
-    x2 = x.clone()
-    x2[:, t] += torch.randn(2, D_MODEL, dtype=torch.float64)
-    out, out2 = layer(x), layer(x2)
-    torch.testing.assert_close(out2[:, :t], out[:, :t], rtol=0, atol=1e-14)
-    assert (out2[:, t:] - out[:, t:]).abs().amax(dim=-1).min() > 1e-8  # the change reaches every later token
-
-
 def test_parameter_names():
     expected = {
         "in_proj_qkvz.weight",
@@ -161,39 +127,6 @@ def test_parameter_names():
     assert {name for name, _ in build().named_parameters()} == expected
 
 
-def test_meta_build_and_init():
-    with torch.device("meta"):
-        layer = GatedDeltaNet(D_MODEL, GDNConfig(**SHAPES), norm_eps=EPS, init_std=0.02)
-    assert all(p.is_meta for p in layer.parameters())
-    layer.to_empty(device="cpu")
-    torch.manual_seed(0)
-    layer.init_weights()
-    A = torch.exp(layer.A_log)
-    assert A.min() >= 0.01 * (1 - 1e-5) and A.max() <= 16 * (1 + 1e-5)
-    dt = F.softplus(layer.dt_bias)
-    assert dt.min() >= 1e-3 * (1 - 1e-5) and dt.max() <= 0.1 * (1 + 1e-5) and dt.std() > 0
-    torch.testing.assert_close(layer.norm.weight, torch.ones_like(layer.norm.weight))
-    assert 0.01 < layer.in_proj_qkvz.weight.std() < 0.03  # init_std = 0.02
-    out = layer(torch.randn(2, 9, D_MODEL))
-    assert out.shape == (2, 9, D_MODEL) and torch.isfinite(out).all()
-
-
-def test_init_is_deterministic_in_the_seed():
-    """Every rank materializes its own copy: the same seed must give the same weights, another seed others."""
-    a, b, c = build(seed=0), build(seed=0), build(seed=1)
-    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
-        torch.testing.assert_close(pa, pb, rtol=0, atol=0, msg=name)
-    assert not torch.equal(a.A_log, c.A_log) and not torch.equal(a.dt_bias, c.dt_bias)
-
-
-def test_backward_reaches_every_parameter():
-    layer = randomize(build())
-    document_ids = torch.tensor([[0, 0, 0, 1, 1, 1, 1], [0, 0, 0, 0, 0, 2, 2]])
-    layer(torch.randn(2, 7, D_MODEL, dtype=torch.float64), document_ids=document_ids).square().sum().backward()
-    for name, p in layer.named_parameters():
-        assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
-
-
 def test_bf16_activations():
     layer = randomize(build(dtype=torch.float32))
     x = torch.randn(2, 20, D_MODEL)
@@ -203,12 +136,9 @@ def test_bf16_activations():
     torch.testing.assert_close(got.float(), want, rtol=5e-2, atol=5e-2 * want.abs().max().item())
 
 
-def test_impl_choice():
-    assert build(impl="auto").implementations == {"delta_rule": "torch"}
-    assert delta_rule_kernel("auto", "cpu").name == "torch"  # off CUDA "auto" is the PyTorch path
-    build(impl="torch")
-    with pytest.raises(ValueError, match="^model.gdn.impl='triton': the Triton gated delta rule is not available: "):
-        GatedDeltaNet(D_MODEL, GDNConfig(impl="triton"), norm_eps=EPS, init_std=0.02)
+def test_delta_rule_kernel_auto_is_the_torch_path_off_cuda():
+    """The kernel function itself (the layer's choice: test_mixers.py)."""
+    assert delta_rule_kernel("auto", "cpu").name == "torch"
 
 
 @pytest.mark.parametrize(

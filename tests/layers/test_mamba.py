@@ -1,4 +1,5 @@
-"""Mamba mixer: wiring against an explicit recomputation, causality, meta build + init, parameter names."""
+"""Mamba mixer: wiring against an explicit recomputation, parameter names, the default dt rank.
+What every mixer kind shares (causality, meta build + init, seeds, backward, documents, cache): test_mixers.py."""
 
 import math
 
@@ -73,17 +74,6 @@ def test_forward_matches_explicit_recomputation(inner_norms, proj_bias, conv_bia
     torch.testing.assert_close(out, recompute(layer, x), rtol=1e-10, atol=1e-12)
 
 
-def test_causal():
-    layer = randomize(build(inner_norms=True))
-    x = torch.randn(2, 13, D_MODEL, dtype=torch.float64)
-    t = 6
-    x2 = x.clone()
-    x2[:, t] += torch.randn(2, D_MODEL, dtype=torch.float64)
-    out, out2 = layer(x), layer(x2)
-    torch.testing.assert_close(out2[:, :t], out[:, :t], rtol=0, atol=1e-14)
-    assert (out2[:, t:] - out[:, t:]).abs().amax(dim=-1).min() > 1e-8  # the change reaches every later token
-
-
 @pytest.mark.parametrize("inner_norms", [False, True])
 def test_parameter_names(inner_norms):
     layer = build(inner_norms=inner_norms)
@@ -104,55 +94,6 @@ def test_parameter_names(inner_norms):
 
     biased = {name for name, _ in build(inner_norms=inner_norms, proj_bias=True, conv_bias=False).named_parameters()}
     assert biased == expected - {"conv1d.bias"} | {"in_proj.bias", "out_proj.bias"}
-
-
-def test_meta_build_and_init():
-    cfg = MambaConfig(d_state=8, dt_rank=3, inner_norms=True)
-    with torch.device("meta"):
-        layer = Mamba(D_MODEL, cfg, norm_eps=EPS, init_std=0.02)
-    assert all(p.is_meta for p in layer.parameters())
-    layer.to_empty(device="cpu")
-    torch.manual_seed(0)
-    layer.init_weights()
-    d_inner = cfg.expand * D_MODEL
-
-    A = -torch.exp(layer.A_log)
-    torch.testing.assert_close(A, -torch.arange(1.0, 9.0).expand(d_inner, -1))
-    torch.testing.assert_close(layer.D, torch.ones(d_inner))
-    dt = F.softplus(layer.dt_proj.bias)
-    assert dt.min() >= 1e-3 * (1 - 1e-5) and dt.max() <= 0.1 * (1 + 1e-5)
-    assert dt.std() > 0  # sampled per channel, not a constant
-    assert layer.dt_proj.weight.abs().max() <= 3**-0.5
-    assert 0.01 < layer.in_proj.weight.std() < 0.03  # init_std = 0.02
-    for norm in (layer.dt_norm, layer.b_norm, layer.c_norm):
-        torch.testing.assert_close(norm.weight, torch.ones_like(norm.weight))
-    assert torch.count_nonzero(layer.conv1d.bias) == 0
-
-    out = layer(torch.randn(2, 9, D_MODEL))
-    assert out.shape == (2, 9, D_MODEL) and torch.isfinite(out).all()
-
-
-def test_init_is_deterministic_in_the_seed():
-    """Every rank materializes its own copy: the same seed must give the same weights, another seed others."""
-    a, b, c = build(seed=0), build(seed=0), build(seed=1)
-    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
-        torch.testing.assert_close(pa, pb, rtol=0, atol=0, msg=name)
-    assert not torch.equal(a.in_proj.weight, c.in_proj.weight)
-    assert not torch.equal(a.dt_proj.bias, c.dt_proj.bias)
-
-
-def test_backward_reaches_every_parameter():
-    layer = build(inner_norms=True, proj_bias=True)
-    layer(torch.randn(2, 7, D_MODEL, dtype=torch.float64)).square().sum().backward()
-    for name, p in layer.named_parameters():
-        assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
-
-
-def test_impl_choice():
-    build(impl="auto")
-    build(impl="torch")
-    with pytest.raises(ValueError, match="Triton selective scan is not available"):
-        Mamba(D_MODEL, MambaConfig(impl="triton"), norm_eps=EPS, init_std=0.02)
 
 
 def test_default_dt_rank():

@@ -1,6 +1,6 @@
 """Mamba-2 mixer: equal to transformers' own mixers (Mamba2, NemotronH, GraniteMoeHybrid) with the same weights and
-to an explicit recomputation on the step-by-step reference; causality, document masking, cached decoding, meta
-build + init, parameter names, config errors."""
+to an explicit recomputation on the step-by-step reference; parameter names, bf16, config errors. What every
+mixer kind shares (causality, meta build + init, seeds, backward, documents, cache): test_mixers.py."""
 
 import pytest
 import torch
@@ -142,45 +142,6 @@ def test_equals_transformers_mixer(family, n_groups, dt_limit):
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
 
 
-def test_causal():
-    layer = randomize(build())
-    x = torch.randn(2, 13, D_MODEL, dtype=torch.float64)
-    t = 6
-    x2 = x.clone()
-    x2[:, t] += torch.randn(2, D_MODEL, dtype=torch.float64)
-    out, out2 = layer(x), layer(x2)
-    torch.testing.assert_close(out2[:, :t], out[:, :t], rtol=0, atol=1e-14)
-    assert (out2[:, t:] - out[:, t:]).abs().amax(dim=-1).min() > 1e-8  # the change reaches every later token
-
-
-def test_packed_documents_equal_separate_runs():
-    """With document_ids, each document of a packed row (conv window and SSM state) equals the layer run on it
-    alone; the cut falls mid-chunk and inside the conv window."""
-    layer = randomize(build())
-    lengths = [5, 11, 3]
-    docs = [torch.randn(2, n, D_MODEL, dtype=torch.float64) for n in lengths]
-    ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)]).expand(2, -1)
-    packed = layer(torch.cat(docs, 1), document_ids=ids)
-    separate = torch.cat([layer(d) for d in docs], 1)
-    torch.testing.assert_close(packed, separate, rtol=1e-10, atol=1e-12)
-    assert (layer(torch.cat(docs, 1)) - separate).abs().max() > 1e-6  # without masking the documents mix
-
-
-def test_cached_decoding_equals_full_forward():
-    """Generation: a prompt through the cache, then one position per call (and a 2-position call), equal the full
-    forward's outputs at those positions; the SSM state stays fp32 under a bf16 state."""
-    layer = randomize(build())
-    x = torch.randn(2, 15, D_MODEL, dtype=torch.float64)
-    full = layer(x)
-    state = layer.new_state(2, x.device, x.dtype)
-    outs = [layer(x[:, :9], state)]
-    outs += [layer(x[:, t : t + 1], state) for t in range(9, 13)]
-    outs.append(layer(x[:, 13:], state))
-    torch.testing.assert_close(torch.cat(outs, 1), full, rtol=1e-10, atol=1e-12)
-    assert state.conv.shape == (2, layer.conv_dim, 3)
-    assert layer.new_state(1, x.device, torch.bfloat16).ssm.dtype == torch.float32
-
-
 def test_parameter_names():
     expected = {"in_proj.weight", "conv1d.weight", "conv1d.bias", "dt_bias", "A_log", "D", "norm.weight"}
     expected |= {"out_proj.weight"}
@@ -197,41 +158,6 @@ def test_n_heads_sets_the_width():
     assert layer(torch.randn(1, 5, D_MODEL, dtype=torch.float64)).shape == (1, 5, D_MODEL)
 
 
-def test_meta_build_and_init():
-    cfg = Mamba2Config(**SHAPE, dt_min=0.01, dt_max=0.05)
-    with torch.device("meta"):
-        layer = Mamba2(D_MODEL, cfg, norm_eps=EPS, init_std=0.02)
-    assert all(p.is_meta for p in layer.parameters())
-    layer.to_empty(device="cpu")
-    torch.manual_seed(0)
-    layer.init_weights()
-    A = torch.exp(layer.A_log)
-    assert A.min() >= 1 and A.max() <= 16 and A.std() > 0
-    torch.testing.assert_close(layer.D, torch.ones(8))
-    torch.testing.assert_close(layer.norm.weight, torch.ones(32))
-    dt = F.softplus(layer.dt_bias)
-    assert dt.min() >= 0.01 * (1 - 1e-5) and dt.max() <= 0.05 * (1 + 1e-5) and dt.std() > 0
-    assert 0.01 < layer.in_proj.weight.std() < 0.03  # init_std = 0.02
-    assert torch.count_nonzero(layer.conv1d.bias) == 0
-    out = layer(torch.randn(2, 9, D_MODEL))
-    assert out.shape == (2, 9, D_MODEL) and torch.isfinite(out).all()
-
-
-def test_init_is_deterministic_in_the_seed():
-    a, b, c = build(seed=0), build(seed=0), build(seed=1)
-    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
-        torch.testing.assert_close(pa, pb, rtol=0, atol=0, msg=name)
-    assert not torch.equal(a.dt_bias, c.dt_bias) and not torch.equal(a.A_log, c.A_log)
-
-
-def test_backward_reaches_every_parameter():
-    layer = randomize(build(proj_bias=True))
-    ids = torch.tensor([[0] * 4 + [1] * 6] * 2)
-    layer(torch.randn(2, 10, D_MODEL, dtype=torch.float64), document_ids=ids).square().sum().backward()
-    for name, p in layer.named_parameters():
-        assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
-
-
 def test_bf16_forward_is_close_to_fp64():
     layer = randomize(build())
     x = torch.randn(2, 19, D_MODEL, dtype=torch.float64)
@@ -239,13 +165,6 @@ def test_bf16_forward_is_close_to_fp64():
     out = layer.to(torch.bfloat16)(x.to(torch.bfloat16))
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.double(), exact, rtol=0.05, atol=0.05)
-
-
-def test_impl_choice():
-    assert build(impl="auto").implementations == {"ssd": "torch"}
-    build(impl="torch")
-    with pytest.raises(ValueError, match=r"^model.mamba2.impl='triton': the Triton SSD scan is not available: "):
-        Mamba2(D_MODEL, Mamba2Config(**SHAPE, impl="triton"), norm_eps=EPS, init_std=0.02)
 
 
 @pytest.mark.parametrize(

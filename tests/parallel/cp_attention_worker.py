@@ -1,4 +1,4 @@
-"""Worker for test_cp_attention.py, run as `torchrun --nproc_per_node 4 cp_attention_worker.py OUT_JSON`.
+"""Worker for test_cp_attention.py, run as `torchrun --nproc_per_node 4 cp_attention_worker.py OUT_DIR`.
 
 One world of 4 gloo ranks holds a CP group of 4 and two CP groups of 2 ({0, 1}, {2, 3}). Every rank builds the
 same fp64 attention layer (same seed), runs it once whole and single-process (the reference), and once on its own
@@ -12,12 +12,12 @@ benchmarks/comm_report.py counts them (benchmarks/common.py's tracer).
 """
 
 import collections
-import json
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import workers
 
 import moe_dist.layers.attention as attention
 from moe_dist.config import AttentionConfig
@@ -94,10 +94,8 @@ def compare(got: torch.Tensor, ref: torch.Tensor) -> dict:
     return {"err": (got - ref).abs().max().item(), "scale": ref.abs().max().item()}
 
 
-def main(out_path: str) -> None:
-    dist.init_process_group("gloo")
-    torch.set_num_threads(1)
-    rank = dist.get_rank()
+def main(out_dir: Path) -> None:
+    rank = workers.start()
     groups = {4: dist.new_group([0, 1, 2, 3]), 2: [dist.new_group([0, 1]), dist.new_group([2, 3])]}
     attention.BLOCK_SCORES = B * 4 * S * 3  # 3-query blocks (ragged: pieces are 4 or 8 long)
     ids, prefix = documents()
@@ -121,10 +119,8 @@ def main(out_path: str) -> None:
             for n, grad in dw.items():
                 dist.all_reduce(grad, group=group)
                 results[f"{name}.cp{cp}.grad.{n}"] = compare(grad, ref_dw[n])
-    Path(out_path, f"rank{rank}.json").write_text(json.dumps(results))
-    dist.barrier()
-    dist.destroy_process_group()
+    workers.finish(out_dir, rank, results)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    workers.run(main)

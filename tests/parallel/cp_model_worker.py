@@ -12,12 +12,11 @@ reference's.
 """
 
 import copy
-import json
-import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import workers
 
 from moe_dist.config import load_config
 from moe_dist.data.batches import IGNORE, Batch
@@ -104,10 +103,8 @@ def _group_sum(t: torch.Tensor, group) -> torch.Tensor:
     return t
 
 
-def main(out_dir: str) -> None:
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    torch.set_num_threads(1)
+def main(out_dir: Path) -> None:
+    rank = workers.start()
     groups = {4: dist.new_group([0, 1, 2, 3])}
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group, in the same order
     groups[2] = pairs[rank // 2]
@@ -118,10 +115,8 @@ def main(out_dir: str) -> None:
         for docs in (False, True):
             name = f"cp{cp}_{'docs' if docs else 'nodocs'}"
             results[name] = run_case(cfg, model, cp, groups[cp], rank % cp, docs)
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
-    dist.barrier()
-    dist.destroy_process_group()
+    workers.finish(out_dir, rank, results)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    workers.run(main)

@@ -10,12 +10,11 @@ OUT_DIR/rank<R>.json: {case: [max output error, max input-gradient error, max pa
 reference magnitude]}. One world runs every case.
 """
 
-import json
-import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import workers
 
 from moe_dist.config import GDNConfig, Mamba2Config, MambaConfig
 from moe_dist.layers.gdn import GatedDeltaNet
@@ -97,8 +96,7 @@ def tp_times_cp(rank: int) -> dict:
 
 
 def main(out_dir: Path) -> None:
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
+    rank = workers.start()
     groups = {2: [dist.new_group([0, 1]), dist.new_group([2, 3])], 4: [dist.new_group([0, 1, 2, 3])]}
     results = {}
     for kind in ("mamba", "mamba2", "gdn"):
@@ -122,9 +120,8 @@ def main(out_dir: Path) -> None:
                     ref_out.abs().max().item(),
                 ]
     results.update(tp_times_cp(rank))
-    (out_dir / f"rank{rank}.json").write_text(json.dumps(results))
-    dist.destroy_process_group()
+    workers.finish(out_dir, rank, results)
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    workers.run(main)

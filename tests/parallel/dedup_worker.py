@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import workers
 from safetensors.torch import save_file
 
 from moe_dist.config import load_config
@@ -100,25 +101,24 @@ def run_folded_case(out_dir: Path, mesh, tp_group, scenario: str) -> None:
     )
 
 
-def main(out_dir: str) -> None:
+def main(out_dir: Path) -> None:
     os.environ["LOCAL_WORLD_SIZE"] = "2"  # two "nodes" of two ranks
     overrides = ["parallel.ep=4", "parallel.a2a_dedup=node", "train.global_batch_size=4", "train.micro_batch_size=1"]
     cfg = load_config(None, [*layer_config("spread", "fp32"), *overrides])
-    mesh = mesh_module.init_distributed(cfg, timeout_s=60)
+    mesh = workers.start_mesh(cfg, timeout_s=60)
     assert mesh.ep_dedup.blocks == 2 and mesh.ep_dedup.size == 2 and mesh.ep_dedup.index == mesh.rank // 2
     # "rank": blocks of one rank, the EP group as the rail (no group to create)
     by_rank = mesh_module._dedup_groups([[0, 1, 2, 3]], 2, "rank", mesh.rank, mesh.ep_group)
     meshes = {"node": mesh, "rank": dataclasses.replace(mesh, ep_dedup=by_rank)}
     for unit, scenario, dtype in CASES:
-        run_case(Path(out_dir), meshes[unit], unit, scenario, dtype)
+        run_case(out_dir, meshes[unit], unit, scenario, dtype)
     tp_group = next(
         g for g in (dist.new_group([0, 1]), dist.new_group([2, 3])) if mesh.rank in dist.get_process_group_ranks(g)
     )
     for scenario in FOLDED:
-        run_folded_case(Path(out_dir), mesh, tp_group, scenario)
-    dist.barrier()
-    dist.destroy_process_group()
+        run_folded_case(out_dir, mesh, tp_group, scenario)
+    workers.finish(out_dir, mesh.rank)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    workers.run(main)

@@ -11,11 +11,11 @@ world serves every case: its start-up costs more than all the cases together.
 """
 
 import dataclasses
-import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import workers
 from safetensors.torch import save_file
 
 from moe_dist.config import load_config
@@ -23,7 +23,6 @@ from moe_dist.layers.moe import MoE
 from moe_dist.models.decoder import build_model, materialize_whole
 from moe_dist.parallel.comm import gather_rows, reduce_scatter_rows
 from moe_dist.parallel.expert_parallel import apply_ep
-from moe_dist.parallel.mesh import init_distributed
 from moe_dist.parallel.tensor_parallel import apply_tp
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -177,22 +176,21 @@ def run_row_collectives(out_dir: Path, rank: int) -> None:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / f"rows_{case}_rank{rank}.safetensors"))
 
 
-def main(out_dir: str) -> None:
-    mesh = init_distributed(_config("fp32"), timeout_s=60)
+def main(out_dir: Path) -> None:
+    mesh = workers.start_mesh(_config("fp32"), timeout_s=60)
     for dtype in DTYPES:
         for scenario in SCENARIOS:
-            run_case(Path(out_dir), mesh, scenario, dtype)
+            run_case(out_dir, mesh, scenario, dtype)
         for scenario in FOLDED_SCENARIOS:
-            run_folded_case(Path(out_dir), mesh, scenario, dtype)
+            run_folded_case(out_dir, mesh, scenario, dtype)
     for chunks in CHUNKS:
         for scenario in SCENARIOS:
-            run_case(Path(out_dir), mesh, scenario, "fp32", chunks)
+            run_case(out_dir, mesh, scenario, "fp32", chunks)
         for scenario in FOLDED_SCENARIOS:
-            run_folded_case(Path(out_dir), mesh, scenario, "fp32", chunks)
-    run_row_collectives(Path(out_dir), mesh.rank)
-    dist.barrier()
-    dist.destroy_process_group()
+            run_folded_case(out_dir, mesh, scenario, "fp32", chunks)
+    run_row_collectives(out_dir, mesh.rank)
+    workers.finish(out_dir, mesh.rank)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    workers.run(main)

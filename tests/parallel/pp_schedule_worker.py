@@ -13,16 +13,15 @@ embeddings (the tied head's copy on the last stage: its gradient summed with the
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import torch
+import workers
 
 from moe_dist.config import load_config
 from moe_dist.data.batches import IGNORE
 from moe_dist.models.decoder import build_model, lm_loss, materialize_whole
 from moe_dist.parallel.comm import all_reduce_sum
-from moe_dist.parallel.mesh import init_distributed
 from moe_dist.parallel.pipeline import build_schedule, local_stages
 from moe_dist.planning.stage_cut import stage_starts
 
@@ -142,19 +141,17 @@ def run_case(cfg, mesh) -> dict:
     return result
 
 
-def main(out: Path) -> None:
-    torch.manual_seed(0)
-    torch.set_num_threads(1)
+def main(out_dir: Path) -> None:
     pp = int(os.environ["WORLD_SIZE"])
     results = {}
     mesh = None
     for name, overrides in cases(pp).items():
         cfg = load_config(CONFIG, overrides)
         if mesh is None:
-            mesh = init_distributed(cfg)
+            mesh = workers.start_mesh(cfg)
         results[name] = run_case(cfg, mesh)
-    (out / f"rank{mesh.rank}.json").write_text(json.dumps(results))
+    workers.finish(out_dir, mesh.rank, results)
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    workers.run(main)

@@ -6,7 +6,7 @@ Every run is compared with the session's single-process `reference` of its mode 
 losses, clipped-gradient norms and expert load at every step, parameters and Adam moments at the end. A resumed
 run is such a comparison too, for the steps after its checkpoint, so (dp, ep, zero) = (2, 2, 1) with capacity
 drops is covered by ep1-to-ep2; (2, 2, 2) → (4, 4, 1) resharding with TP is test_tp_e2e.py's. Runs use torchrun
-except one (the deepspeed launcher; launchers are equal: test_launchers.py)."""
+except one (the deepspeed launcher; launchers are equal: launch/test_launchers.py)."""
 
 from __future__ import annotations
 

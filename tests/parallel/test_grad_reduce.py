@@ -20,7 +20,6 @@ import pytest
 from support import E2E_CONFIG, E2E_SAVE, E2E_STEPS, e2e_args, torchrun, train_records
 
 REPO = Path(__file__).resolve().parents[2]
-COMM_REPORT = REPO / "benchmarks" / "comm_report.py"
 # bf16 weights, 4 micro-batches per rank at dp 2 (8 in one process), dropless experts; 0.1 MiB buckets: a step's
 # gradients span a dozen of them (a DeepSpeed path that reduced them at the wrong time showed only from two on)
 BF16 = ["train.dtype=bf16", "train.global_batch_size=16", "model.moe.capacity_factor=null"]
@@ -68,7 +67,8 @@ def test_a_step_of_4_micro_batches_reduces_one_steps_gradients(tmp_path):
     proc = subprocess.run(
         [
             *torchrun(4),
-            str(COMM_REPORT),
+            "-m",
+            "benchmarks.comm_report",
             "--config",
             E2E_CONFIG,
             "--json",

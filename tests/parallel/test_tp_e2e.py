@@ -244,7 +244,7 @@ NEMOTRON_LAYOUTS = {  # dp-ep-tp: world size, overrides
 
 @pytest.fixture(scope="module")
 def nemotron_runs(tmp_path_factory, run_train):
-    from test_hf_hybrids import family_dir  # imports transformers: only where this fixture runs
+    from hf.test_hf_hybrids import family_dir  # imports transformers: only where this fixture runs
 
     root = tmp_path_factory.mktemp("nemotron_h")
     family_dir("nemotron_h", root / "hf")

@@ -1,4 +1,4 @@
-"""Worker for test_tp_layers.py, run as `torchrun --nproc_per_node 2 tp_worker.py OUT_JSON`.
+"""Worker for test_tp_layers.py, run as `torchrun --nproc_per_node 2 tp_worker.py OUT_DIR`.
 
 Both ranks build the same single-device model, keep an unsharded copy as the reference, shard the other with
 the real `apply_tp` (tp = 2), and run every layer (attention with grouped-query heads, Mamba with and without
@@ -11,11 +11,10 @@ largest magnitude; the test asserts on them.
 
 import copy
 import dataclasses
-import json
-import sys
 from pathlib import Path
 
 import torch
+import workers
 
 from moe_dist.config import load_config
 from moe_dist.layers.experts import Experts
@@ -23,7 +22,6 @@ from moe_dist.layers.moe import MoE
 from moe_dist.models.activation_checkpointing import apply_activation_checkpointing
 from moe_dist.models.decoder import build_model, lm_loss, materialize_whole
 from moe_dist.parallel.expert_parallel import apply_ep
-from moe_dist.parallel.mesh import init_distributed
 from moe_dist.parallel.tensor_parallel import apply_tp, shard, vocab_parallel_lm_loss
 
 BASE = [
@@ -201,13 +199,13 @@ def _documents(overrides: list[str], mesh, variant: str, out: dict) -> None:
     out[f"{variant}.documents.changed"] = _diff(chg[~other], base[~other])
 
 
-def main(path: str) -> None:
+def main(out_dir: Path) -> None:
     out: dict = {}
     mesh = None
     for variant, overrides in VARIANTS.items():
         cfg = load_config(None, BASE + overrides)
         if mesh is None:
-            mesh = init_distributed(cfg)
+            mesh = workers.start_mesh(cfg)
         ref, tp_model = _models(cfg, mesh)
         _check_relu2_shards(cfg, tp_model)
         tp_model = apply_activation_checkpointing(tp_model, cfg.train)
@@ -233,8 +231,8 @@ def main(path: str) -> None:
         out[f"{variant}.model.logits"] = _diff(o_tp.logits.detach(), logits_shard)
         _compare_grads(ref, tp_model, mesh, f"{variant}.model", out)
         _documents(overrides, mesh, variant, out)
-    Path(path, f"rank{mesh.rank}.json").write_text(json.dumps(out))
+    workers.finish(out_dir, mesh.rank, out)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    workers.run(main)

@@ -1,6 +1,6 @@
 """The memory plan (moe_dist/planning/memory.py, `launch/train.py --dry-run --world-size N`): its activation terms
 against what autograd really keeps for each layer kind, and the dry-run's output. (Against measured peak memory of
-real runs: benchmarks/memory_check.py, docs/memory.md.)"""
+real runs: benchmarks/studies/memory_check.py, docs/memory.md.)"""
 
 import json
 import subprocess

@@ -1,4 +1,4 @@
-"""Worker for test_grad_accum.py, run as `python grad_accum_worker.py OUT_JSON` (a world of one, real DeepSpeed
+"""Worker for test_grad_accum.py, run as `python grad_accum_worker.py OUT_DIR` (a world of one, real DeepSpeed
 engines built as the training loop builds them: bf16 weights, ZeRO 2, and ZeRO 1's one reduction per step, also
 overlapped with the last backward).
 
@@ -10,16 +10,14 @@ overlapped with the last backward).
 """
 
 import copy
-import json
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
+import workers
 
 from moe_dist.config import load_config
 from moe_dist.models.decoder import build_model, lm_loss
-from moe_dist.parallel.mesh import init_distributed
 from moe_dist.parallel.parallelize import parallelize
 from moe_dist.train.checkpoint import load_checkpoint, save_checkpoint, select_checkpoint
 from moe_dist.train.checkpoint.state import inner_optimizer
@@ -123,9 +121,8 @@ def resume_before_any_step(mesh, stage: int) -> dict:
     }
 
 
-def main(out: str) -> None:
-    mesh = init_distributed(load_config("configs/debug.json", BASE))
-    torch.set_num_threads(1)
+def main(out_dir: Path) -> None:
+    mesh = workers.start_mesh(load_config("configs/debug.json", BASE))
     result = {accum: accumulation(mesh, accum) for accum in ("fp32", "bf16")}
     result["fp32_zero1"] = accumulation(mesh, "fp32", stage=1)  # one reduction per step (train/optim.py)
     # the same, reduced from the last micro-batch's gradient hooks in 0.1 MiB buckets (several per step)
@@ -133,8 +130,8 @@ def main(out: str) -> None:
     result["fp32_zero1_overlap"] = accumulation(mesh, "fp32", stage=1, extra=overlap)
     result["resume"] = resume_before_any_step(mesh, 2)
     result["resume_zero1"] = resume_before_any_step(mesh, 1)
-    Path(out).write_text(json.dumps(result))
+    workers.finish(out_dir, mesh.rank, result)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    workers.run(main)

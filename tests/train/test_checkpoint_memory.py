@@ -1,4 +1,4 @@
-"""Bounded host memory of a checkpoint save and load, measured in a subprocess (benchmarks/ckpt_bench.py: a real
+"""Bounded host memory of a checkpoint save and load, measured in a subprocess (benchmarks/studies/ckpt_bench.py: a real
 DeepSpeed engine, ZeRO 1, one process): the peak growth of resident memory stays below train.save_buffer_mb plus
 the largest tensor, far below the checkpoint's size (which the previous save held whole)."""
 
@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def test_save_and_load_memory_is_bounded_by_the_buffer_and_the_largest_tensor(tmp_path):
-    cmd = [sys.executable, "benchmarks/ckpt_bench.py", "--dir", str(tmp_path), "--set", *SIZE]
+    cmd = [sys.executable, "-m", "benchmarks.studies.ckpt_bench", "--dir", str(tmp_path), "--set", *SIZE]
     cmd.append(f"train.save_buffer_mb={BUFFER_MB}")
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=500)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from support import worker_env
 
 WORKER = Path(__file__).with_name("grad_accum_worker.py")
 REPO = Path(__file__).resolve().parents[2]
@@ -17,12 +18,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
-    out = tmp_path_factory.mktemp("accum") / "out.json"
+    out = tmp_path_factory.mktemp("accum")
     proc = subprocess.run(
-        [sys.executable, str(WORKER), str(out)], cwd=REPO, capture_output=True, text=True, timeout=500
+        [sys.executable, str(WORKER), str(out)], cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=500
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(out.read_text())
+    return json.loads((out / "rank0.json").read_text())
 
 
 def test_fp32_accumulation_of_16_bf16_micro_batches_is_exact_where_bf16_is_not(result):

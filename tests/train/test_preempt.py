@@ -1,6 +1,6 @@
 """A stop signal that reaches one rank stops every rank after the same step, with that step's checkpoint
 (moe_dist/train/preempt.py). Under Slurm every rank gets it, and the requeued job resumes to the uninterrupted
-run's losses: tests/test_slurm.py."""
+run's losses: tests/launch/test_slurm.py."""
 
 from __future__ import annotations
 

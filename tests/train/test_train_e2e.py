@@ -1,6 +1,6 @@
 """End-to-end training runs under real launchers: python (1 process), deepspeed and torchrun (2 CPU processes).
 
-The runs of configs/debug.json as it is come from the session's `debug_run` (shared with test_launchers.py and
+The runs of configs/debug.json as it is come from the session's `debug_run` (shared with launch/test_launchers.py and
 test_bad_input.py); only the other ZeRO stages and the resume are launched here."""
 
 from __future__ import annotations
@@ -133,7 +133,8 @@ def test_torchrun_matches_deepspeed_launcher(debug_run, metrics):
 def test_readme_main_command_runs_on_1_2_and_4_processes(tmp_path, run_train, metrics):
     """`deepspeed [--num_gpus N] launch/train.py --config configs/mixtral_small.json` with the config's own batch,
     layout and eval settings (only the step count cut to 2): every world size starts, trains the same steps
-    (one global batch cut into the same micro-batches) and evaluates. (8 processes: test_config.py's layout test.)"""
+    (one global batch cut into the same micro-batches) and evaluates. (8 processes: config/test_config.py's layout
+    test.)"""
     losses = {}
     for world in (1, 2, 4):
         run_dir = tmp_path / f"w{world}"
