@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from moe_dist.config import ConfigError, load_config
+from moe_dist.config.checks import advisories
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -76,6 +77,9 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if os.environ.get("RANK", "0") == "0":  # legal but probably not meant (e.g. a warm-up longer than the run)
+        for line in advisories(cfg):
+            print(line, file=sys.stderr)
     if args.dry_run:
         from moe_dist.models.decoder import param_counts
         from moe_dist.planning.memory import memory_plan
