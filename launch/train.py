@@ -6,9 +6,10 @@
     torchrun --max-restarts 3 --nproc_per_node N launch/train.py --config ... --resume   # restarts resume
 
 Exit status: 0 done; 2 bad input (config, data, run directory, checkpoint that does not fit; nothing on disk
-was changed); 1 the run failed (a collective failed or timed out, too many non-finite steps, ...); 3 stopped on
-request (SIGUSR1, e.g. Slurm's --signal) after saving the checkpoint of the step every rank stopped after: rerun
-with --resume (launch/slurm/ requeues the job).
+was changed); 1 the run failed (a collective failed or timed out, too many non-finite steps, a full disk: one line
+naming the path and what to free, nothing already written lost); 3 stopped on request (SIGUSR1, e.g. Slurm's
+--signal) after saving the checkpoint of the step every rank stopped after: rerun with --resume (launch/slurm/
+requeues the job).
 """
 
 import argparse
@@ -126,6 +127,7 @@ def main(argv=None) -> int:
         print(json.dumps({**param_counts(cfg.model), "memory_per_rank_gb": mem, "capacity": cap}))
         return 0
     from moe_dist.train.checkpoint import CheckpointError
+    from moe_dist.train.disk import is_no_space, no_space
     from moe_dist.train.guard import TrainingError
     from moe_dist.train.loop import RunDirError, train
     from moe_dist.train.preempt import EXIT_STOPPED, Stopped
@@ -144,6 +146,12 @@ def main(argv=None) -> int:
         os._exit(1)
     except Stopped:  # rank 0 said at which step; the checkpoint is published
         return EXIT_STOPPED
+    except OSError as e:  # a full disk met outside our own writes (e.g. TensorBoard's event file): one line, exit 1
+        if not is_no_space(e):
+            raise
+        print(f"error: {no_space(e.filename or run_dir, run_dir)}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)
     return 0
 
 

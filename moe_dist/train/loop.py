@@ -22,12 +22,13 @@ from tqdm import tqdm
 from moe_dist.config import JobConfig, config_to_dict
 from moe_dist.config.parallel_checks import check_layout, check_pipeline_runtime
 from moe_dist.data.batches import IGNORE, Batch, TokenDataset
+from moe_dist.data.shards import atomic_write
 from moe_dist.data.sources import load_tokens
 from moe_dist.data.tokenizer import copy_tokenizer, tokenizer_identity
 from moe_dist.layers.moe import moe_routers
 from moe_dist.models.activation_checkpointing import apply_activation_checkpointing
 from moe_dist.models.compile import maybe_compile
-from moe_dist.models.decoder import build_model, check_context_parallel, lm_loss
+from moe_dist.models.decoder import build_model, check_context_parallel, lm_loss, param_counts
 from moe_dist.parallel.comm import agree_on_error, all_reduce_sum, barrier
 from moe_dist.parallel.mesh import Mesh, init_distributed
 from moe_dist.parallel.parallelize import parallelize
@@ -43,6 +44,7 @@ from moe_dist.train.checkpoint import (
     prune_checkpoints,
     select_checkpoint,
 )
+from moe_dist.train.disk import NoSpaceError, check_room
 from moe_dist.train.guard import NonFiniteGuard, operation
 from moe_dist.train.metrics import DeadExperts, MetricsLogger, StepAccumulator
 from moe_dist.train.optim import build_optimizer, initialize_engine
@@ -220,9 +222,28 @@ def _checkpoint_to_resume(ckpt_root: Path, model, mesh: Mesh, data_identity: dic
     return found
 
 
+def _check_room(run_dir: Path, cfg: JobConfig, mesh: Mesh, say) -> None:
+    """Collective, before the run directory is written (resume: before metrics.jsonl is cut back to the checkpoint):
+    rank 0 removes partial saves and checks that the run directory takes a write and the next checkpoint
+    (train/disk.py); every rank raises rank 0's NoSpaceError."""
+    error = ""
+    if mesh.rank == 0:
+        try:
+            # A fresh run's checkpoint: every parameter with its two AdamW moments, in fp32.
+            for line in check_room(run_dir, 12 * param_counts(cfg.model)["params_total"]):
+                say(line)
+        except NoSpaceError as e:
+            error = str(e)
+    with operation("start-up: checking the run directory's space", cfg.parallel.timeout_s):
+        error = agree_on_error(error)
+    if error:
+        raise NoSpaceError(error)
+
+
 def _start_run_dir(run_dir: Path, cfg: JobConfig, start: int) -> None:
-    """Rank 0, once every check passed: the resolved config, and a fresh metrics file for a fresh start."""
-    (run_dir / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2) + "\n")
+    """Rank 0, once every check passed: the resolved config (replaced atomically: a full disk keeps the old one),
+    and a fresh metrics file for a fresh start."""
+    atomic_write(run_dir / "config.json", (json.dumps(config_to_dict(cfg), indent=2) + "\n").encode())
     copy_tokenizer(cfg.data.tokenizer, run_dir)
     if start == 0 and (run_dir / "metrics.jsonl").exists():  # --resume found no checkpoint: the run restarts
         (run_dir / "metrics.jsonl").unlink()
@@ -307,6 +328,7 @@ def _train(cfg: JobConfig, run_dir: Path, resume: bool, stop: StopRequest) -> li
         say(f"resuming from {path} (step {start})")
     elif resume:
         say(f"no checkpoint in {ckpt_root}: starting fresh")
+    _check_room(run_dir, cfg, mesh, say)
     if mesh.rank == 0:
         _start_run_dir(run_dir, cfg, start)
 

@@ -1,0 +1,106 @@
+"""A full disk under the run directory: said in one line naming the path and what to free, and found before a start
+or a resume changes anything (tests/train/test_disk_full.py runs the drill on a real 12 MB tmpfs).
+
+`NoSpaceError` is a TrainingError (exit status 1: free space, then rerun with --resume; nothing already written is
+lost). `check_room` runs on rank 0 before the run directory is written: it removes the partial `.step_N.tmp/` a
+killed save left behind (resume never reads one), proves that the run directory and `tb/` take a write, and that
+the file system holds one more checkpoint, whose size it reads from the newest one or estimates from the model.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import shutil
+from pathlib import Path
+
+from moe_dist.train.guard import TrainingError
+
+PARTIAL = re.compile(r"\.step_\d+\.tmp")  # a save's directory before it is published (checkpoint/save.py)
+MARGIN = 1 << 20  # metrics, TensorBoard events and config.json between two checkpoints: a MiB is plenty here
+
+
+class NoSpaceError(TrainingError):
+    """The run directory's file system is full (or would be by the next checkpoint); one line, exit status 1."""
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2**20:.1f} MB"
+
+
+def what_to_free(run_dir: Path) -> str:
+    """The advice that ends every no-space line: where the space goes in a run directory, and how to go on."""
+    return (
+        f"free space on the file system of {run_dir} (older checkpoints in {run_dir / 'checkpoints'}, or set "
+        "train.keep_last) and rerun with --resume"
+    )
+
+
+def no_space(path: Path | str, run_dir: Path) -> NoSpaceError:
+    """The error for an ENOSPC met while writing `path`."""
+    free = shutil.disk_usage(run_dir).free if run_dir.exists() else 0
+    return NoSpaceError(f"no space left on device writing {path} ({_mb(free)} free): {what_to_free(run_dir)}")
+
+
+def is_no_space(e: BaseException) -> bool:
+    return isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def remove_partial_saves(ckpt_root: Path) -> list[str]:
+    """Delete the unpublished `.step_N.tmp/` directories of saves that never finished; returns their names."""
+    if not ckpt_root.is_dir():
+        return []
+    removed = []
+    for d in sorted(ckpt_root.iterdir()):
+        if PARTIAL.fullmatch(d.name) and d.is_dir():
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d.name)
+    return removed
+
+
+def checkpoint_bytes(ckpt_root: Path, estimate: int) -> int:
+    """Bytes of the newest published checkpoint (its files' sizes), else `estimate`."""
+    done = sorted(
+        (d for d in ckpt_root.glob("step_*") if (d / "meta.json").is_file()),
+        key=lambda d: int(d.name.split("_")[1]) if d.name.split("_")[1].isdigit() else -1,
+    )
+    if not done:
+        return estimate
+    return sum(f.stat().st_size for f in done[-1].iterdir() if f.is_file())
+
+
+def _probe(directory: Path, run_dir: Path) -> None:
+    """A small write in `directory` (created if missing), synced and removed: a file system that is full or read-only
+    answers here, before anything of the run is changed."""
+    probe = directory / f".write_probe_{os.getpid()}"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with probe.open("wb") as f:
+            f.write(b"\0" * 65536)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        probe.unlink(missing_ok=True)
+        if is_no_space(e):
+            raise no_space(probe, run_dir) from None
+        raise NoSpaceError(f"{directory}: cannot write there ({e.strerror})") from None
+    probe.unlink()
+
+
+def check_room(run_dir: Path, checkpoint_estimate: int) -> list[str]:
+    """Rank 0, before the run directory is written (a fresh start, or a resume before metrics.jsonl is cut back).
+    Removes partial saves, probes run_dir and run_dir/tb, and requires one checkpoint plus MARGIN free. Returns
+    lines to print (what was removed); raises NoSpaceError."""
+    ckpt_root = run_dir / "checkpoints"
+    removed = remove_partial_saves(ckpt_root)
+    lines = [f"removed {ckpt_root / name}, the partial checkpoint of a save that did not finish" for name in removed]
+    for d in (run_dir, run_dir / "tb"):
+        _probe(d, run_dir)
+    need = checkpoint_bytes(ckpt_root, checkpoint_estimate) + MARGIN
+    free = shutil.disk_usage(run_dir).free
+    if free < need:
+        raise NoSpaceError(
+            f"{run_dir}: {_mb(free)} free, the next checkpoint needs about {_mb(need)}: {what_to_free(run_dir)}"
+        )
+    return lines
