@@ -52,7 +52,7 @@ from moe_dist.train.pipeline_step import pipeline_evaluate, pipeline_micro_batch
 from moe_dist.train.preempt import EXIT_STOPPED, Stopped, StopRequest, stop_signals
 from moe_dist.train.router_step import end_router_step, route_step_ahead
 from moe_dist.train.shared_storage import check_shared_run_dir
-from moe_dist.train.startup import startup_report
+from moe_dist.train.startup import choose_threads, run_line, shm_op_note, startup_report, summary_line
 from moe_dist.train.throughput import Utilisation, device_peak, maybe_profile, model_flops_per_token
 
 
@@ -261,6 +261,7 @@ def train(cfg: JobConfig, run_dir: Path, resume: bool = False) -> list[dict]:
 
 
 def _train(cfg: JobConfig, run_dir: Path, resume: bool, stop: StopRequest) -> list[dict]:
+    started = time.perf_counter()  # the summary line's wall time: start-up included, as the user waited for it
     # The layout against the launcher's world size before anything is read, joined or written (one line, exit 2).
     check_layout(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     check_context_parallel(cfg.model, cfg.parallel.cp)
@@ -290,12 +291,18 @@ def _train(cfg: JobConfig, run_dir: Path, resume: bool, stop: StopRequest) -> li
     if cfg.data.align_to_documents:
         data_identity["align_to_documents"] = True
 
+    if not torch.cuda.is_available():  # what DeepSpeed detects anyway, without its warning in every process
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        note = shm_op_note()
+        if note is not None and os.environ.get("LOCAL_RANK", "0") == "0":
+            print(note, file=sys.stderr, flush=True)
     import deepspeed  # noqa: F401  (here, after the input checks: importing it takes seconds)
 
     timeout = cfg.parallel.timeout_s
     with operation("start-up: rendezvous with the other ranks", timeout):
         mesh = init_distributed(cfg)
-    torch.set_num_threads(t.threads or max(1, (os.cpu_count() or 1) // mesh.local_world_size))
+    threads, why = choose_threads(t.threads, mesh.local_world_size)
+    torch.set_num_threads(threads)
 
     def say(line: str) -> None:
         if mesh.rank == 0:
@@ -306,6 +313,8 @@ def _train(cfg: JobConfig, run_dir: Path, resume: bool, stop: StopRequest) -> li
     model = parallelize(build_model(cfg.model, mesh.device), mesh, cfg)
     for line in startup_report(cfg, model, mesh.device):  # versions, kernels, slow paths (README "Kernels")
         say(line)
+    if mesh.device.type == "cpu":
+        say(f"threads: {threads} per process ({why})")
     model = maybe_compile(apply_activation_checkpointing(model, t), cfg)
     ckpt_root = run_dir / "checkpoints"
     found = _checkpoint_to_resume(ckpt_root, model, mesh, data_identity, cfg, say) if resume else None
@@ -331,6 +340,8 @@ def _train(cfg: JobConfig, run_dir: Path, resume: bool, stop: StopRequest) -> li
     _check_room(run_dir, cfg, mesh, say)
     if mesh.rank == 0:
         _start_run_dir(run_dir, cfg, start)
+    say(run_line(cfg, run_dir, mesh, start))
+    last_checkpoint = found[0] if found is not None else None
 
     n_moe = sum(ffn == "moe" for _, ffn in cfg.model.layer_kinds())
     logger = MetricsLogger(run_dir, mesh.rank == 0, t.histogram_every, resume_step=start)
@@ -376,7 +387,7 @@ def _train(cfg: JobConfig, run_dir: Path, resume: bool, stop: StopRequest) -> li
                     "data": data_identity,
                     "dead_expert_last_seen": dead.last_seen(),
                 }
-                checkpointer.save(engine, model, scheduler, done, extra_meta=extra)
+                last_checkpoint = checkpointer.save(engine, model, scheduler, done, extra_meta=extra)
             bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
             bar.update(1)
             if stopping:
@@ -394,4 +405,5 @@ def _train(cfg: JobConfig, run_dir: Path, resume: bool, stop: StopRequest) -> li
         barrier()
     if stopping:
         raise Stopped(line)
+    say(summary_line(records, last_checkpoint, time.perf_counter() - started))
     return records if mesh.rank == 0 else []
