@@ -13,6 +13,7 @@ requeues the job).
 """
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -20,7 +21,7 @@ import sys
 from pathlib import Path
 
 from moe_dist.config import ConfigError, load_config
-from moe_dist.config.checks import advisories
+from moe_dist.config.checks import advisories, validate
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -69,6 +70,35 @@ def smallest_world(cfg) -> int:
     if pa.expert_tp == 1:
         return pa.pp * math.lcm(pa.tp * pa.cp, pa.ep)
     return pa.pp * pa.tp * math.lcm(pa.cp, pa.ep)
+
+
+def what_would_fit(cfg, world: int, device: str, most: int = 64) -> str:
+    """After `fits: NO` at `world` ranks: the smallest larger world the layout divides that fits (up to `most`
+    times `world`), and ZeRO 2 at this world where the config uses less and that fits."""
+    from moe_dist.planning.memory import memory_plan
+
+    step = smallest_world(cfg)
+    found = None
+    for candidate in range(world + step, most * world + 1, step):
+        try:
+            plan = memory_plan(cfg, candidate, device)
+        except ConfigError:  # a world the layout does not divide (e.g. ep no longer divides dp)
+            continue
+        if plan["capacity"]["fits"]:
+            found = (candidate, plan["memory_per_rank_gb"]["total"])
+            break
+    advice = [f"world {found[0]} ({found[1]:.2f} GB per rank)" if found else f"no world up to {most * world}"]
+    if cfg.deepspeed.zero_stage < 2:
+        zero2 = dataclasses.replace(cfg, deepspeed=dataclasses.replace(cfg.deepspeed, zero_stage=2))
+        try:
+            validate(zero2)
+            plan = memory_plan(zero2, world, device)
+        except ConfigError:  # a setting that needs ZeRO 1
+            plan = None
+        if plan is not None and plan["capacity"]["fits"]:
+            total = plan["memory_per_rank_gb"]["total"]
+            advice.append(f"--set deepspeed.zero_stage=2 at world {world} ({total:.2f} GB per rank)")
+    return "would fit: " + "; or ".join(advice)
 
 
 def main(argv=None) -> int:
@@ -124,6 +154,8 @@ def main(argv=None) -> int:
                 f"{cap['fragmentation_margin']:.0%} fragmentation margin; headroom {cap['headroom_gb']:.2f} GB; "
                 f"expert rows at {lay['expert_rows_factor']:g}x the mean"
             )
+        if cap is not None and not cap["fits"]:
+            print(what_would_fit(cfg, world, args.device))
         print(json.dumps({**param_counts(cfg.model), "memory_per_rank_gb": mem, "capacity": cap}))
         return 0
     from moe_dist.train.checkpoint import CheckpointError
