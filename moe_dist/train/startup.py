@@ -74,20 +74,22 @@ def _cores() -> int:
 
 def choose_threads(requested: int, local_processes: int) -> tuple[int, str]:
     """(torch intra-op threads per process, why). `requested` > 0 is taken as it is. 0 takes this process's share of
-    the cores (cores / local processes), less the cores other work keeps busy, as the 1-minute load average says
-    (our own processes' start-up counted out): on a shared 2-core machine two threads that wait for each other's
-    time slices ran the default job 3-10x slower than one (docs/benchmarks.md, "CPU threads")."""
+    the cores less one core left to everything else (the OS, the data, other users), and fewer when the 1-minute
+    load average says other work keeps more cores busy (our own processes' start-up counted out); at least one.
+    Two threads that wait for each other's time slices collapse when other work holds the cores: on a shared
+    2-core machine one thread ran the default job 4-16x faster than two (docs/benchmarks.md, "CPU threads"). A
+    load that rises after start-up is not seen, hence the core always left free."""
     if requested > 0:
         return requested, f"train.threads={requested}"
     cores = _cores()
-    share = max(1, cores // local_processes)
+    share = max(1, (cores - 1) // local_processes)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     others = max(0.0, load - local_processes)  # our processes, starting up, are part of the load average
     free_share = max(1, int(cores - others + 0.5) // local_processes)
     n = min(share, free_share)
-    why = f"train.threads=0: {cores} cores / {local_processes} local process(es)"
+    why = f"train.threads=0: {cores} cores less 1 left to other work, / {local_processes} local process(es)"
     if n < share:
-        why += f", of which other work keeps about {min(others, cores):.1f} busy (load average {load:.1f})"
+        why += f"; other work keeps about {min(others, cores):.1f} busy (load average {load:.1f})"
     return n, why + "; set train.threads to pin it"
 
 

@@ -38,21 +38,23 @@ def test_a_run_says_what_it_is_and_how_it_ended(debug_run):
 @pytest.mark.parametrize(
     "cores, load, local, threads",
     [
-        (2, 0.4, 1, 2),  # idle: the process's share of the cores
-        (2, 1.0, 1, 2),  # our own start-up is counted out of the load
-        (2, 6.9, 1, 1),  # a shared machine: other work keeps every core busy
-        (16, 4.0, 2, 7),  # load 4 less our 2 starting processes: 2 busy cores of 16, (16 - 2) // 2 < 8
-        (16, 0.0, 4, 4),
+        (2, 0.4, 1, 1),  # a 2-core machine: one core left to other work, idle or not
+        (2, 6.9, 1, 1),
+        (16, 0.4, 1, 15),  # idle: the cores less one
+        (16, 1.0, 1, 15),  # our own start-up is counted out of the load
+        (16, 10.0, 1, 7),  # other work keeps 9 cores busy: the 7 it leaves
+        (16, 4.0, 2, 7),  # two processes: (16 - 1) // 2
+        (16, 0.0, 4, 3),
         (1, 0.0, 2, 1),  # never fewer than one
     ],
 )
-def test_threads_by_default_are_the_free_share(monkeypatch, cores, load, local, threads):
+def test_threads_by_default_leave_a_core_and_what_other_work_holds(monkeypatch, cores, load, local, threads):
     monkeypatch.setattr(startup, "_cores", lambda: cores)
     monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
     n, why = choose_threads(0, local)
     assert n == threads
-    assert why.startswith(f"train.threads=0: {cores} cores / {local} local process(es)")
-    assert ("other work keeps" in why) == (n < max(1, cores // local))
+    assert why.startswith(f"train.threads=0: {cores} cores less 1 left to other work, / {local} local process(es)")
+    assert ("other work keeps" in why) == (n < max(1, (cores - 1) // local))
 
 
 def test_threads_requested_are_taken_as_they_are():
