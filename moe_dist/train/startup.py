@@ -94,7 +94,9 @@ def choose_threads(requested: int, local_processes: int) -> tuple[int, str]:
 
 
 def _steps_every(every: int, what: str) -> str:
-    return f"{what} every {every} steps and at the end" if every else f"{what} at the end"
+    if not every:
+        return f"{what} at the end"
+    return f"{what} every {every} steps and at the end" if every > 1 else f"{what} every step"
 
 
 def run_line(cfg: JobConfig, run_dir: Path, mesh, start: int) -> str:

@@ -61,6 +61,12 @@ def test_threads_requested_are_taken_as_they_are():
     assert choose_threads(3, 2) == (3, "train.threads=3")
 
 
+def test_schedules_read_as_said():
+    assert startup._steps_every(0, "eval") == "eval at the end"
+    assert startup._steps_every(1, "checkpoint") == "checkpoint every step"
+    assert startup._steps_every(50, "eval") == "eval every 50 steps and at the end"
+
+
 def test_summary_line_without_eval_or_checkpoint():
     line = summary_line([{"step": 1, "loss": 5.0}, {"step": 2, "loss": 4.5}], None, 75.4)
     assert line == "done: step 2, loss 4.5000, no eval, no checkpoint, wall time 1 min 15 s"
