@@ -18,6 +18,7 @@ from pathlib import Path
 from moe_dist.train.guard import TrainingError
 
 PARTIAL = re.compile(r"\.step_\d+\.tmp")  # a save's directory before it is published (checkpoint/save.py)
+PUBLISHED = re.compile(r"step_(\d+)")
 MARGIN = 1 << 20  # metrics, TensorBoard events and config.json between two checkpoints: a MiB is plenty here
 
 
@@ -61,13 +62,15 @@ def remove_partial_saves(ckpt_root: Path) -> list[str]:
 
 def checkpoint_bytes(ckpt_root: Path, estimate: int) -> int:
     """Bytes of the newest published checkpoint (its files' sizes), else `estimate`."""
-    done = sorted(
-        (d for d in ckpt_root.glob("step_*") if (d / "meta.json").is_file()),
-        key=lambda d: int(d.name.split("_")[1]) if d.name.split("_")[1].isdigit() else -1,
-    )
+    done = [
+        (int(m.group(1)), d)
+        for d in (ckpt_root.iterdir() if ckpt_root.is_dir() else [])
+        if (m := PUBLISHED.fullmatch(d.name)) and (d / "meta.json").is_file()
+    ]
     if not done:
         return estimate
-    return sum(f.stat().st_size for f in done[-1].iterdir() if f.is_file())
+    newest = max(done)[1]
+    return sum(f.stat().st_size for f in newest.iterdir() if f.is_file())
 
 
 def _probe(directory: Path, run_dir: Path) -> None:
