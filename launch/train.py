@@ -181,7 +181,7 @@ def main(argv=None) -> int:
     except OSError as e:  # a full disk met outside our own writes (e.g. TensorBoard's event file): one line, exit 1
         if not is_no_space(e):
             raise
-        print(f"error: {no_space(e.filename or run_dir, run_dir)}", file=sys.stderr, flush=True)
+        print(f"error: {no_space(e.filename, run_dir)}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(1)
     return 0

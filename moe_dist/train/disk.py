@@ -9,11 +9,14 @@ the file system holds one more checkpoint, whose size it reads from the newest o
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
 import shutil
+import threading
 from pathlib import Path
+from typing import Iterator
 
 from moe_dist.train.guard import TrainingError
 
@@ -38,10 +41,11 @@ def what_to_free(run_dir: Path) -> str:
     )
 
 
-def no_space(path: Path | str, run_dir: Path) -> NoSpaceError:
-    """The error for an ENOSPC met while writing `path`."""
+def no_space(path: Path | str | None, run_dir: Path) -> NoSpaceError:
+    """The error for an ENOSPC met while writing `path` (None: a file under `run_dir` the error did not name)."""
     free = shutil.disk_usage(run_dir).free if run_dir.exists() else 0
-    return NoSpaceError(f"no space left on device writing {path} ({_mb(free)} free): {what_to_free(run_dir)}")
+    where = f"writing {path}" if path else f"writing under {run_dir}"
+    return NoSpaceError(f"no space left on device {where} ({_mb(free)} free): {what_to_free(run_dir)}")
 
 
 def is_no_space(e: BaseException) -> bool:
@@ -107,3 +111,21 @@ def check_room(run_dir: Path, checkpoint_estimate: int) -> list[str]:
             f"{run_dir}: {_mb(free)} free, the next checkpoint needs about {_mb(need)}: {what_to_free(run_dir)}"
         )
     return lines
+
+
+@contextlib.contextmanager
+def quiet_full_disk_in_threads() -> Iterator[None]:
+    """While training: a full disk met in a background thread (TensorBoard's event writer) prints no traceback of
+    its own; the writer raises it again in the training thread, which says it in one line. Other errors in threads
+    print as before."""
+    previous = threading.excepthook
+
+    def hook(args):
+        if not is_no_space(args.exc_value):
+            previous(args)
+
+    threading.excepthook = hook
+    try:
+        yield
+    finally:
+        threading.excepthook = previous

@@ -44,7 +44,7 @@ from moe_dist.train.checkpoint import (
     prune_checkpoints,
     select_checkpoint,
 )
-from moe_dist.train.disk import NoSpaceError, check_room
+from moe_dist.train.disk import NoSpaceError, check_room, quiet_full_disk_in_threads
 from moe_dist.train.guard import NonFiniteGuard, operation
 from moe_dist.train.metrics import DeadExperts, MetricsLogger, StepAccumulator
 from moe_dist.train.optim import build_optimizer, initialize_engine
@@ -256,7 +256,7 @@ def train(cfg: JobConfig, run_dir: Path, resume: bool = False) -> list[dict]:
     ones; start fresh when there is none. So one command line serves the first start and every restart.
     A stop signal (preempt.py) ends the run after the step every rank agrees on, with that step's checkpoint,
     by raising Stopped on every rank."""
-    with stop_signals() as stop:  # from the start: a warning that comes during start-up is kept, not lost
+    with stop_signals() as stop, quiet_full_disk_in_threads():  # a signal during start-up is kept, not lost
         return _train(cfg, run_dir, resume, stop)
 
 
