@@ -70,3 +70,13 @@ def test_schedules_read_as_said():
 def test_summary_line_without_eval_or_checkpoint():
     line = summary_line([{"step": 1, "loss": 5.0}, {"step": 2, "loss": 4.5}], None, 75.4)
     assert line == "done: step 2, loss 4.5000, no eval, no checkpoint, wall time 1 min 15 s"
+
+
+def test_the_shm_op_build_is_announced_only_when_not_built(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    note = startup.shm_op_note()
+    assert note is not None and note.startswith("note: building DeepSpeed's CPU shared-memory op once")
+    assert str(tmp_path / "deepspeed_shm_comm") in note
+    (tmp_path / "deepspeed_shm_comm").mkdir()
+    (tmp_path / "deepspeed_shm_comm" / "deepspeed_shm_comm.so").write_bytes(b"\x7fELF")
+    assert startup.shm_op_note() is None
