@@ -4,8 +4,9 @@ and our training checkpoints, and upcycle dense models into MoE runs.
     python launch/convert.py import HF_DIR RUN_DIR [--config BASE.json] [--set KEY=VALUE ...]
         → RUN_DIR/checkpoints/step_0 (zero Adam moments) and RUN_DIR/config.json; continue training with
           python launch/train.py --config RUN_DIR/config.json --run-dir RUN_DIR --resume
-    python launch/convert.py export CHECKPOINT HF_DIR [--dtype fp32|bf16|fp16]
+    python launch/convert.py export CHECKPOINT HF_DIR [--dtype fp32|bf16|fp16] [--force]
         CHECKPOINT: RUN_DIR/checkpoints/step_N, or a run directory (its newest complete checkpoint)
+        HF_DIR: missing or empty; a directory that holds anything is refused unless --force
     python launch/convert.py upcycle SRC RUN_DIR --experts E --top-k K [--noise SIGMA] [--config BASE.json] [--set ...]
         SRC: a dense Hugging Face Llama/Qwen3 directory or one of our checkpoints / run directories; every dense FFN
         becomes E experts copied from it (plus noise: SIGMA times each weight's std), with a fresh router.
@@ -46,6 +47,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     exp.add_argument("checkpoint", type=Path)
     exp.add_argument("hf_dir", type=Path)
     exp.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="weight dtype (default: as stored, fp32)")
+    exp.add_argument(
+        "--force", action="store_true", help="write into a non-empty HF_DIR (files of the same name are replaced)"
+    )
     up = sub.add_parser("upcycle", help="dense model → MoE run directory whose experts copy the dense FFNs")
     up.add_argument("src", type=Path)
     up.add_argument("run_dir", type=Path)
@@ -55,6 +59,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     up.add_argument("--config", default=None, help="job config for model.moe and everything but the model")
     up.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE", help=SET_HELP)
     return p.parse_args(argv)
+
+
+def occupied(out: Path) -> str:
+    """Why `out` cannot take an export as it stands ("" when it can: missing or an empty directory). An export
+    beside an earlier one would mix their weight files, which transformers would then read together."""
+    if not out.exists():
+        return ""
+    if not out.is_dir():
+        return "exists and is not a directory"
+    entries = sorted(p.name for p in out.iterdir())
+    more = f" and {len(entries) - 1} more" if len(entries) > 1 else ""
+    return f"not empty (it holds {entries[0]}{more})" if entries else ""
 
 
 def main(argv=None) -> int:
@@ -78,6 +94,13 @@ def main(argv=None) -> int:
                 f"--run-dir {args.run_dir} --resume"
             )
         else:
+            taken = occupied(args.hf_dir)
+            if taken and not args.force:
+                print(
+                    f"error: {args.hf_dir}: {taken}; pass --force to write into it, or choose an empty directory",
+                    file=sys.stderr,
+                )
+                return 2
             out = export_run_to_hf(args.checkpoint, args.hf_dir, DTYPES.get(args.dtype))
             print(f"wrote {out}")
     except (ConfigError, CheckpointError, HFConfigError, FileNotFoundError) as e:

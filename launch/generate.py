@@ -49,6 +49,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def check_args(args: argparse.Namespace) -> str | None:
+    """The first sampling setting that makes no sense, as one line naming the flag (None when all are fine): checked
+    before the model is loaded. A negative temperature would sample the least likely tokens."""
+    rules = [
+        (args.max_new_tokens >= 1, "--max-new-tokens", "must be at least 1", args.max_new_tokens),
+        (args.temperature >= 0, "--temperature", "must be >= 0 (0 = greedy)", args.temperature),
+        (args.top_k is None or args.top_k >= 1, "--top-k", "must be at least 1", args.top_k),
+        (args.top_p is None or 0 < args.top_p <= 1, "--top-p", "must be in (0, 1]", args.top_p),
+        (args.num_samples >= 1, "--num-samples", "must be at least 1", args.num_samples),
+        (args.threads >= 0, "--threads", "must be >= 0 (0 = torch's default)", args.threads),
+    ]
+    for ok, flag, rule, value in rules:
+        if not ok:
+            return f"{flag}: {rule}, got {value}"
+    return None
+
+
 def tokenizer_dir(checkpoint: Path) -> Path | None:
     """Where the model's tokenizer files are: a Hugging Face directory itself, the run's RUN_DIR/tokenizer/
     (a run trained with data.tokenizer, given as the run directory or one of its checkpoints), or RUN_DIR/hf/
@@ -101,6 +118,10 @@ class Tokens:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    bad = check_args(args)
+    if bad is not None:
+        print(f"error: {bad}", file=sys.stderr)
+        return 2
     if args.threads:
         torch.set_num_threads(args.threads)
     try:

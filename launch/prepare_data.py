@@ -18,6 +18,8 @@ import sys
 from moe_dist.data.prepare import prepare
 from moe_dist.data.shards import DTYPES
 
+DATA_EXTRA = ("tokenizers", "pyarrow", "jinja2")  # pyproject.toml's [data] extra
+
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -45,6 +47,16 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
     except FileExistsError as e:
         print(f"prepare_data.py: error: {e} (pass --force to replace it)", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as e:  # the optional [data] extra (pyproject.toml) is not installed
+        missing = (e.name or "").split(".")[0]
+        if missing not in DATA_EXTRA:
+            raise
+        print(
+            f"prepare_data.py: error: these options need the [data] extra (module {missing!r} is missing): "
+            "pip install -e '.[data]'",
+            file=sys.stderr,
+        )
         return 2
     except (ValueError, OSError) as e:
         print(f"prepare_data.py: error: {e}", file=sys.stderr)

@@ -6,12 +6,14 @@
     torchrun --max-restarts 3 --nproc_per_node N launch/train.py --config ... --resume   # restarts resume
 
 Exit status: 0 done; 2 bad input (config, data, run directory, checkpoint that does not fit; nothing on disk
-was changed); 1 the run failed (a collective failed or timed out, too many non-finite steps, ...); 3 stopped on
-request (SIGUSR1, e.g. Slurm's --signal) after saving the checkpoint of the step every rank stopped after: rerun
-with --resume (launch/slurm/ requeues the job).
+was changed); 1 the run failed (a collective failed or timed out, too many non-finite steps, a full disk: one line
+naming the path and what to free, nothing already written lost); 3 stopped on request (SIGUSR1, e.g. Slurm's
+--signal) after saving the checkpoint of the step every rank stopped after: rerun with --resume (launch/slurm/
+requeues the job).
 """
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -19,6 +21,7 @@ import sys
 from pathlib import Path
 
 from moe_dist.config import ConfigError, load_config
+from moe_dist.config.checks import advisories, validate
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -69,6 +72,35 @@ def smallest_world(cfg) -> int:
     return pa.pp * pa.tp * math.lcm(pa.cp, pa.ep)
 
 
+def what_would_fit(cfg, world: int, device: str, most: int = 64) -> str:
+    """After `fits: NO` at `world` ranks: the smallest larger world the layout divides that fits (up to `most`
+    times `world`), and ZeRO 2 at this world where the config uses less and that fits."""
+    from moe_dist.planning.memory import memory_plan
+
+    step = smallest_world(cfg)
+    found = None
+    for candidate in range(world + step, most * world + 1, step):
+        try:
+            plan = memory_plan(cfg, candidate, device)
+        except ConfigError:  # a world the layout does not divide (e.g. ep no longer divides dp)
+            continue
+        if plan["capacity"]["fits"]:
+            found = (candidate, plan["memory_per_rank_gb"]["total"])
+            break
+    advice = [f"world {found[0]} ({found[1]:.2f} GB per rank)" if found else f"no world up to {most * world}"]
+    if cfg.deepspeed.zero_stage < 2:
+        zero2 = dataclasses.replace(cfg, deepspeed=dataclasses.replace(cfg.deepspeed, zero_stage=2))
+        try:
+            validate(zero2)
+            plan = memory_plan(zero2, world, device)
+        except ConfigError:  # a setting that needs ZeRO 1
+            plan = None
+        if plan is not None and plan["capacity"]["fits"]:
+            total = plan["memory_per_rank_gb"]["total"]
+            advice.append(f"--set deepspeed.zero_stage=2 at world {world} ({total:.2f} GB per rank)")
+    return "would fit: " + "; or ".join(advice)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
@@ -76,6 +108,9 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if os.environ.get("RANK", "0") == "0":  # legal but probably not meant (e.g. a warm-up longer than the run)
+        for line in advisories(cfg):
+            print(line, file=sys.stderr)
     if args.dry_run:
         from moe_dist.models.decoder import param_counts
         from moe_dist.planning.memory import memory_plan
@@ -119,9 +154,12 @@ def main(argv=None) -> int:
                 f"{cap['fragmentation_margin']:.0%} fragmentation margin; headroom {cap['headroom_gb']:.2f} GB; "
                 f"expert rows at {lay['expert_rows_factor']:g}x the mean"
             )
+        if cap is not None and not cap["fits"]:
+            print(what_would_fit(cfg, world, args.device))
         print(json.dumps({**param_counts(cfg.model), "memory_per_rank_gb": mem, "capacity": cap}))
         return 0
     from moe_dist.train.checkpoint import CheckpointError
+    from moe_dist.train.disk import is_no_space, no_space
     from moe_dist.train.guard import TrainingError
     from moe_dist.train.loop import RunDirError, train
     from moe_dist.train.preempt import EXIT_STOPPED, Stopped
@@ -140,6 +178,12 @@ def main(argv=None) -> int:
         os._exit(1)
     except Stopped:  # rank 0 said at which step; the checkpoint is published
         return EXIT_STOPPED
+    except OSError as e:  # a full disk met outside our own writes (e.g. TensorBoard's event file): one line, exit 1
+        if not is_no_space(e):
+            raise
+        print(f"error: {no_space(e.filename, run_dir)}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)
     return 0
 
 

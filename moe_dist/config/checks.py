@@ -9,6 +9,8 @@ Depends on schema.py and parallel_checks.py; loading.py imports this module.
 
 from __future__ import annotations
 
+import math
+
 from moe_dist.config.parallel_checks import check_global_batch, check_parallel
 from moe_dist.config.schema import (
     DataConfig,
@@ -53,6 +55,20 @@ def validate(cfg: JobConfig) -> None:
     _check_run_settings(t)
     _check_data(cfg.data)
     _check_plan(cfg.plan)
+
+
+def advisories(cfg: JobConfig) -> list[str]:
+    """Settings that are legal but probably not meant, one `warning:` line each (launch/train.py prints them at
+    start-up): a warm-up longer than the run never reaches train.lr."""
+    t = cfg.train
+    out = []
+    if t.warmup_steps > t.steps:
+        peak = t.lr * t.steps / t.warmup_steps
+        out.append(
+            f"warning: train.warmup_steps={t.warmup_steps} > train.steps={t.steps}: the run ends in the warm-up, "
+            f"at lr {peak:.3g} of train.lr={t.lr:g}"
+        )
+    return out
 
 
 def _check_patterns(m: ModelConfig) -> None:
@@ -108,9 +124,17 @@ def _check_layers(m: ModelConfig) -> None:
 
 
 def _check_schedule(t: TrainConfig) -> None:
-    """The optimizer and the learning-rate schedule (train/optim.py)."""
+    """The optimizer and the learning-rate schedule (train/optim.py): every value torch's AdamW or the schedule
+    would refuse (or silently misuse) steps into, named here before anything is built."""
+    require(math.isfinite(t.lr) and t.lr > 0, f"train.lr: must be a positive finite number, got {t.lr}")
+    require(0.0 <= t.min_lr_ratio <= 1.0, f"train.min_lr_ratio: must be in [0, 1], got {t.min_lr_ratio}")
+    require(t.warmup_steps >= 0, f"train.warmup_steps: must be >= 0, got {t.warmup_steps}")
+    require(t.weight_decay >= 0, f"train.weight_decay: must be >= 0, got {t.weight_decay}")
+    require(t.grad_clip >= 0, f"train.grad_clip: must be >= 0 (0 = off), got {t.grad_clip}")
     require(len(t.betas) == 2, f"train.betas: expected two numbers, got {t.betas}")
-    require(t.adam_eps > 0, f"train.adam_eps: must be positive, got {t.adam_eps}")
+    for i, b in enumerate(t.betas):
+        require(0.0 <= b < 1.0, f"train.betas[{i}]: must be in [0, 1), got {b}")
+    require(math.isfinite(t.adam_eps) and t.adam_eps > 0, f"train.adam_eps: must be positive, got {t.adam_eps}")
     require(0.0 < t.decay_fraction <= 1.0, f"train.decay_fraction: must be in (0, 1], got {t.decay_fraction}")
     if t.lr_schedule == "wsd":
         decay = t.decay_steps()

@@ -163,7 +163,7 @@ class TrainConfig:
     eval_batches: int = 4  # validation micro-batches in one pass, in total over the data-parallel ranks
     histogram_every: int = 10  # TensorBoard histogram period in steps
     image_every: int = 10  # TensorBoard expert-load image period in steps (0 = off)
-    threads: int = 0  # torch CPU threads per process (0 = cores / local processes)
+    threads: int = 0  # torch CPU threads per process (0 = cores less one, and less other work's, / local processes)
     keep_last: int = 0  # checkpoints kept: after each save all but the newest N are deleted (0 = keep all)
     max_nonfinite_steps: int = 5  # stop after this many optimizer steps in a row skipped for NaN/Inf (0 = never)
     compile: bool = False  # torch.compile norms, attention and dense FFNs in place (MoE and Mamba stay eager)

@@ -60,9 +60,23 @@ def resolve_paths(patterns: list[str], key: str = "data.paths", expected: Option
 # ----------------------------------------------------------------------------------------------- inputs
 
 
+def _utf8(data: bytes, path: Path, offset: int = 0) -> str:
+    """Text for a tokenizer that reads text (not bytes). Bytes that are not UTF-8 are refused with the file and
+    the byte offset rather than replaced: a replacement character the user never sees would be trained on."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"--input: {path}: not UTF-8 at byte {offset + e.start} ({e.reason}); fix or drop the file (only plain "
+            "text files under --tokenizer bytes are read as raw bytes)"
+        ) from None
+
+
 def _jsonl_records(path: Path) -> Iterator[tuple[int, dict]]:
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    offset = 0
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            line, offset = _utf8(raw, path, offset), offset + len(raw)
             if not line.strip():
                 continue
             try:
@@ -94,9 +108,12 @@ def _sft_record(path: Path, lineno: int, record: dict):
     return ("pc", record["prompt"], record["completion"])
 
 
-def iter_input_documents(files: list[Path], field: str = "text", column: str = "text", sft: bool = False) -> Iterator:
-    """Documents of `files` in order: bytes (a text file), str (a JSONL field or Parquet cell), or a fine-tuning
-    record (`sft`). Raises ValueError naming the file (and line) of the first bad record."""
+def iter_input_documents(
+    files: list[Path], field: str = "text", column: str = "text", sft: bool = False, text: bool = False
+) -> Iterator:
+    """Documents of `files` in order: bytes (a text file; str decoded from UTF-8 with `text`, for a tokenizer that
+    reads text), str (a JSONL field or Parquet cell), or a fine-tuning record (`sft`). Raises ValueError naming
+    the file (and line, or byte offset) of the first bad record."""
     for path in files:
         suffix = path.suffix.lower()
         if sft:
@@ -113,7 +130,10 @@ def iter_input_documents(files: list[Path], field: str = "text", column: str = "
             try:
                 import pyarrow.parquet as pq
             except ImportError:
-                raise ValueError("--input: reading Parquet needs pyarrow (pip install -e '.[data]')") from None
+                raise ValueError(
+                    "--input: reading Parquet needs the [data] extra (module 'pyarrow' is missing): "
+                    "pip install -e '.[data]'"
+                ) from None
             try:
                 pf = pq.ParquetFile(path)
             except Exception as e:  # pyarrow's errors are of several types; one line names the file
@@ -125,6 +145,8 @@ def iter_input_documents(files: list[Path], field: str = "text", column: str = "
                     if not isinstance(value, str):
                         raise ValueError(f"--column: {path}: column {column!r} holds {type(value).__name__}, not text")
                     yield value
+        elif text:
+            yield _utf8(path.read_bytes(), path)
         else:
             yield path.read_bytes()
 
@@ -177,7 +199,7 @@ def encode_chunk(chunk: list, tok: Optional[Tokenizer] = None) -> list[tuple[np.
     if tok.json is None:  # bytes: a text file's bytes are its tokens exactly (no UTF-8 round trip)
         ids_list = [encode(d).astype(np.int64) for d in plain]
     else:
-        texts = [d if isinstance(d, str) else d.decode("utf-8", errors="replace") for d in plain]
+        texts = [d if isinstance(d, str) else d.decode("utf-8") for d in plain]  # read as text: already UTF-8
         ids_list = tok.encode_batch(texts, special=True)  # a document starts as the model expects (BOS)
     encoded = iter(ids_list)
     eos = np.array([tok.eos_id], dtype=np.int64)
@@ -272,11 +294,7 @@ def prepare(
         if train_vocab is not None:
             if tokenizer != BYTES:
                 raise ValueError("--train-tokenizer: trains a new tokenizer; do not also pass --tokenizer")
-            texts = (
-                d if isinstance(d, str) else d.decode("utf-8", errors="replace")
-                for d in _training_texts(files, field, column, sft)
-            )
-            trained = train_bpe(texts, train_vocab)
+            trained = train_bpe(_training_texts(files, field, column, sft), train_vocab)
             tok_file = Path(tempfile.mkdtemp(dir=tok_dir, prefix=f".{prefix.name}.tokenizer."))
             (tok_file / "tokenizer.json").write_text(trained[0])
             (tok_file / "tokenizer_config.json").write_text(json.dumps(trained[1], indent=2) + "\n")
@@ -288,14 +306,17 @@ def prepare(
         else:
             tok = load_tokenizer(tokenizer, eos_token)
         dtype = dtype or ("uint16" if tok.vocab_size <= 1 << 16 else "uint32")
+        seen = {"documents": 0, "text": 0}
         staging = Path(tempfile.mkdtemp(dir=prefix.parent, prefix=f".{prefix.name}.staging."))
         try:
             writer = ShardWriter(staging / prefix.name, dtype, tok.vocab_size, sft, shard_tokens)
             tokenize_tic = time.perf_counter()
-            n_tokens = _tokenize(iter_input_documents(files, field, column, sft), tok, writer, workers)
+            docs = _counted(iter_input_documents(files, field, column, sft, text=tok.json is not None), seen)
+            n_tokens = _tokenize(docs, tok, writer, workers)
             tokenize_s = time.perf_counter() - tokenize_tic
-            if n_tokens == 0:
-                raise ValueError(f"--input: {len(files)} file(s) hold no documents")
+            if n_tokens == 0 or not seen["text"]:  # an EOS alone is not data: refused, not a 1-token set
+                empty = f"no text: {seen['documents']} empty document(s)" if seen["documents"] else "no documents"
+                raise ValueError(f"--input: {len(files)} file(s) hold {empty}")
             meta = writer.finish(tok.identity())
             if trained is not None:  # the tokenizer goes into place with the data it wrote
                 atomic_write(tok_dir / "tokenizer.json", trained[0].encode())
@@ -306,8 +327,17 @@ def prepare(
         return {**meta, "seconds": time.perf_counter() - tic, "tokenize_seconds": tokenize_s, "workers": workers}
 
 
+def _counted(docs: Iterator, seen: dict) -> Iterator:
+    """`docs` unchanged, counting into `seen` the documents and those with any text (fine-tuning records count as
+    text: their prompt and completion were checked when read)."""
+    for doc in docs:
+        seen["documents"] += 1
+        seen["text"] += isinstance(doc, tuple) or len(doc) > 0
+        yield doc
+
+
 def _training_texts(files, field, column, sft) -> Iterator:
-    for doc in iter_input_documents(files, field, column, sft):
+    for doc in iter_input_documents(files, field, column, sft, text=True):
         if isinstance(doc, tuple):
             yield from (doc[1:] if doc[0] == "pc" else (m["content"] for m in doc[1]))
         else:

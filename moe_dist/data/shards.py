@@ -262,6 +262,33 @@ def read_sidecar(path: str | Path, key: str = "data.paths") -> dict:
     return meta
 
 
+INDEX_CHECK_CHUNK = 1 << 22  # document ends checked at a time (32 MiB of the index in memory, whatever its size)
+
+
+def _check_index(ends: np.ndarray, n: int, path: Path, key: str) -> None:
+    """A shard's document ends (D,) must rise strictly and end at its token count n: an index of the right size
+    but wrong content would put document boundaries outside the shard (data.document_masking). Reads the index
+    once, in chunks: 8 bytes per document, about 0.4 % of the token bytes at 1k-token documents (docs/data.md)."""
+    if len(ends) == 0:
+        raise ValueError(f"{key}: {path}: no document ends for {n} tokens; rerun prepare_data.py")
+    previous = 0
+    for lo in range(0, len(ends), INDEX_CHECK_CHUNK):
+        chunk = np.asarray(ends[lo : lo + INDEX_CHECK_CHUNK]).astype(np.int64)  # above 2**63: negative, refused
+        bad = np.flatnonzero(np.diff(chunk, prepend=previous) <= 0)
+        if len(bad):
+            _corrupt_index(path, n, key, f"entry {lo + bad[0]} is {int(ends[lo + bad[0]])}")
+        previous = int(chunk[-1])
+    if previous != n:
+        _corrupt_index(path, n, key, f"the last is {int(ends[-1])}")
+
+
+def _corrupt_index(path: Path, n: int, key: str, where: str) -> None:
+    raise ValueError(
+        f"{key}: {path}: corrupt document index (ends must rise strictly to the shard's {n} tokens; {where}); "
+        "rerun prepare_data.py"
+    )
+
+
 def open_shards(path: str | Path, key: str = "data.paths") -> tuple[Stream, dict]:
     """A shard set's sidecar → (memory-mapped Stream of all its shards in order, sidecar). Each file's size is
     checked against the sidecar before anything is read."""
@@ -284,6 +311,7 @@ def open_shards(path: str | Path, key: str = "data.paths") -> tuple[Stream, dict
             continue
         tokens = np.memmap(side.parent / shard["tokens"], dtype=meta["dtype"], mode="r", shape=(n,))
         ends = np.memmap(side.parent / shard["index"], dtype=np.uint64, mode="r", shape=(d,))
+        _check_index(ends, n, side.parent / shard["index"], key)
         mask = (
             np.memmap(side.parent / shard["mask"], dtype=np.uint8, mode="r", shape=(n,)) if shard.get("mask") else None
         )

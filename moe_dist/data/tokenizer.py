@@ -128,7 +128,9 @@ def load_tokenizer(spec: str, eos_token: Optional[str] = None) -> Tokenizer:
 
         backend = HFTokenizer.from_str(raw.decode("utf-8"))
     except ImportError:
-        raise TokenizerError("tokenizer: the `tokenizers` package is needed (pip install -e '.[data]')") from None
+        raise TokenizerError(
+            "tokenizer: needs the [data] extra (module 'tokenizers' is missing): pip install -e '.[data]'"
+        ) from None
     except Exception as e:  # the Rust library raises its own exception type with a multi-line message
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise TokenizerError(f"tokenizer: {file} does not load ({first})") from None

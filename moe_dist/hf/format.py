@@ -56,7 +56,8 @@ def config_from_hf(hf: dict) -> ModelConfig:
 
 def family_of(cfg: ModelConfig, prefer: Optional[str] = None) -> Family:
     """The Hugging Face family that expresses `cfg` exactly (`prefer` first, e.g. the one it was imported from),
-    or HFConfigError listing why each does not."""
+    or HFConfigError naming the nearest family (the fewest rules broken; on a tie `prefer`, then FAMILIES' order)
+    and its first broken rule: one short line, where listing every family's rules made one of some 1,500 characters."""
     prefer = FAMILIES[prefer].export_as or prefer if prefer in FAMILIES else prefer
     order = sorted(FAMILIES.values(), key=lambda f: f.model_type != prefer)
     why = {}
@@ -64,8 +65,14 @@ def family_of(cfg: ModelConfig, prefer: Optional[str] = None) -> Family:
         why[family.model_type] = feature_unfit(cfg, family) + family.unfit(cfg)
         if not why[family.model_type]:
             return family
-    listed = "; ".join(f"{kind}: {', '.join(reasons)}" for kind, reasons in why.items())
-    raise HFConfigError(f"model: not expressible as a Hugging Face checkpoint ({listed})")
+    exportable = [f for f in order if not f.export_as]  # not the import-only forms; `prefer` wins a tie
+    nearest = min(exportable, key=lambda f: len(why[f.model_type]))
+    rules = why[nearest.model_type]
+    more = f" (and {len(rules) - 1} more rule{'s' if len(rules) > 2 else ''})" if len(rules) > 1 else ""
+    raise HFConfigError(
+        f"model: not expressible as a Hugging Face checkpoint; nearest family {nearest.model_type} "
+        f"({nearest.architecture}): {rules[0]}{more}"
+    )
 
 
 def config_to_hf(cfg: ModelConfig, template: Optional[dict] = None) -> dict:

@@ -22,12 +22,13 @@ from tqdm import tqdm
 from moe_dist.config import JobConfig, config_to_dict
 from moe_dist.config.parallel_checks import check_layout, check_pipeline_runtime
 from moe_dist.data.batches import IGNORE, Batch, TokenDataset
+from moe_dist.data.shards import atomic_write
 from moe_dist.data.sources import load_tokens
 from moe_dist.data.tokenizer import copy_tokenizer, tokenizer_identity
 from moe_dist.layers.moe import moe_routers
 from moe_dist.models.activation_checkpointing import apply_activation_checkpointing
 from moe_dist.models.compile import maybe_compile
-from moe_dist.models.decoder import build_model, check_context_parallel, lm_loss
+from moe_dist.models.decoder import build_model, check_context_parallel, lm_loss, param_counts
 from moe_dist.parallel.comm import agree_on_error, all_reduce_sum, barrier
 from moe_dist.parallel.mesh import Mesh, init_distributed
 from moe_dist.parallel.parallelize import parallelize
@@ -43,6 +44,7 @@ from moe_dist.train.checkpoint import (
     prune_checkpoints,
     select_checkpoint,
 )
+from moe_dist.train.disk import NoSpaceError, check_room, quiet_full_disk_in_threads
 from moe_dist.train.guard import NonFiniteGuard, operation
 from moe_dist.train.metrics import DeadExperts, MetricsLogger, StepAccumulator
 from moe_dist.train.optim import build_optimizer, initialize_engine
@@ -50,7 +52,7 @@ from moe_dist.train.pipeline_step import pipeline_evaluate, pipeline_micro_batch
 from moe_dist.train.preempt import EXIT_STOPPED, Stopped, StopRequest, stop_signals
 from moe_dist.train.router_step import end_router_step, route_step_ahead
 from moe_dist.train.shared_storage import check_shared_run_dir
-from moe_dist.train.startup import startup_report
+from moe_dist.train.startup import choose_threads, run_line, shm_op_note, startup_report, summary_line
 from moe_dist.train.throughput import Utilisation, device_peak, maybe_profile, model_flops_per_token
 
 
@@ -220,9 +222,28 @@ def _checkpoint_to_resume(ckpt_root: Path, model, mesh: Mesh, data_identity: dic
     return found
 
 
+def _check_room(run_dir: Path, cfg: JobConfig, mesh: Mesh, say) -> None:
+    """Collective, before the run directory is written (resume: before metrics.jsonl is cut back to the checkpoint):
+    rank 0 removes partial saves and checks that the run directory takes a write and the next checkpoint
+    (train/disk.py); every rank raises rank 0's NoSpaceError."""
+    error = ""
+    if mesh.rank == 0:
+        try:
+            # A fresh run's checkpoint: every parameter with its two AdamW moments, in fp32.
+            for line in check_room(run_dir, 12 * param_counts(cfg.model)["params_total"]):
+                say(line)
+        except NoSpaceError as e:
+            error = str(e)
+    with operation("start-up: checking the run directory's space", cfg.parallel.timeout_s):
+        error = agree_on_error(error)
+    if error:
+        raise NoSpaceError(error)
+
+
 def _start_run_dir(run_dir: Path, cfg: JobConfig, start: int) -> None:
-    """Rank 0, once every check passed: the resolved config, and a fresh metrics file for a fresh start."""
-    (run_dir / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2) + "\n")
+    """Rank 0, once every check passed: the resolved config (replaced atomically: a full disk keeps the old one),
+    and a fresh metrics file for a fresh start."""
+    atomic_write(run_dir / "config.json", (json.dumps(config_to_dict(cfg), indent=2) + "\n").encode())
     copy_tokenizer(cfg.data.tokenizer, run_dir)
     if start == 0 and (run_dir / "metrics.jsonl").exists():  # --resume found no checkpoint: the run restarts
         (run_dir / "metrics.jsonl").unlink()
@@ -235,11 +256,12 @@ def train(cfg: JobConfig, run_dir: Path, resume: bool = False) -> list[dict]:
     ones; start fresh when there is none. So one command line serves the first start and every restart.
     A stop signal (preempt.py) ends the run after the step every rank agrees on, with that step's checkpoint,
     by raising Stopped on every rank."""
-    with stop_signals() as stop:  # from the start: a warning that comes during start-up is kept, not lost
+    with stop_signals() as stop, quiet_full_disk_in_threads():  # a signal during start-up is kept, not lost
         return _train(cfg, run_dir, resume, stop)
 
 
 def _train(cfg: JobConfig, run_dir: Path, resume: bool, stop: StopRequest) -> list[dict]:
+    started = time.perf_counter()  # the summary line's wall time: start-up included, as the user waited for it
     # The layout against the launcher's world size before anything is read, joined or written (one line, exit 2).
     check_layout(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     check_context_parallel(cfg.model, cfg.parallel.cp)
@@ -269,12 +291,18 @@ def _train(cfg: JobConfig, run_dir: Path, resume: bool, stop: StopRequest) -> li
     if cfg.data.align_to_documents:
         data_identity["align_to_documents"] = True
 
+    if not torch.cuda.is_available():  # what DeepSpeed detects anyway, without its warning in every process
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        note = shm_op_note()
+        if note is not None and os.environ.get("LOCAL_RANK", "0") == "0":
+            print(note, file=sys.stderr, flush=True)
     import deepspeed  # noqa: F401  (here, after the input checks: importing it takes seconds)
 
     timeout = cfg.parallel.timeout_s
     with operation("start-up: rendezvous with the other ranks", timeout):
         mesh = init_distributed(cfg)
-    torch.set_num_threads(t.threads or max(1, (os.cpu_count() or 1) // mesh.local_world_size))
+    threads, why = choose_threads(t.threads, mesh.local_world_size)
+    torch.set_num_threads(threads)
 
     def say(line: str) -> None:
         if mesh.rank == 0:
@@ -285,6 +313,8 @@ def _train(cfg: JobConfig, run_dir: Path, resume: bool, stop: StopRequest) -> li
     model = parallelize(build_model(cfg.model, mesh.device), mesh, cfg)
     for line in startup_report(cfg, model, mesh.device):  # versions, kernels, slow paths (README "Kernels")
         say(line)
+    if mesh.device.type == "cpu":
+        say(f"threads: {threads} per process ({why})")
     model = maybe_compile(apply_activation_checkpointing(model, t), cfg)
     ckpt_root = run_dir / "checkpoints"
     found = _checkpoint_to_resume(ckpt_root, model, mesh, data_identity, cfg, say) if resume else None
@@ -307,8 +337,11 @@ def _train(cfg: JobConfig, run_dir: Path, resume: bool, stop: StopRequest) -> li
         say(f"resuming from {path} (step {start})")
     elif resume:
         say(f"no checkpoint in {ckpt_root}: starting fresh")
+    _check_room(run_dir, cfg, mesh, say)
     if mesh.rank == 0:
         _start_run_dir(run_dir, cfg, start)
+    say(run_line(cfg, run_dir, mesh, start))
+    last_checkpoint = found[0] if found is not None else None
 
     n_moe = sum(ffn == "moe" for _, ffn in cfg.model.layer_kinds())
     logger = MetricsLogger(run_dir, mesh.rank == 0, t.histogram_every, resume_step=start)
@@ -354,7 +387,7 @@ def _train(cfg: JobConfig, run_dir: Path, resume: bool, stop: StopRequest) -> li
                     "data": data_identity,
                     "dead_expert_last_seen": dead.last_seen(),
                 }
-                checkpointer.save(engine, model, scheduler, done, extra_meta=extra)
+                last_checkpoint = checkpointer.save(engine, model, scheduler, done, extra_meta=extra)
             bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
             bar.update(1)
             if stopping:
@@ -372,4 +405,5 @@ def _train(cfg: JobConfig, run_dir: Path, resume: bool, stop: StopRequest) -> li
         barrier()
     if stopping:
         raise Stopped(line)
+    say(summary_line(records, last_checkpoint, time.perf_counter() - started))
     return records if mesh.rank == 0 else []

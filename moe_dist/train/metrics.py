@@ -13,15 +13,18 @@ tangle that dominates the event file, and the history image is the view (a Tenso
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Optional
 
 import numpy as np
 import torch
 
+from moe_dist.data.shards import atomic_write
 from moe_dist.layers.router import RoutingStats
 from moe_dist.models.decoder import DecoderOutput
 from moe_dist.parallel.comm import all_reduce_sum
+from moe_dist.train.disk import is_no_space, no_space
 from moe_dist.train.expert_images import LoadHistory, expert_load_images
 
 SCALARS = ("loss", "lm_loss", "aux_loss", "z_loss")
@@ -220,8 +223,9 @@ class MetricsLogger:
         self.image_every = _image_every_from_run_dir(run_dir) if image_every is None else image_every
         if resume_step and self.path.exists():
             # Records past the checkpoint came from the interrupted run; the resumed run rewrites them.
+            # Replaced atomically: a write that fails (a full disk) leaves every record where it was.
             kept = [ln for ln in self.path.read_text().splitlines() if ln and json.loads(ln)["step"] <= resume_step]
-            self.path.write_text("".join(ln + "\n" for ln in kept))
+            atomic_write(self.path, "".join(ln + "\n" for ln in kept).encode())
         from torch.utils.tensorboard import SummaryWriter
 
         self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=resume_step + 1 if resume_step else None)
@@ -236,8 +240,15 @@ class MetricsLogger:
     def log(self, record: dict) -> None:
         if not self.enabled:
             return
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        size = self.path.stat().st_size if self.path.exists() else 0
+        try:
+            with self.path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as e:  # no half record left behind: resume reads every line
+            os.truncate(self.path, size)
+            if is_no_space(e):
+                raise no_space(self.path, self.path.parent) from None
+            raise
         step = record["step"]
         for key, value in record.items():
             if _numeric(value) and key != "step":

@@ -6,8 +6,12 @@ causal attention scores, the SSM and delta-rule scans), times tokens per second,
 dense peak in the training dtype. Recomputation under activation checkpointing is not counted (it is hardware
 work, not model work), so MFU falls when recompute is on, as it should.
 
-The peak is the vendor's dense (no 2:4 sparsity) figure of a known GPU, or, on CPU or an unknown GPU, one matmul
-measured at start-up (so the CPU figure is "of what this machine's matmul reaches", not of a datasheet).
+The peak is the vendor's dense (no 2:4 sparsity) figure of a known GPU, or, on an unknown GPU, a matmul measured at
+start-up. On CPU it is one thread's best matmul rate over half a second times the run's threads (`cpu_peak`): "what
+this machine's cores reach", not a datasheet's, and stable under load. Measured with all threads at once, the
+figure swung from 0.013 to 0.100 TFLOP/s between runs on a shared 2-core machine (two threads rarely get a clean
+time slice together); one thread's best of some 50 tries stayed within ±4 % (docs/benchmarks.md, "CPU MFU"). So a
+CPU's MFU compares between runs, and falls when other work takes the cores, as it should.
 """
 
 from __future__ import annotations
@@ -69,12 +73,35 @@ def measured_peak(device: torch.device, dtype: str, n: int = 1024, repeats: int 
     return Peak(2.0 * n**3 / best, f"measured {n}^3 {dtype} matmul on {device.type}{threads}")
 
 
+def cpu_peak(dtype: str, n: int = 512, budget_s: float = 0.5, min_repeats: int = 5) -> Peak:
+    """One thread's best n×n×n matmul rate in `dtype` over `budget_s` (at least `min_repeats` tries, after one
+    warm-up), times torch's thread count: the best of many short tries is a try no other process interrupted."""
+    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    a, b = torch.randn(n, n, dtype=torch_dtype), torch.randn(n, n, dtype=torch_dtype)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a @ b
+        best, tries, start = float("inf"), 0, time.perf_counter()
+        while tries < min_repeats or time.perf_counter() - start < budget_s:
+            tic = time.perf_counter()
+            a @ b
+            best, tries = min(best, time.perf_counter() - tic), tries + 1
+    finally:
+        torch.set_num_threads(threads)
+    return Peak(
+        threads * 2.0 * n**3 / best,
+        f"one thread's best {n}^3 {dtype} matmul of {tries} on cpu, x {threads} threads",
+    )
+
+
 def device_peak(device: torch.device, dtype: str) -> Peak:
     if device.type == "cuda":
         known = table_peak(torch.cuda.get_device_name(device), dtype)
         if known is not None:
             return known
-    return measured_peak(device, dtype)
+        return measured_peak(device, dtype)
+    return cpu_peak(dtype)
 
 
 def model_flops_per_token(cfg) -> float:

@@ -281,7 +281,8 @@ def test_our_models_export_to_transformers(tmp_path):
 
 def test_unrepresentable_configs_are_refused(mixtral, tmp_path):
     ours = materialize_whole(build_model(load_config("configs/debug.json").model), "cpu", seed=0)  # RoPE + Mamba
-    with pytest.raises(HFConfigError, match="attention.rope must be false"):
+    nearest = r"nearest family mixtral \(MixtralForCausalLM\): every mixer must be attention \(and 1 more rule\)$"
+    with pytest.raises(HFConfigError, match=nearest):
         save_hf_model(ours, tmp_path / "x")
     _, path = mixtral
     raw = json.loads((path / "config.json").read_text())
@@ -433,7 +434,8 @@ def test_export_refuses_layers_no_family_has(kind):
     layers = ["attention+moe", "mamba1+mlp", kind, "mamba1+mlp"]
     cfg = load_config(None, [f"model.layers={json.dumps(layers)}", "model.attention.rope=false"]).model
     cfg.mamba.inner_norms, cfg.moe.renormalize = True, False
-    with pytest.raises(HFConfigError, match=r"jamba: .*every layer must be attention or mamba1 with an FFN"):
+    nearest = r"nearest family jamba \(JambaForCausalLM\): every layer must be attention or mamba1 with an FFN"
+    with pytest.raises(HFConfigError, match=nearest):
         family_of(cfg)
     fits = load_config(None, [f"model.layers={json.dumps(['attention+moe', 'mamba1+mlp'] * 2)}"]).model
     fits.attention.rope, fits.mamba.inner_norms, fits.moe.renormalize = False, True, False

@@ -54,8 +54,11 @@ def test_the_peak_table_takes_the_most_specific_name_and_the_dtype():
 
 
 def test_cpu_peak_is_measured_and_utilisation_is_per_device():
+    threads = torch.get_num_threads()
     peak = device_peak(torch.device("cpu"), "fp32")
-    assert peak.flops_per_s > 1e8 and "measured" in peak.source
+    assert peak.flops_per_s > 1e8 and peak.source.startswith("one thread's best 512^3 fp32 matmul of ")
+    assert peak.source.endswith(f"on cpu, x {threads} threads")
+    assert torch.get_num_threads() == threads  # measured on one thread, the run's count given back
     u = Utilisation(flops_per_token=6e9, devices=8, peak=Peak(1e15, "table"))
     got = u(tokens_per_s=4e5)  # 6e9 · 4e5 / 8 = 3e14 FLOP/s per device
     assert got["tflops_per_device"] == pytest.approx(300.0) and got["mfu"] == pytest.approx(0.3)

@@ -42,6 +42,7 @@ from moe_dist.train.checkpoint.state import (
     stored_buffers,
     stored_params,
 )
+from moe_dist.train.disk import is_no_space, no_space
 from moe_dist.train.guard import TrainingError, operation
 
 
@@ -189,6 +190,8 @@ class Checkpointer:
                         thread.put(b.numel() * 4, [(name, b.detach().to("cpu", torch.float32, copy=True))])
         except BaseException:
             thread.finish_quietly()
+            if mesh.rank == 0:  # the job stops here: leave no partial save holding space
+                shutil.rmtree(tmp, ignore_errors=True)
             raise
         if not self.asynchronous:
             self._finish(thread, path, tmp, final, meta)
@@ -229,7 +232,7 @@ class Checkpointer:
         try:
             digest = thread.finish()
         except Exception as e:  # reported to rank 0 with the digests, so every rank takes the same branch
-            error = f"rank {self.mesh.rank}: writing {path}: {' '.join(str(e).split())}"
+            error = f"rank {self.mesh.rank}: {self._write_error(path, e)}"
         self.bytes_written = digest[1] if digest else 0
         with self._phase(step, "waiting for every rank to write its tensor file"):
             monitored_barrier(self.group, self.timeout_s)
@@ -247,11 +250,21 @@ class Checkpointer:
                     if self.on_published is not None:
                         self.on_published(final, step)
                 except OSError as e:
-                    verdict = f"rank 0: publishing {final}: {e}"
+                    verdict = f"rank 0: publishing {final}: {self._write_error(final, e)}"
         with self._phase(step, "publishing"):
             verdict = broadcast_bytes(verdict.encode(), 0, self.group).decode()
         if verdict:
-            raise CheckpointSaveError(f"checkpoint save of step {step} failed: {verdict}; nothing was published")
+            if self.mesh.rank == 0:  # every writer has finished (the barrier above): the partial save holds space
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointSaveError(
+                f"checkpoint save of step {step} failed (nothing published; earlier checkpoints intact): {verdict}"
+            )
+
+    def _write_error(self, path: Path, e: BaseException) -> str:
+        """One line for a failed write; a full disk says what to free (train/disk.py)."""
+        if is_no_space(e):
+            return str(no_space(path, self.root.parent))
+        return f"writing {path}: {' '.join(str(e).split())}"
 
 
 def save_checkpoint(
