@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from forklaunch import ForkServer
 from support import DEBUG_CONFIG, ONE_THREAD, console_script, free_port, shm_buffers, torchrun
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,10 +39,12 @@ _import_pypi_kernels()
 
 class Runner:
     """Runs launch/train.py under a real launcher and returns the completed process (timeout = test failure),
-    with the rendezvous port it used as `master_port` (None for a single process)."""
+    with the rendezvous port it used as `master_port` (None for a single process). "fork" is the suite's own
+    launcher for layout comparisons (tests/forklaunch.py: ranks forked from one process that imported everything
+    once), given the server `forks`."""
 
-    def __init__(self, timeout: float = 300.0):
-        self.timeout = timeout
+    def __init__(self, timeout: float = 300.0, forks: ForkServer | None = None):
+        self.timeout, self.forks = timeout, forks
 
     def command(self, launcher: str, nproc: int, args: list[str], port: int | None) -> list[str]:
         if launcher == "python":
@@ -55,15 +58,18 @@ class Runner:
 
     def __call__(self, launcher: str, nproc: int, args: list[str], check: bool = True) -> subprocess.CompletedProcess:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        port = None if launcher == "python" else free_port()
-        proc = subprocess.run(
-            self.command(launcher, nproc, args, port),
-            cwd=REPO,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=self.timeout,
-        )
+        port = None if launcher == "python" or (launcher == "fork" and nproc == 1) else free_port()
+        if launcher == "fork":
+            proc = self.forks.run(nproc, args, env, port, self.timeout)
+        else:
+            proc = subprocess.run(
+                self.command(launcher, nproc, args, port),
+                cwd=REPO,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=self.timeout,
+            )
         if check and proc.returncode != 0:
             raise AssertionError(
                 f"{launcher} run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
@@ -73,8 +79,10 @@ class Runner:
 
 
 @pytest.fixture(scope="session")
-def run_train() -> Runner:
-    return Runner(timeout=600)
+def run_train(tmp_path_factory) -> Runner:
+    forks = ForkServer(tmp_path_factory.mktemp("forklaunch"))
+    yield Runner(timeout=600, forks=forks)
+    forks.close()
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -85,6 +85,7 @@ CASES = {
     # train.py: the optimizer and the schedule, checked at load (config/checks.py)
     "lr_negative": (lambda d: ([*TRAIN, "train.lr=-0.1"], {}), 2, "train.lr: must be a positive finite number"),
     "lr_zero": (lambda d: ([*TRAIN, "train.lr=0"], {}), 2, "train.lr: must be a positive finite number, got 0.0"),
+    "peak_negative": (lambda d: ([*TRAIN, "train.peak_tflops=-1"], {}), 2, "train.peak_tflops: must be null or a"),
     "min_lr_ratio": (lambda d: ([*TRAIN, "train.min_lr_ratio=1.5"], {}), 2, "train.min_lr_ratio: must be in [0, 1]"),
     "beta_one": (lambda d: ([*TRAIN, "train.betas=[0.9,1.0]"], {}), 2, "train.betas[1]: must be in [0, 1), got 1.0"),
     "beta_negative": (lambda d: ([*TRAIN, "train.betas=[-0.1,0.9]"], {}), 2, "train.betas[0]: must be in [0, 1)"),

@@ -127,6 +127,10 @@ def _check_schedule(t: TrainConfig) -> None:
     """The optimizer and the learning-rate schedule (train/optim.py): every value torch's AdamW or the schedule
     would refuse (or silently misuse) steps into, named here before anything is built."""
     require(math.isfinite(t.lr) and t.lr > 0, f"train.lr: must be a positive finite number, got {t.lr}")
+    require(
+        t.peak_tflops is None or (math.isfinite(t.peak_tflops) and t.peak_tflops > 0),
+        f"train.peak_tflops: must be null or a positive number of TFLOP/s, got {t.peak_tflops}",
+    )
     require(0.0 <= t.min_lr_ratio <= 1.0, f"train.min_lr_ratio: must be in [0, 1], got {t.min_lr_ratio}")
     require(t.warmup_steps >= 0, f"train.warmup_steps: must be >= 0, got {t.warmup_steps}")
     require(t.weight_decay >= 0, f"train.weight_decay: must be >= 0, got {t.weight_decay}")

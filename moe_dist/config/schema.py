@@ -194,6 +194,8 @@ class TrainConfig:
         default_factory=list
     )  # optimizer steps to trace with torch.profiler into RUN_DIR/profile/ (Chrome/Perfetto JSON); [] = none
     profile_ranks: list[int] = field(default_factory=lambda: [0])  # global ranks that trace the profile_steps
+    # Set it for a GPU the datasheet table lacks, or to compare MFU between machines.
+    peak_tflops: Optional[float] = None  # MFU's dense peak per device, TFLOP/s; null = datasheet, else measured
 
     def decay_steps(self) -> int:
         """lr_schedule wsd: how many final steps decay, decay_fraction × steps rounded half up to a whole step."""

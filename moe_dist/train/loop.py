@@ -348,7 +348,9 @@ def _train(cfg: JobConfig, run_dir: Path, resume: bool, stop: StopRequest) -> li
     if start == 0:
         logger.text("config", "```\n" + json.dumps(config_to_dict(cfg), indent=2) + "\n```")
     guard = NonFiniteGuard(engine, scheduler, mesh, t.max_nonfinite_steps, say, skipped_total=skipped, stop=stop)
-    utilisation = Utilisation(model_flops_per_token(cfg), mesh.world_size, device_peak(mesh.device, t.dtype))
+    utilisation = Utilisation(
+        model_flops_per_token(cfg), mesh.world_size, device_peak(mesh.device, t.dtype, t.peak_tflops)
+    )
     say(f"throughput: {utilisation.describe()}")
     pipeline = None
     if mesh.pp > 1:  # the schedule's stages wrap the part's modules; DeepSpeed's engine owns their gradients

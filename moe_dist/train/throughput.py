@@ -6,12 +6,13 @@ causal attention scores, the SSM and delta-rule scans), times tokens per second,
 dense peak in the training dtype. Recomputation under activation checkpointing is not counted (it is hardware
 work, not model work), so MFU falls when recompute is on, as it should.
 
-The peak is the vendor's dense (no 2:4 sparsity) figure of a known GPU, or, on an unknown GPU, a matmul measured at
-start-up. On CPU it is one thread's best matmul rate over half a second times the run's threads (`cpu_peak`): "what
-this machine's cores reach", not a datasheet's, and stable under load. Measured with all threads at once, the
-figure swung from 0.013 to 0.100 TFLOP/s between runs on a shared 2-core machine (two threads rarely get a clean
-time slice together); one thread's best of some 50 tries stayed within ±4 % (docs/benchmarks.md, "CPU MFU"). So a
-CPU's MFU compares between runs, and falls when other work takes the cores, as it should.
+The peak is `train.peak_tflops` where set, else the vendor's dense (no 2:4 sparsity) figure of a known GPU, or, on
+an unknown GPU, a matmul measured at start-up. On CPU it is one thread's best matmul rate over half a second times
+the run's threads (`cpu_peak`): "what this machine's cores reach", not a datasheet's, and stable under load.
+Measured with all threads at once, the figure swung from 0.013 to 0.100 TFLOP/s between runs on a shared 2-core
+machine (two threads rarely get a clean time slice together); one thread's best of some 50 tries stayed within ±4 %
+(docs/benchmarks.md, "CPU MFU"). So a CPU's MFU compares between runs, and falls when other work takes the cores, as
+it should.
 """
 
 from __future__ import annotations
@@ -95,7 +96,10 @@ def cpu_peak(dtype: str, n: int = 512, budget_s: float = 0.5, min_repeats: int =
     )
 
 
-def device_peak(device: torch.device, dtype: str) -> Peak:
+def device_peak(device: torch.device, dtype: str, given_tflops: float | None = None) -> Peak:
+    """`train.peak_tflops` where given, else a known GPU's datasheet figure, else one measured here."""
+    if given_tflops is not None:
+        return Peak(given_tflops * 1e12, f"train.peak_tflops={given_tflops:g}")
     if device.type == "cuda":
         known = table_peak(torch.cuda.get_device_name(device), dtype)
         if known is not None:

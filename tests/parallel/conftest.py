@@ -102,7 +102,7 @@ def reference(tmp_path_factory, run_train):
 
     def get(mode: str) -> Path:
         if mode not in done:
-            run_train("python", 1, e2e_args(root / mode, *E2E_MODES[mode]))
+            run_train("fork", 1, e2e_args(root / mode, *E2E_MODES[mode]))
             done[mode] = root / mode
         return done[mode]
 

@@ -44,10 +44,10 @@ def cp_runs(tmp_path_factory, run_train):
     root, out = tmp_path_factory.mktemp("cp"), {}
     for mode in MODES:
         out[mode] = d = root / f"ref_{mode}"
-        run_train("python", 1, _args(d, mode, 1, 1, 1))
+        run_train("fork", 1, _args(d, mode, 1, 1, 1))
     for (world, cp, tp, ep, mode), zero in LAYOUTS.items():
         out[(world, cp, tp, ep, mode)] = d = root / f"w{world}_cp{cp}_tp{tp}_ep{ep}_{mode}"
-        run_train("torchrun", world, _args(d, mode, cp, tp, ep, zero=zero))
+        run_train("fork", world, _args(d, mode, cp, tp, ep, zero=zero))
     return out
 
 
@@ -92,7 +92,7 @@ def test_cp2_checkpoint_resumes_on_one_process(
     d = tmp_path / "run"
     shutil.copytree(cp_runs[(2, 2, 1, 1, "documents")], d)
     shutil.rmtree(d / f"checkpoints/step_{E2E_STEPS}")
-    proc = run_train("python", 1, _args(d, "documents", 1, 1, 1, "--resume"))
+    proc = run_train("fork", 1, _args(d, "documents", 1, 1, 1, "--resume"))
     assert f"(step {E2E_SAVE})" in proc.stderr
     got = [r for r in metrics(d) if r.get("step", 0) > E2E_SAVE]
     same_trajectory(got, metrics(cp_runs["documents"]), first_step=E2E_SAVE + 1)

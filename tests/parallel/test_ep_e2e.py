@@ -23,15 +23,15 @@ NUM_EXPERTS = 4  # configs/debug.json
 ATOL_OF_SCALE = 3e-4  # as test_tp_e2e.py
 LAYOUTS = {  # (world, ep, mode, zero stage, parallel.a2a_chunks): launcher
     (2, 2, "dropless", 2, 1): "deepspeed",
-    (4, 2, "capacity", 2, 1): "torchrun",
-    (4, 4, "dropless", 1, 1): "torchrun",
+    (4, 2, "capacity", 2, 1): "fork",
+    (4, 4, "dropless", 1, 1): "fork",
     # support.E2E_MODES: sigmoid, bias, global-batch aux, groups = EP ranks, shared
-    (2, 2, "recipes", 1, 1): "torchrun",
+    (2, 2, "recipes", 1, 1): "fork",
     # the Mamba-2 / Gated DeltaNet hybrid of test_tp_e2e.py (tp = 2, (2, 2, 2)) under expert parallelism alone
-    (2, 2, "hybrid", 1, 1): "torchrun",
+    (2, 2, "hybrid", 1, 1): "fork",
     # the chunked, overlapped dispatch (parallel.a2a_chunks): 64 tokens per micro-batch in 2 or 3 (22, 21, 21) chunks
-    (4, 4, "dropless", 1, 2): "torchrun",
-    (4, 2, "capacity", 2, 3): "torchrun",
+    (4, 4, "dropless", 1, 2): "fork",
+    (4, 2, "capacity", 2, 3): "fork",
 }
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
@@ -108,7 +108,7 @@ def test_checkpoint_reshards_across_ep_sizes(
     sizes = [f.stat().st_size for f in (d / f"checkpoints/step_{E2E_SAVE}").glob("*.safetensors")]
     world = 1 if source == "ref" else source[0]  # every rank of the source layout wrote a balanced share
     assert len(sizes) == world and max(sizes) <= 1.25 * sum(sizes) / world, sizes
-    launcher = "python" if resume_world == 1 else "torchrun"
+    launcher = "fork"
     proc = run_train(launcher, resume_world, _args(d, mode, resume_ep, 1, "--resume"))
     assert f"resuming from {d / 'checkpoints' / f'step_{E2E_SAVE}'} (step {E2E_SAVE})" in proc.stderr
     _check_against_reference(d, reference(mode), resume_ep, E2E_SAVE + 1, metrics, same_trajectory, same_final_state)

@@ -130,11 +130,11 @@ def test_bf16_one_reduction_per_step_trains_as_one_process_resumes_exactly_and_r
       state) and at one process (the one-process run's losses, the source run's final state).
     (At this layout ZeRO 2 ends within 1e-9 of ZeRO 1: the same fp32 sums in another order.)"""
     one, two = tmp_path / "one", tmp_path / "dp2ep2"
-    run_train("python", 1, _args(one, "deepspeed.zero_stage=1"))
-    run_train("torchrun", 2, _args(two, "deepspeed.zero_stage=1", "parallel.ep=2"))
+    run_train("fork", 1, _args(one, "deepspeed.zero_stage=1"))
+    run_train("fork", 2, _args(two, "deepspeed.zero_stage=1", "parallel.ep=2"))
     overlapped, pipe = tmp_path / "dp2ep2_overlap", tmp_path / "pp2_overlap"
-    run_train("torchrun", 2, _args(overlapped, "deepspeed.zero_stage=1", "parallel.ep=2", *OVERLAP))
-    run_train("torchrun", 2, _args(pipe, "deepspeed.zero_stage=1", "parallel.pp=2", *OVERLAP))
+    run_train("fork", 2, _args(overlapped, "deepspeed.zero_stage=1", "parallel.ep=2", *OVERLAP))
+    run_train("fork", 2, _args(pipe, "deepspeed.zero_stage=1", "parallel.pp=2", *OVERLAP))
     ref = train_records(metrics(one))
     got = train_records(metrics(two))
     # the same sums of the same fp32 accumulators, reduced from the hooks: bitwise the same run
@@ -155,9 +155,7 @@ def test_bf16_one_reduction_per_step_trains_as_one_process_resumes_exactly_and_r
         d = tmp_path / f"resumed_{name}"
         shutil.copytree(two, d)
         shutil.rmtree(d / f"checkpoints/step_{E2E_STEPS}")
-        run_train(
-            "python" if world == 1 else "torchrun", world, [*_args(d, "deepspeed.zero_stage=1", *extra), "--resume"]
-        )
+        run_train("fork", world, [*_args(d, "deepspeed.zero_stage=1", *extra), "--resume"])
         got = [r for r in train_records(metrics(d)) if r["step"] > E2E_SAVE]
         assert [r["step"] for r in got] == list(range(E2E_SAVE + 1, E2E_STEPS + 1))
         tensors = _final_tensors(d)

@@ -68,10 +68,10 @@ def pp_runs(tmp_path_factory, run_train):
     root, out = tmp_path_factory.mktemp("pp"), {}
     for mode in MODES:
         out[mode] = d = root / f"ref_{mode}"
-        run_train("python", 1, _args(d, mode))
+        run_train("fork", 1, _args(d, mode))
     for name, (world, mode, overrides) in LAYOUTS.items():
         out[name] = d = root / name
-        run_train("torchrun", world, _args(d, mode, *overrides))
+        run_train("fork", world, _args(d, mode, *overrides))
     return out
 
 
@@ -112,7 +112,7 @@ def test_pp2_checkpoint_resumes(tmp_path, pp_runs, run_train, metrics, same_traj
     d = tmp_path / "run"
     shutil.copytree(pp_runs["pp2"], d)
     shutil.rmtree(d / f"checkpoints/step_{E2E_STEPS}")
-    launcher = "python" if world == 1 else "torchrun"
+    launcher = "fork"
     proc = run_train(launcher, world, _args(d, "capacity", f"parallel.pp={pp}", flags=("--resume",)))
     assert f"(step {E2E_SAVE})" in proc.stderr
     got = [r for r in metrics(d) if r.get("step", 0) > E2E_SAVE]

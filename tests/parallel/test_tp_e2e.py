@@ -97,7 +97,7 @@ def runs(tmp_path_factory, run_train):
     out = {}
     for layout, (world, extra) in LAYOUTS.items():
         out[layout] = root / layout
-        run_train("torchrun", world, _args(out[layout], *extra))
+        run_train("fork", world, _args(out[layout], *extra))
     return out
 
 
@@ -107,7 +107,7 @@ def _resume(run_train, src, dst, world: int, *overrides: str, from_step: int) ->
     for step_dir in (dst / "checkpoints").glob("step_*"):
         if int(step_dir.name[5:]) > from_step:
             shutil.rmtree(step_dir)
-    proc = run_train("python" if world == 1 else "torchrun", world, _args(dst, *overrides, resume=True))
+    proc = run_train("fork", world, _args(dst, *overrides, resume=True))
     assert f"resuming from {dst / 'checkpoints' / f'step_{from_step}'} (step {from_step})" in proc.stderr
 
 
@@ -190,7 +190,7 @@ def folded_runs(tmp_path_factory, run_train):
     out = {}
     for layout, (world, _, extra) in FOLDED.items():
         out[layout] = root / layout
-        run_train("torchrun", world, _args(out[layout], *extra))
+        run_train("fork", world, _args(out[layout], *extra))
     return out
 
 
@@ -254,7 +254,7 @@ def nemotron_runs(tmp_path_factory, run_train):
         out[layout] = root / layout
         shutil.copytree(root / "imported", out[layout])
         args = ["--config", str(out[layout] / "config.json"), "--run-dir", str(out[layout]), "--resume"]
-        proc = run_train("python" if world == 1 else "torchrun", world, [*args, *(["--set", *extra] if extra else [])])
+        proc = run_train("fork", world, [*args, *(["--set", *extra] if extra else [])])
         assert f"resuming from {out[layout] / 'checkpoints' / 'step_0'} (step 0)" in proc.stderr  # the import's weights
     return out
 

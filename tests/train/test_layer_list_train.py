@@ -21,6 +21,6 @@ def test_every_layer_kind_trains_three_steps(tmp_path, run_train, metrics):
     args = ["--config", DEBUG_CONFIG, "--run-dir", str(tmp_path / "run"), "--set", ONE_THREAD]
     for override in TINY:
         args += ["--set", override]
-    run_train("python", 1, args)
+    run_train("fork", 1, args)
     losses = [row["loss"] for row in metrics(tmp_path / "run") if "loss" in row]
     assert len(losses) == 3 and all(math.isfinite(loss) for loss in losses), losses

@@ -86,10 +86,10 @@ def test_wsd_run_resumed_with_twice_the_steps_logs_stable_lr(tmp_path, run_train
     run_dir = tmp_path / "run"
     base = ["--config", DEBUG_CONFIG, "--run-dir", str(run_dir), "--set", ONE_THREAD, "train.lr_schedule=wsd"]
     base += ["train.warmup_steps=1", "train.decay_fraction=0.25", "train.save_every=0", "train.eval_every=0"]
-    run_train("python", 1, [*base, "train.steps=4"])
+    run_train("fork", 1, [*base, "train.steps=4"])
     first = [r["lr"] for r in train_records(metrics(run_dir))]
     assert first == pytest.approx([0.003, 0.003, 0.003, 0.0003])
-    run_train("python", 1, [*base, "train.steps=8", "--resume"])
+    run_train("fork", 1, [*base, "train.steps=8", "--resume"])
     records = train_records(metrics(run_dir))
     assert [r["step"] for r in records] == list(range(1, 9))
     assert [r["lr"] for r in records][4:] == pytest.approx([0.003, 0.003, 0.00165, 0.0003])

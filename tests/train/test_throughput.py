@@ -64,6 +64,11 @@ def test_cpu_peak_is_measured_and_utilisation_is_per_device():
     assert got["tflops_per_device"] == pytest.approx(300.0) and got["mfu"] == pytest.approx(0.3)
 
 
+def test_a_given_peak_replaces_the_table_and_the_measurement():
+    peak = device_peak(torch.device("cpu"), "fp32", given_tflops=0.25)
+    assert peak == Peak(0.25e12, "train.peak_tflops=0.25")
+
+
 def test_profiler_traces_only_the_chosen_step_and_ranks(tmp_path):
     a = torch.randn(64, 64)
     for step in (1, 2, 3):
