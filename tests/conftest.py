@@ -79,10 +79,16 @@ class Runner:
 
 
 @pytest.fixture(scope="session")
-def run_train(tmp_path_factory) -> Runner:
-    forks = ForkServer(tmp_path_factory.mktemp("forklaunch"))
-    yield Runner(timeout=600, forks=forks)
-    forks.close()
+def forks(tmp_path_factory) -> ForkServer:
+    """The session's fork server (tests/forklaunch.py), started on first use."""
+    server = ForkServer(tmp_path_factory.mktemp("forklaunch"))
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="session")
+def run_train(forks) -> Runner:
+    return Runner(timeout=600, forks=forks)
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -130,6 +130,10 @@ def _run(req: dict) -> dict:
 
 
 def serve() -> None:
+    # `python tests/forklaunch.py` put tests/ first on the path, where packages named as scripts' modules live
+    # (tests/train/ beside launch/train.py): a rank sees the path `python launch/X.py` gives it.
+    here = Path(__file__).resolve().parent
+    sys.path[:] = [p for p in sys.path if not p or Path(p).resolve() != here]
     protocol = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # what the imports print must not reach the protocol
     # The server runs no torch op, so torch's intra-op (OpenMP) pool starts in each child, after the fork; the one
@@ -141,8 +145,9 @@ def serve() -> None:
 
 
 class ForkServer:
-    """The client: `run(nproc, args, env, port, timeout)` → a CompletedProcess of launch/train.py's world, its
-    ranks' stdout and stderr interleaved as a launcher passes them through. The server starts on first use."""
+    """The client: `run(nproc, args, env, port, timeout)` → a CompletedProcess of launch/train.py's world (or of
+    `script`'s, run in `cwd`), its ranks' stdout and stderr interleaved as a launcher passes them through. The server
+    starts on first use."""
 
     def __init__(self, scratch: Path):
         self.scratch, self.proc, self.runs = scratch, None, 0
@@ -161,14 +166,23 @@ class ForkServer:
         if self.proc.stdout.readline() != "ready\n":
             raise RuntimeError(f"forklaunch server failed: {(self.scratch / 'server.log').read_text()[-3000:]}")
 
-    def run(self, nproc: int, args: list[str], env: dict, port: int | None, timeout: float):
+    def run(
+        self,
+        nproc: int,
+        args: list[str],
+        env: dict,
+        port: int | None,
+        timeout: float,
+        script: str = TRAIN,
+        cwd: Path = REPO,
+    ) -> subprocess.CompletedProcess:
         if self.proc is None or self.proc.poll() is not None:
             self._start()
         self.runs += 1
         out, err = self.scratch / f"run{self.runs}.out", self.scratch / f"run{self.runs}.err"
         out.write_text("")
         err.write_text("")
-        req = dict(nproc=nproc, script=TRAIN, args=args, env=env, cwd=str(REPO), port=port, timeout=timeout)
+        req = dict(nproc=nproc, script=str(script), args=args, env=env, cwd=str(cwd), port=port, timeout=timeout)
         self.proc.stdin.write(json.dumps({**req, "stdout": str(out), "stderr": str(err)}) + "\n")
         self.proc.stdin.flush()
         answer = json.loads(self.proc.stdout.readline())
@@ -176,8 +190,8 @@ class ForkServer:
         out.unlink()
         err.unlink()
         if answer["timed_out"]:
-            raise subprocess.TimeoutExpired([TRAIN, *args], timeout, stdout, stderr)
-        return subprocess.CompletedProcess([TRAIN, *args], answer["returncode"], stdout, stderr)
+            raise subprocess.TimeoutExpired([str(script), *args], timeout, stdout, stderr)
+        return subprocess.CompletedProcess([str(script), *args], answer["returncode"], stdout, stderr)
 
     def close(self) -> None:
         if self.proc is not None:

@@ -274,21 +274,25 @@ def _snapshot(root: Path) -> dict[str, tuple]:
     return out
 
 
-def run_script(args: list[str], cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
-    """`python launch/<args[0]> args[1:]` in `cwd`, importing this checkout."""
+def run_script(forks, args: list[str], cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python launch/<args[0]> args[1:]` in `cwd`, importing this checkout: forked from the session's server
+    (tests/forklaunch.py), or a fresh process where the case changes what imports find (PYTHONPATH)."""
     base = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         base.pop(key, None)
-    cmd = [sys.executable, str(REPO / "launch" / args[0]), *args[1:]]
-    return subprocess.run(cmd, cwd=cwd, env={**base, **(env or {})}, capture_output=True, text=True, timeout=300)
+    script, env = REPO / "launch" / args[0], {**base, **(env or {})}
+    if env["PYTHONPATH"] == base["PYTHONPATH"]:
+        return forks.run(1, args[1:], env, None, 300, script=script, cwd=cwd)
+    cmd = [sys.executable, str(script), *args[1:]]
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_bad_input_is_one_line_and_writes_nothing(tmp_path, case):
+def test_bad_input_is_one_line_and_writes_nothing(tmp_path, forks, case):
     setup, status, expected = CASES[case]
     args, env = setup(tmp_path)
     before = _snapshot(tmp_path)
-    proc = run_script(args, tmp_path, env)
+    proc = run_script(forks, args, tmp_path, env)
     errors = [line for line in proc.stderr.splitlines() if "error:" in line]
     assert proc.returncode == status, proc.stderr[-3000:]
     assert len(errors) == 1 and expected in errors[0], proc.stderr[-3000:]
@@ -296,10 +300,10 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, case):
     assert _snapshot(tmp_path) == before  # nothing written, nothing changed (also no run directory created)
 
 
-def test_warmup_longer_than_the_run_is_one_warning_line(tmp_path):
+def test_warmup_longer_than_the_run_is_one_warning_line(tmp_path, forks):
     """train.warmup_steps > train.steps is legal (a smoke run of a long job's config) but the run never reaches
     train.lr: one `warning:` line says so, and the run goes on (here a dry run, exit 0)."""
-    proc = run_script(["train.py", "--config", DEBUG, "--dry-run", "--set", "train.steps=1"], tmp_path)
+    proc = run_script(forks, ["train.py", "--config", DEBUG, "--dry-run", "--set", "train.steps=1"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     warnings = [line for line in proc.stderr.splitlines() if line.startswith("warning: train.")]
     assert warnings == [
