@@ -193,6 +193,11 @@ class ForkServer:
             raise subprocess.TimeoutExpired([str(script), *args], timeout, stdout, stderr)
         return subprocess.CompletedProcess([str(script), *args], answer["returncode"], stdout, stderr)
 
+    def script(self, script, args, cwd: Path = REPO, env: dict | None = None, timeout: float = 300.0):
+        """`python SCRIPT ARGS` in `cwd` as one forked process, in this process's environment plus `env`."""
+        environ = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        return self.run(1, [str(a) for a in args], environ, None, timeout, script=script, cwd=cwd)
+
     def close(self) -> None:
         if self.proc is not None:
             self.proc.stdin.close()

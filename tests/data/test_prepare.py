@@ -29,8 +29,16 @@ def _docs(n: int, seed: int = 0) -> list[str]:
     return [" ".join(rng.choice(WORDS, size=int(rng.integers(3, 40)))) + "." for _ in range(n)]
 
 
-def _run(*args):
-    return subprocess.run([sys.executable, str(PREPARE), *map(str, args)], capture_output=True, text=True, cwd=REPO)
+def _run(forks, *args):
+    """`python launch/prepare_data.py ARGS`, forked from the session's server (tests/forklaunch.py)."""
+    return forks.script(PREPARE, args)
+
+
+def _ok(forks, *args):
+    """`_run` that must succeed."""
+    r = _run(forks, *args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r
 
 
 def _all(stream):
@@ -46,13 +54,13 @@ def jsonl(tmp_path):
     return src / "docs.jsonl", docs
 
 
-def test_trained_bpe_round_trips_documents_and_is_deterministic(tmp_path, jsonl):
+def test_trained_bpe_round_trips_documents_and_is_deterministic(tmp_path, jsonl, forks):
     path, docs = jsonl
     outs = []
     for workers in (1, 2):
         d = tmp_path / "out"  # the same output path both times: the sidecar names the tokenizer by its path
         d.mkdir()
-        r = _run("--input", path, "--output", d / "train", "--train-tokenizer", "--vocab-size", 300,
+        r = _run(forks, "--input", path, "--output", d / "train", "--train-tokenizer", "--vocab-size", 300,
                  "--workers", workers, "--shard-tokens", 500)  # fmt: skip
         assert r.returncode == 0, r.stderr
         outs.append(d.rename(tmp_path / f"w{workers}"))
@@ -78,13 +86,24 @@ def test_trained_bpe_round_trips_documents_and_is_deterministic(tmp_path, jsonl)
         assert p.tokens[-1] == tok.eos_id and int(p.doc_ends[-1]) == len(p.tokens)
 
 
-def test_parquet_and_hf_directory_tokenizer(tmp_path, jsonl):
+def test_parquet_and_hf_directory_tokenizer(tmp_path, jsonl, forks):
     path, docs = jsonl
-    assert _run("--input", path, "--output", tmp_path / "bpe", "--train-tokenizer", "--vocab-size", 280).returncode == 0
+    assert (
+        _run(forks, "--input", path, "--output", tmp_path / "bpe", "--train-tokenizer", "--vocab-size", 280).returncode
+        == 0
+    )
     table = pa.table({"body": docs[:50], "n": list(range(50))})
     pq.write_table(table, tmp_path / "d.parquet", row_group_size=16)
     r = _run(
-        "--input", tmp_path / "d.parquet", "--column", "body", "--tokenizer", tmp_path, "--output", tmp_path / "pq"
+        forks,
+        "--input",
+        tmp_path / "d.parquet",
+        "--column",
+        "body",
+        "--tokenizer",
+        tmp_path,
+        "--output",
+        tmp_path / "pq",
     )
     assert r.returncode == 0, r.stderr
     assert "tokens/s on 1 worker(s)" in r.stdout
@@ -105,10 +124,10 @@ def _wordlevel(path: Path, n: int) -> Path:
 
 
 @pytest.mark.parametrize("case", ["missing_field", "empty_input", "bad_tokenizer", "vocab_too_large", "bad_json"])
-def test_bad_input_is_one_line_exit_2_and_changes_nothing(tmp_path, jsonl, case):
+def test_bad_input_is_one_line_exit_2_and_changes_nothing(tmp_path, jsonl, case, forks):
     path, _ = jsonl
     out = tmp_path / "out"
-    assert _run("--input", path, "--output", out).returncode == 0
+    _ok(forks, "--input", path, "--output", out)
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
     args, fragment = {
         "missing_field": (["--input", path, "--field", "body"], "has no string field 'body'"),
@@ -124,7 +143,7 @@ def test_bad_input_is_one_line_exit_2_and_changes_nothing(tmp_path, jsonl, case)
     (tmp_path / "tok.json").write_text('{"version": "1.0", "model": 42}')
     (tmp_path / "broken.jsonl").write_text('{"text": "fine"}\n{"text": \n')
     before.update({p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file() and p.name not in before})
-    r = _run(*args, "--output", out, "--force")
+    r = _run(forks, *args, "--output", out, "--force")
     assert r.returncode == 2
     assert len(r.stderr.strip().splitlines()) == 1 and fragment in r.stderr, r.stderr
     after = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
@@ -132,25 +151,22 @@ def test_bad_input_is_one_line_exit_2_and_changes_nothing(tmp_path, jsonl, case)
     assert [p for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 
-def test_a_set_without_its_sidecar_is_never_read(tmp_path, jsonl):
+def test_a_set_without_its_sidecar_is_never_read(tmp_path, jsonl, forks):
     """What an interrupted run can leave: shards but no sidecar (prepare publishes the sidecar last)."""
     path, _ = jsonl
-    assert _run("--input", path, "--output", tmp_path / "x", "--shard-tokens", 1000).returncode == 0
+    _ok(forks, "--input", path, "--output", tmp_path / "x", "--shard-tokens", 1000)
     sidecar_of(tmp_path / "x").unlink()
     with pytest.raises(ValueError, match=r"^data\.paths: .*x\.json. is not an existing file"):
         load_tokens(DataConfig(source="memmap", paths=[str(tmp_path / "x.json")]), 8)
 
 
-def _bpe_set(tmp_path: Path, jsonl_path: Path) -> Path:
-    assert (
-        _run("--input", jsonl_path, "--output", tmp_path / "bpe", "--train-tokenizer", "--vocab-size", 300).returncode
-        == 0
-    )
+def _bpe_set(tmp_path: Path, jsonl_path: Path, forks) -> Path:
+    _ok(forks, "--input", jsonl_path, "--output", tmp_path / "bpe", "--train-tokenizer", "--vocab-size", 300)
     return tmp_path / "bpe.json"
 
 
-def test_reading_checks_tokenizer_and_vocabulary(tmp_path, jsonl):
-    side = _bpe_set(tmp_path, jsonl[0])
+def test_reading_checks_tokenizer_and_vocabulary(tmp_path, jsonl, forks):
+    side = _bpe_set(tmp_path, jsonl[0], forks)
     cfg = DataConfig(source="memmap", paths=[str(side)])
     with pytest.raises(ValueError, match=r"^data\.paths: .* was tokenized with .*set data\.tokenizer") as e:
         load_tokens(cfg, 8, vocab_size=512)  # the run says bytes
@@ -165,11 +181,11 @@ def test_reading_checks_tokenizer_and_vocabulary(tmp_path, jsonl):
         load_tokens(cfg, 8, vocab_size=320)
 
 
-def test_mixture_is_deterministic_weighted_and_split_per_rank(tmp_path):
+def test_mixture_is_deterministic_weighted_and_split_per_rank(tmp_path, forks):
     (tmp_path / "a.txt").write_text("a" * 5000)
     (tmp_path / "b.txt").write_text("b" * 5000)
     for name in ("a", "b"):
-        assert _run("--input", tmp_path / f"{name}.txt", "--output", tmp_path / name).returncode == 0
+        _ok(forks, "--input", tmp_path / f"{name}.txt", "--output", tmp_path / name)
     cfg = DataConfig(
         source="memmap",
         mixture=[MixtureComponent([str(tmp_path / "a.json")], 3.0), MixtureComponent([str(tmp_path / "b.json")], 1.0)],
@@ -190,11 +206,13 @@ def test_mixture_is_deterministic_weighted_and_split_per_rank(tmp_path):
     assert len(val) == 2 * int(5001 * 0.05)
 
 
-def test_document_ids_and_targets_of_packed_documents(tmp_path):
+def test_document_ids_and_targets_of_packed_documents(tmp_path, forks):
     docs = ["x" * 5, "y" * 3, "z" * 30]
     for i, d in enumerate(docs):
         (tmp_path / f"{i}.txt").write_text(d)
-    assert _run("--input", *(tmp_path / f"{i}.txt" for i in range(3)), "--output", tmp_path / "p").returncode == 0
+    assert (
+        _run(forks, "--input", *(tmp_path / f"{i}.txt" for i in range(3)), "--output", tmp_path / "p").returncode == 0
+    )
     stream, _ = open_shards(tmp_path / "p.json")
     ds = TokenDataset(stream, 12, seed=0, document_masking=True)
     (batch,) = ds.eval_batches(1, 1, 0, 1)  # the first window: xxxxx\0 yyy\0 zzzzz
@@ -211,9 +229,12 @@ CHAT_TEMPLATE = (
 )
 
 
-def test_fine_tuning_data_masks_the_prompt(tmp_path, jsonl):
+def test_fine_tuning_data_masks_the_prompt(tmp_path, jsonl, forks):
     path, _ = jsonl
-    assert _run("--input", path, "--output", tmp_path / "bpe", "--train-tokenizer", "--vocab-size", 300).returncode == 0
+    assert (
+        _run(forks, "--input", path, "--output", tmp_path / "bpe", "--train-tokenizer", "--vocab-size", 300).returncode
+        == 0
+    )
     config = json.loads((tmp_path / "tokenizer_config.json").read_text())
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
     records = [
@@ -221,7 +242,7 @@ def test_fine_tuning_data_masks_the_prompt(tmp_path, jsonl):
         {"messages": [{"role": "user", "content": "mu?"}, {"role": "assistant", "content": "eta theta."}]},
     ]
     (tmp_path / "ft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    r = _run("--input", tmp_path / "ft.jsonl", "--sft", "--tokenizer", tmp_path, "--output", tmp_path / "ft")
+    r = _run(forks, "--input", tmp_path / "ft.jsonl", "--sft", "--tokenizer", tmp_path, "--output", tmp_path / "ft")
     assert r.returncode == 0, r.stderr
     meta = json.loads((tmp_path / "ft.json").read_text())
     assert meta["loss_mask"] and meta["shards"][0]["mask"] == "ft.00000.mask"
@@ -241,11 +262,11 @@ def test_fine_tuning_data_masks_the_prompt(tmp_path, jsonl):
     assert (targets != -100).sum() == m0[1:].sum() and torch.equal(batch.prefix()[0], torch.from_numpy(~m0[:-1]))
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"messages": [{"role": "user", "content": "no reply"}]}) + "\n")
-    r = _run("--input", bad, "--sft", "--tokenizer", tmp_path, "--output", tmp_path / "bad")
+    r = _run(forks, "--input", bad, "--sft", "--tokenizer", tmp_path, "--output", tmp_path / "bad")
     assert r.returncode == 2 and "bad.jsonl:1: the last message must be the assistant's" in r.stderr
 
 
-def test_a_killed_run_leaves_the_previous_set_as_it_was(tmp_path, jsonl):
+def test_a_killed_run_leaves_the_previous_set_as_it_was(tmp_path, jsonl, forks):
     """SIGKILL while shards are being written: the previous shard set under the prefix is still the one read,
     byte for byte, and nothing of the new run is visible under the final names."""
     import os
@@ -253,7 +274,7 @@ def test_a_killed_run_leaves_the_previous_set_as_it_was(tmp_path, jsonl):
     import time
 
     path, _ = jsonl
-    assert _run("--input", path, "--output", tmp_path / "x").returncode == 0
+    _ok(forks, "--input", path, "--output", tmp_path / "x")
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
     big = tmp_path / "big.jsonl"
     big.write_text("".join(json.dumps({"text": d}) + "\n" for d in _docs(20000, seed=1)))
@@ -284,7 +305,7 @@ def test_a_killed_run_leaves_the_previous_set_as_it_was(tmp_path, jsonl):
     assert meta["num_documents"] == 300 and len(stream) == meta["num_tokens"]
 
 
-def test_documents_start_with_the_tokenizers_bos_and_end_with_one_eos(tmp_path):
+def test_documents_start_with_the_tokenizers_bos_and_end_with_one_eos(tmp_path, forks):
     """A Llama/Mixtral-style tokenizer (post-processor adding <s>): every document starts with BOS, as the model
     saw in pretraining, and ends with exactly one EOS; for fine-tuning data the BOS is part of the prompt."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
@@ -297,31 +318,37 @@ def test_documents_start_with_the_tokenizers_bos_and_end_with_one_eos(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "bos_token": "<s>"}))
     (tmp_path / "d.jsonl").write_text(json.dumps({"text": "alpha beta"}) + "\n" + json.dumps({"text": "mu"}) + "\n")
     (tmp_path / "ft.jsonl").write_text(json.dumps({"prompt": "alpha", "completion": "beta gamma"}) + "\n")
-    assert _run("--input", tmp_path / "d.jsonl", "--tokenizer", tmp_path, "--output", tmp_path / "d").returncode == 0
+    assert (
+        _run(forks, "--input", tmp_path / "d.jsonl", "--tokenizer", tmp_path, "--output", tmp_path / "d").returncode
+        == 0
+    )
     assert _all(open_shards(tmp_path / "d.json")[0])[0].tolist() == [1, 3, 4, 2, 1, 14, 2]
-    r = _run("--input", tmp_path / "ft.jsonl", "--sft", "--tokenizer", tmp_path, "--output", tmp_path / "ft")
+    r = _run(forks, "--input", tmp_path / "ft.jsonl", "--sft", "--tokenizer", tmp_path, "--output", tmp_path / "ft")
     assert r.returncode == 0, r.stderr
     tokens, _, mask = _all(open_shards(tmp_path / "ft.json")[0])
     assert tokens.tolist() == [1, 3, 4, 5, 2] and mask.tolist() == [False, False, True, True, True]
 
 
-def test_replacing_a_set_leaves_a_set_with_a_longer_prefix_alone(tmp_path, jsonl):
+def test_replacing_a_set_leaves_a_set_with_a_longer_prefix_alone(tmp_path, jsonl, forks):
     path, _ = jsonl
-    assert _run("--input", path, "--output", tmp_path / "x.v2", "--shard-tokens", 1000).returncode == 0
+    _ok(forks, "--input", path, "--output", tmp_path / "x.v2", "--shard-tokens", 1000)
     v2 = {p.name: p.read_bytes() for p in tmp_path.glob("x.v2*")}
-    assert _run("--input", path, "--output", tmp_path / "x", "--shard-tokens", 1000).returncode == 0
-    assert _run("--input", path, "--output", tmp_path / "x", "--shard-tokens", 4000, "--force").returncode == 0
+    _ok(forks, "--input", path, "--output", tmp_path / "x", "--shard-tokens", 1000)
+    _ok(forks, "--input", path, "--output", tmp_path / "x", "--shard-tokens", 4000, "--force")
     assert {p.name: p.read_bytes() for p in tmp_path.glob("x.v2*")} == v2
     meta = json.loads((tmp_path / "x.json").read_text())
     listed = {f for s in meta["shards"] for f in (s["tokens"], s["index"])}
     assert {p.name for p in tmp_path.glob("x.0*")} == listed  # the stale shards of the first x are gone
 
 
-def test_aligned_windows_start_at_document_starts(tmp_path):
+def test_aligned_windows_start_at_document_starts(tmp_path, forks):
     docs = [("x" * int(n)) for n in np.random.default_rng(0).integers(5, 80, size=60)]
     for i, d in enumerate(docs):
         (tmp_path / f"{i:02d}.txt").write_text(d)
-    assert _run("--input", str(tmp_path / "*.txt"), "--output", tmp_path / "p", "--shard-tokens", 500).returncode == 0
+    assert (
+        _run(forks, "--input", str(tmp_path / "*.txt"), "--output", tmp_path / "p", "--shard-tokens", 500).returncode
+        == 0
+    )
     stream, _ = open_shards(tmp_path / "p.json")
     tokens = _all(stream)[0]
     starts_of_docs = set(np.concatenate([[0], np.flatnonzero(tokens == 0) + 1]).tolist())

@@ -2,8 +2,6 @@
 the one-line errors of bad data paths."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -70,15 +68,16 @@ def test_too_short_stream_is_a_clear_error(corpus):
         load_tokens(cfg, seq_len=64)
 
 
-def _prepare(*args):
-    return subprocess.run([sys.executable, str(PREPARE), *args], capture_output=True, text=True, cwd=REPO)
+def _prepare(forks, *args):
+    """`python launch/prepare_data.py ARGS`, forked from the session's server (tests/forklaunch.py)."""
+    return forks.script(PREPARE, args)
 
 
 @pytest.mark.parametrize("dtype", ["uint16", "uint32"])
-def test_prepare_data_round_trip_matches_the_files(corpus, tmp_path, dtype):
+def test_prepare_data_round_trip_matches_the_files(corpus, tmp_path, dtype, forks):
     out = tmp_path / "corpus"
     globs = [str(corpus / "*.txt"), str(corpus / "sub" / "*.txt")]
-    result = _prepare("--input", *globs, "--output", str(out), "--dtype", dtype)
+    result = _prepare(forks, "--input", *globs, "--output", str(out), "--dtype", dtype)
     assert result.returncode == 0, result.stderr
     meta = json.loads(Path(f"{out}.json").read_text())
     assert meta["dtype"] == dtype and meta["vocab_size"] == 256 and meta["eos_id"] == 0
@@ -92,59 +91,63 @@ def test_prepare_data_round_trip_matches_the_files(corpus, tmp_path, dtype):
     assert np.array_equal(np.concatenate([_all(train), _all(val)]), encode(expected))
 
 
-def test_prepare_data_refuses_to_overwrite(corpus, tmp_path):
+def test_prepare_data_refuses_to_overwrite(corpus, tmp_path, forks):
     out = tmp_path / "corpus"
-    assert _prepare("--input", str(corpus / "a.txt"), "--output", str(out)).returncode == 0
+    assert _prepare(forks, "--input", str(corpus / "a.txt"), "--output", str(out)).returncode == 0
     before = Path(f"{out}.00000.bin").read_bytes()
-    refused = _prepare("--input", str(corpus / "b.txt"), "--output", str(out))
+    refused = _prepare(forks, "--input", str(corpus / "b.txt"), "--output", str(out))
     assert refused.returncode == 2
     assert len(refused.stderr.strip().splitlines()) == 1 and "--force" in refused.stderr
     assert Path(f"{out}.00000.bin").read_bytes() == before
-    forced = _prepare("--input", str(corpus / "b.txt"), "--output", str(out), "--force")
+    forced = _prepare(forks, "--input", str(corpus / "b.txt"), "--output", str(out), "--force")
     assert forced.returncode == 0, forced.stderr
     assert decode(_all(open_shards(f"{out}.json")[0])) == (corpus / "b.txt").read_text(encoding="utf-8") + "\0"
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 
-def test_prepare_data_missing_input_exits_2(tmp_path):
-    result = _prepare("--input", str(tmp_path / "none*.txt"), "--output", str(tmp_path / "x"))
+def test_prepare_data_missing_input_exits_2(tmp_path, forks):
+    result = _prepare(forks, "--input", str(tmp_path / "none*.txt"), "--output", str(tmp_path / "x"))
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [result.stderr.strip()] and "--input" in result.stderr
     assert list(tmp_path.iterdir()) == []
 
 
-def test_memmap_rejects_size_mismatch(corpus, tmp_path):
+def test_memmap_rejects_size_mismatch(corpus, tmp_path, forks):
     out = tmp_path / "t"
-    assert _prepare("--input", str(corpus / "a.txt"), "--output", str(out)).returncode == 0
+    assert _prepare(forks, "--input", str(corpus / "a.txt"), "--output", str(out)).returncode == 0
     shard = Path(f"{out}.00000.bin")
     shard.write_bytes(shard.read_bytes()[:-2])
     with pytest.raises(ValueError, match="implies"):
         open_shards(f"{out}.json")
 
 
-def test_prepare_data_creates_the_outputs_directories(corpus, tmp_path):
+def test_prepare_data_creates_the_outputs_directories(corpus, tmp_path, forks):
     """The README's `--output data/train` on a fresh clone: the missing directories are made, and a failed job
     leaves none behind."""
-    failed = _prepare("--input", str(tmp_path / "none*.txt"), "--output", str(tmp_path / "new" / "data" / "train"))
+    failed = _prepare(
+        forks, "--input", str(tmp_path / "none*.txt"), "--output", str(tmp_path / "new" / "data" / "train")
+    )
     assert failed.returncode == 2 and not (tmp_path / "new").exists()
     out = tmp_path / "new" / "data" / "train"
-    result = _prepare("--input", str(corpus / "a.txt"), "--output", str(out))
+    result = _prepare(forks, "--input", str(corpus / "a.txt"), "--output", str(out))
     assert result.returncode == 0, result.stderr
     assert decode(_all(open_shards(f"{out}.json")[0])) == (corpus / "a.txt").read_text(encoding="utf-8") + "\0"
-    refused = _prepare("--input", str(corpus / "b.txt"), "--output", str(out))
+    refused = _prepare(forks, "--input", str(corpus / "b.txt"), "--output", str(out))
     assert refused.returncode == 2 and "--force" in refused.stderr
     (tmp_path / "afile").write_text("x")
-    under_a_file = _prepare("--input", str(corpus / "a.txt"), "--output", str(tmp_path / "afile" / "d" / "train"))
+    under_a_file = _prepare(
+        forks, "--input", str(corpus / "a.txt"), "--output", str(tmp_path / "afile" / "d" / "train")
+    )
     assert under_a_file.returncode == 2
     assert under_a_file.stderr.strip().splitlines() == [
         f"prepare_data.py: error: --output: {tmp_path / 'afile'} is not a directory"
     ]
 
 
-def _bad_path(case: str, corpus: Path, tmp_path: Path) -> tuple[Path, str]:
+def _bad_path(case: str, corpus: Path, tmp_path: Path, forks) -> tuple[Path, str]:
     """(a wrong data.paths entry, what the error must say besides the file) for one case."""
     out = tmp_path / "train"
-    assert _prepare("--input", str(corpus / "a.txt"), "--output", str(out)).returncode == 0
+    assert _prepare(forks, "--input", str(corpus / "a.txt"), "--output", str(out)).returncode == 0
     if case == "mask":  # a fine-tuning set's loss mask (this set has none: a stand-in of that name)
         Path(f"{out}.00000.mask").write_bytes(b"\x01" * 8)
     if case in ("bin", "idx", "mask"):
@@ -164,8 +167,8 @@ BAD_PATHS = ["bin", "idx", "mask", "binary", "other_json", "missing"]
 
 
 @pytest.mark.parametrize("case", BAD_PATHS)
-def test_a_wrong_data_path_names_the_file_and_what_was_expected(corpus, tmp_path, case):
-    path, expected = _bad_path(case, corpus, tmp_path)
+def test_a_wrong_data_path_names_the_file_and_what_was_expected(corpus, tmp_path, case, forks):
+    path, expected = _bad_path(case, corpus, tmp_path, forks)
     with pytest.raises(ValueError) as info:
         load_tokens(DataConfig(source="memmap", paths=[str(path)]), seq_len=8)
     message = str(info.value)
