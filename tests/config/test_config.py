@@ -2,8 +2,6 @@
 
 import dataclasses
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -261,11 +259,10 @@ def test_dedup_dispatch_layout_checks():
         dedup_blocks([2, 3, 4], 4, "node")  # unequal nodes
 
 
-def test_cli_reports_bad_config_in_one_line_with_exit_2(tmp_path):
-    proc = subprocess.run(
+def test_cli_reports_bad_config_in_one_line_with_exit_2(tmp_path, forks):
+    proc = forks.script(
+        REPO / "launch/train.py",
         [
-            sys.executable,
-            str(REPO / "launch/train.py"),
             "--config",
             str(REPO / "configs/debug.json"),
             "--set",
@@ -273,9 +270,6 @@ def test_cli_reports_bad_config_in_one_line_with_exit_2(tmp_path):
             "--run-dir",
             str(tmp_path / "run"),
         ],
-        capture_output=True,
-        text=True,
-        timeout=120,
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == (
@@ -293,13 +287,8 @@ def test_cli_reports_bad_config_in_one_line_with_exit_2(tmp_path):
         ("granite4_h_small", 32e9, 9e9),  # IBM's: 32B total, 9B active
     ],
 )
-def test_dry_run_reports_published_parameter_counts(name, total, active):
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "launch/train.py"), "--config", str(REPO / f"configs/{name}.json"), "--dry-run"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+def test_dry_run_reports_published_parameter_counts(name, total, active, forks):
+    proc = forks.script(REPO / "launch/train.py", ["--config", str(REPO / f"configs/{name}.json"), "--dry-run"])
     assert proc.returncode == 0, proc.stderr
     counts = json.loads(proc.stdout.strip().splitlines()[-1])
     tol = 0.05e9 if name.startswith("mixtral") else 0.5e9

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import runpy
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -302,7 +300,7 @@ def test_greedy_generation_matches_transformers(arch, request):
     _greedy_as_transformers(load_hf_model(path), hf_model, _tokens(6, (1, 5)), 12)
 
 
-def test_converted_checkpoint_resumes_training(jamba, tmp_path):
+def test_converted_checkpoint_resumes_training(jamba, tmp_path, forks):
     """HF → step-0 checkpoint → `launch/train.py --resume`: the first step's LM loss is the HF model's loss on
     the same batch, the first AdamW update is lr·sign(g) (zero moments, adam_step 0 → bias-corrected step 1),
     and the trained checkpoint exports back to a model transformers loads with our logits."""
@@ -322,21 +320,7 @@ def test_converted_checkpoint_resumes_training(jamba, tmp_path):
     import_hf_to_run(path, run, base)
     cfg = json.loads((run / "config.json").read_text())
     assert cfg["model"]["moe"]["capacity_factor"] is None and cfg["train"]["steps"] == 1
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "launch" / "train.py"),
-            "--config",
-            str(run / "config.json"),
-            "--run-dir",
-            str(run),
-            "--resume",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = forks.script(REPO / "launch" / "train.py", ["--config", run / "config.json", "--run-dir", run, "--resume"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
     assert record["step"] == 1

@@ -3,7 +3,6 @@ against what autograd really keeps for each layer kind, and the dry-run's output
 real runs: benchmarks/studies/memory_check.py, docs/memory.md.)"""
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -264,9 +263,9 @@ def test_relu2_ffns_plan_the_shards_apply_tp_holds(etp):
     assert dense_ffn == pytest.approx(2 * 2 * 96 / 2 * 128 * 2 * 4)  # 2 layers · 2 fewer · F/tp units · T tokens, fp32
 
 
-def test_dry_run_prints_the_plan_with_json_last(tmp_path):
-    cmd = [sys.executable, str(REPO / "launch/train.py"), "--config", str(REPO / "configs/mixtral_8x7b.json")]
-    proc = subprocess.run([*cmd, "--dry-run", "--world-size", "64"], capture_output=True, text=True, timeout=120)
+def test_dry_run_prints_the_plan_with_json_last(tmp_path, forks):
+    train, cmd = REPO / "launch/train.py", ["--config", str(REPO / "configs/mixtral_8x7b.json")]
+    proc = forks.script(train, [*cmd, "--dry-run", "--world-size", "64"])
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
     out = json.loads(lines[-1])
@@ -274,13 +273,13 @@ def test_dry_run_prints_the_plan_with_json_last(tmp_path):
     assert set(out["memory_per_rank_gb"]) >= {"params", "grads", "optimizer", "activations", "runtime", "total"}
     assert any(line.startswith("layout: world 64 = dp 64 x tp 1, ep 8") for line in lines)
     assert out["capacity"]["fits"] and any(line.startswith("fits: yes: total ") for line in lines)
-    cpu = subprocess.run([*cmd, "--dry-run", "--world-size", "64", "--device", "cpu"], capture_output=True, text=True)
+    cpu = forks.script(train, [*cmd, "--dry-run", "--world-size", "64", "--device", "cpu"])
     cpu_mem = json.loads(cpu.stdout.strip().splitlines()[-1])["memory_per_rank_gb"]
     gpu_mem = out["memory_per_rank_gb"]
     assert cpu_mem["runtime"] == pytest.approx(0.27) and gpu_mem["runtime"] > 1  # the framework's own memory
     assert gpu_mem["total"] - cpu_mem["total"] == pytest.approx(gpu_mem["runtime"] - cpu_mem["runtime"])
     assert json.loads(cpu.stdout.strip().splitlines()[-1])["capacity"] is None
-    bad = subprocess.run([*cmd, "--dry-run", "--world-size", "12"], capture_output=True, text=True, timeout=120)
+    bad = forks.script(train, [*cmd, "--dry-run", "--world-size", "12"])
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error: parallel.ep: 8 must divide")
 
 

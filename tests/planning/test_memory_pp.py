@@ -1,8 +1,6 @@
 """The memory plan under pipeline parallelism (moe_dist/planning/memory.py `pipeline_share`): each pipeline rank's
 weights, the micro-batches in flight under 1F1B and interleaved 1F1B, and the plan of the rank that needs most."""
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -56,7 +54,7 @@ def test_activations_split_over_the_ranks_add_up_to_the_whole_model():
     assert parts == pytest.approx(whole, rel=1e-9)
 
 
-def test_the_plan_is_of_the_rank_that_needs_most_and_dry_run_shows_it():
+def test_the_plan_is_of_the_rank_that_needs_most_and_dry_run_shows_it(forks):
     cfg = load_config(MIXTRAL, ["parallel.pp=4"])
     plan = memory_plan(cfg, 64)
     totals = plan["pipeline"]["total_gb_by_pp_rank"]
@@ -65,12 +63,10 @@ def test_the_plan_is_of_the_rank_that_needs_most_and_dry_run_shows_it():
         plan["memory_per_rank_gb"]["params"]
         < memory_plan(load_config(MIXTRAL, []), 64)["memory_per_rank_gb"]["params"] / 3
     )
-    out = subprocess.run(
-        [sys.executable, str(REPO / "launch" / "train.py"), "--config", str(MIXTRAL), "--dry-run", "--world-size", "64"]
-        + ["--set", "parallel.pp=4"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    proc = forks.script(
+        REPO / "launch" / "train.py", ["--config", MIXTRAL, "--dry-run", "--world-size", "64", "--set", "parallel.pp=4"]
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
     assert "layout: world 64 = pp 4 x dp 16 x tp 1" in out
     assert "pipeline: 4 stages starting at layers [0, 8, 16, 24]" in out

@@ -13,12 +13,11 @@ import os
 import runpy
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from support import torchrun
+from support import free_port
 
 from moe_dist.data.shards import ShardWriter, sidecar_of
 
@@ -47,14 +46,10 @@ PRE_INIT = [
 CHECKPOINT = ["checkpoint_of_another_model_shape", "checkpoint_of_another_data_order"]
 
 
-def _run(args: list[str], nproc: int = 1) -> subprocess.CompletedProcess:
-    if nproc == 1:
-        cmd = [sys.executable, TRAIN, *args]
-    else:
-        cmd = [*torchrun(nproc), TRAIN, *args]
-    return subprocess.run(
-        cmd, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"}, capture_output=True, text=True, timeout=300
-    )
+def _run(forks, args: list[str], nproc: int = 1) -> subprocess.CompletedProcess:
+    """launch/train.py in `nproc` processes forked from the session's server (tests/forklaunch.py)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return forks.run(nproc, [str(a) for a in args], env, free_port() if nproc > 1 else None, 300)
 
 
 def _snapshot(root: Path) -> dict[str, tuple]:
@@ -202,11 +197,11 @@ def test_bad_input_before_start_up(tmp_path, capsys, case):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("case", [*CHECKPOINT, "missing_data_path", "memmap_path_is_a_shard_file"])
-def test_bad_input_in_a_real_process(tmp_path, existing, case):
+def test_bad_input_in_a_real_process(tmp_path, existing, case, forks):
     """Real processes: the exit status, and the checkpoint cases (they build the model and join a group)."""
     args, expected = _arguments(case, tmp_path, existing)
     before = _snapshot(existing)
-    proc = _run(args)
+    proc = _run(forks, args)
     assert proc.returncode == 2, proc.stderr[-3000:]
     line = _check_one_line(proc.stderr, expected)
     assert _snapshot(existing) == before
@@ -215,11 +210,13 @@ def test_bad_input_in_a_real_process(tmp_path, existing, case):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_checkpoint_of_another_model_fails_every_rank_without_hanging(existing, tmp_path):
+def test_checkpoint_of_another_model_fails_every_rank_without_hanging(existing, tmp_path, forks):
     run = tmp_path / "run"
     shutil.copytree(existing, run)
     before = _snapshot(run)
-    proc = _run(["--config", CONFIG, "--run-dir", str(run), "--resume", "--set", *SMALL, "model.n_layers=2"], nproc=2)
+    proc = _run(
+        forks, ["--config", CONFIG, "--run-dir", str(run), "--resume", "--set", *SMALL, "model.n_layers=2"], nproc=2
+    )
     out = proc.stdout + proc.stderr
     errors = [line for line in out.splitlines() if line.startswith("error:")]
     assert proc.returncode != 0
