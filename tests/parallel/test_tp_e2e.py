@@ -23,10 +23,10 @@ LAYOUTS = {  # dp-ep-tp: world size, overrides
     "dp1-ep1-tp2": (2, ["parallel.tp=2"]),
     "dp2-ep2-tp2": (4, ["parallel.tp=2", "parallel.ep=2"]),
     "dp2-ep1-tp2": (4, ["parallel.tp=2", "deepspeed.zero_stage=2"]),
-    "dp2-ep2-tp2-sequence-parallel": (4, ["parallel.tp=2", "parallel.ep=2", "parallel.sequence_parallel=true"]),
     "dp1-ep1-tp2-recipes": (2, ["parallel.tp=2", *E2E_MODES["recipes"]]),
     # The chunked, overlapped dispatch (parallel.a2a_chunks) inside each TP rank's token slice: 32 tokens in 3
-    # chunks (11, 11, 10), or the sequence-parallel 32 in 2, with ZeRO 2.
+    # chunks (11, 11, 10), or the sequence-parallel 32 in 2, with ZeRO 2 (sequence parallelism's one layout: its
+    # step-3 checkpoint is the one resumed at (4, 4, 1)).
     "dp2-ep2-tp2-chunks3": (4, ["parallel.tp=2", "parallel.ep=2", "parallel.a2a_chunks=3"]),
     "dp2-ep2-tp2-sequence-parallel-chunks2": (
         4,
@@ -51,18 +51,17 @@ LAYOUTS = {  # dp-ep-tp: world size, overrides
 
 
 # Expert parallelism folded across TP (parallel.etp = 1: whole experts, EP groups spanning dp × tp): world, single-
-# process reference mode (support.E2E_MODES), overrides. ZeRO 1 and 2, with and without sequence parallelism, one
-# with the chunked dispatch.
+# process reference mode (support.E2E_MODES), overrides: ZeRO 2 and sequence parallelism at (dp, ep, tp) = (2, 2, 2),
+# (2, 4, 2) with the chunked dispatch and (1, 4, 4); ZeRO 1 without sequence parallelism where the (2, 2, 2) run's
+# checkpoint resumes (test_checkpoint_reshards_between_etp1_and_etp_tp).
 _FOLD, _SP_ZERO2 = ["parallel.etp=1"], ["parallel.sequence_parallel=true", "deepspeed.zero_stage=2"]
 FOLDED = {
-    "dp2-ep2-tp2-etp1": (4, "capacity", ["parallel.tp=2", "parallel.ep=2", *_FOLD]),
     "dp2-ep2-tp2-etp1-sequence-parallel-zero2": (4, "capacity", ["parallel.tp=2", "parallel.ep=2", *_FOLD, *_SP_ZERO2]),
     "dp2-ep4-tp2-etp1-sequence-parallel-zero2-chunks2": (
         4,
         "capacity",
         ["parallel.tp=2", "parallel.ep=4", *_FOLD, *_SP_ZERO2, "parallel.a2a_chunks=2"],
     ),
-    "dp1-ep4-tp4-etp1": (4, "kv4", ["parallel.tp=4", "parallel.ep=4", *_FOLD, *E2E_MODES["kv4"]]),
     "dp1-ep4-tp4-etp1-sequence-parallel-zero2": (
         4,
         "kv4",
@@ -159,10 +158,10 @@ def test_checkpoint_reshards_tp2_to_tp1_to_tp2(
 def test_checkpoint_reshards_across_combined_layouts(
     tmp_path, runs, reference, run_train, metrics, same_trajectory, same_final_state
 ):
-    """The (dp, ep, tp) = (2, 2, 2) sequence-parallel run's step-3 checkpoint resumed at (4, 4, 1): every
-    dimension changes."""
+    """The (dp, ep, tp) = (2, 2, 2) sequence-parallel run's step-3 checkpoint (ZeRO 2, dispatch in 2 chunks) resumed
+    at (4, 4, 1) with ZeRO 1: every dimension changes."""
     d, ref = tmp_path / "resume_222_to_441", reference("capacity")
-    _resume(run_train, runs["dp2-ep2-tp2-sequence-parallel"], d, 4, "parallel.ep=4", from_step=E2E_SAVE)
+    _resume(run_train, runs["dp2-ep2-tp2-sequence-parallel-chunks2"], d, 4, "parallel.ep=4", from_step=E2E_SAVE)
     same_trajectory(
         [r for r in train_records(metrics(d)) if r["step"] > E2E_SAVE], metrics(ref), first_step=E2E_SAVE + 1
     )
@@ -211,13 +210,13 @@ def test_folded_run_equals_one_process(folded_runs, reference, metrics, same_tra
 def test_checkpoint_reshards_between_etp1_and_etp_tp(
     tmp_path, folded_runs, reference, run_train, metrics, same_trajectory, same_final_state
 ):
-    """The (2, 2, 2, etp 1) run's step-3 checkpoint resumed with experts split over TP (etp = tp = 2, saving every
-    2 steps), then that run's step-4 checkpoint resumed folded again at (2, 4, 2, etp 1): every step continues the
-    uninterrupted single-process trajectory."""
+    """The (2, 2, 2, etp 1) sequence-parallel ZeRO 2 run's step-3 checkpoint resumed with experts split over TP
+    (etp = tp = 2, ZeRO 1, saving every 2 steps), then that run's step-4 checkpoint resumed folded again at
+    (2, 4, 2, etp 1): every step continues the uninterrupted single-process trajectory."""
     ref = reference("capacity")
     split, folded = tmp_path / "resume_etp2", tmp_path / "resume_etp1"
-    _resume(run_train, folded_runs["dp2-ep2-tp2-etp1"], split, 4, "parallel.tp=2", "parallel.ep=2",
-            "train.save_every=2", from_step=E2E_SAVE)  # fmt: skip
+    src = folded_runs["dp2-ep2-tp2-etp1-sequence-parallel-zero2"]
+    _resume(run_train, src, split, 4, "parallel.tp=2", "parallel.ep=2", "train.save_every=2", from_step=E2E_SAVE)
     same_trajectory(
         [r for r in train_records(metrics(split)) if r["step"] > E2E_SAVE], metrics(ref), first_step=E2E_SAVE + 1
     )

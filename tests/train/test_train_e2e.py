@@ -28,8 +28,8 @@ def _losses(records):
 
 
 def test_single_process_matches_two_processes_for_every_zero_stage(tmp_path, debug_run, run_train, metrics):
-    """ZeRO 1 (the config's) under the deepspeed launcher; 0 and 2 under torchrun (launchers are equal:
-    test_torchrun_matches_deepspeed_launcher)."""
+    """ZeRO 1 (the config's) under the deepspeed launcher; 0 and 2 forked from the suite's server
+    (tests/forklaunch.py; launchers are equal: test_torchrun_matches_deepspeed_launcher)."""
     ref_losses = _losses(metrics(debug_run("python")))
     assert len(ref_losses) == STEPS
     assert ref_losses[-1] < ref_losses[0] - 0.5, f"loss did not fall: {ref_losses}"
@@ -40,7 +40,7 @@ def test_single_process_matches_two_processes_for_every_zero_stage(tmp_path, deb
             run_dir = tmp_path / f"zero{stage}"
             extra = ["train.profile_steps=[2]", "train.profile_ranks=[0,1]"] if stage == 0 else []
             run_train(
-                "torchrun",
+                "fork",
                 2,
                 ["--config", CONFIG, "--run-dir", str(run_dir), "--set", ONE_THREAD, f"deepspeed.zero_stage={stage}"]
                 + extra,
