@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 TRAIN = str(REPO / "launch" / "train.py")
 # After the first rank fails, how long the others get to stop by themselves before they are killed (torchrun
 # stops the rest of a world at once; a few seconds keep their last lines).
-FAILURE_GRACE_S = 10.0
+FAILURE_GRACE_S = 3.0
 
 
 def _preimport() -> None:
