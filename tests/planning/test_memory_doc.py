@@ -211,3 +211,50 @@ def test_activation_checkpointing_table(setting, sets):
     p = plan("mixtral_small", 1, ("train.seq_len=2048", "train.micro_batch_size=2", *sets), "cpu")
     mem = p["memory_per_rank_gb"]
     assert mismatch(rows[setting]["planned activations + grads"], mem["activations"] + mem["grads"]) is None
+
+
+# "Qwen3-235B-A22B on H200s": each layout cell as --set overrides of the shipped config (pp 8 · tp 4 + SP · ep 8 of
+# whole experts, ZeRO 1, ρ 3); the cells describe rows relative to one another, so they are spelled out here.
+QWEN3_235B = {
+    "pp 8 · tp 2 + SP · ep 4, ZeRO 2 (the previous attempt)": [
+        "parallel.tp=2",
+        "parallel.ep=4",
+        "parallel.etp=null",
+        "deepspeed.zero_stage=2",
+        "plan.expert_imbalance=2",
+    ],
+    "pp 8 · tp 2 + SP · ep 4, ZeRO 2": [
+        "parallel.tp=2",
+        "parallel.ep=4",
+        "parallel.etp=null",
+        "deepspeed.zero_stage=2",
+    ],
+    "pp 8 · tp 4 + SP · ep 8 (etp 1), ZeRO 1 (shipped)": [],
+    "the same, ZeRO 2": ["deepspeed.zero_stage=2"],
+    "the same, pp_virtual 2": ["parallel.pp_virtual=2"],
+    "the same, no sequence parallelism": ["parallel.sequence_parallel=false"],
+    "the same, ρ at the routing bound (8)": ["plan.expert_imbalance=null"],
+    "pp 1 · tp 4 · cp 4 · ep 16, ZeRO 1 (no pipeline)": [
+        "parallel.pp=1",
+        "parallel.cp=4",
+        "parallel.ep=16",
+        "parallel.sequence_parallel=false",
+        "parallel.etp=null",
+    ],
+}
+
+
+def test_qwen3_235b_table():
+    """Pipeline rank 0 (the one with the most micro-batches in flight) of each layout."""
+    rows = table("Qwen3-235B-A22B on H200s")
+    assert {r["layout"] for r in rows} == set(QWEN3_235B)
+    wrong = []
+    for row in rows:
+        sets = tuple(QWEN3_235B[row["layout"]])
+        p = plan("qwen3_235b_a22b", int(row["GPUs"]), sets, pp_rank=0)
+        figures = {k: v for k, v in per_rank(p).items() if k != "transient"}
+        figures["expert rows ×"] = p["layout"]["expert_rows_factor"]
+        figures["fits"] = p["capacity"]["fits"]
+        cells = {**row, "fits": row["fits"].split(" ")[0]}  # "yes (no room)"
+        wrong += [f"{row['layout']} {row['GPUs']}: {w}" for w in compare(cells, figures)]
+    assert not wrong, "docs/memory.md disagrees with the dry-run:\n" + "\n".join(wrong)
