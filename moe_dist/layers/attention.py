@@ -3,8 +3,9 @@ optionally gated (Qwen3-Next: a sigmoid gate from the query projection on every 
 
 The attention kernels are chosen once, when the layer is built for its device, one per mask kind (causal,
 documents, prefix-LM, sliding window: `attention_kernels`, as `moe_dist.layers.kernel_choice.attention_choice` rules):
-PyTorch SDPA (which never materializes repeated k/v for grouped-query heads) or the Triton flash-attention kernel
-(`moe_dist.kernels.flash_attention`). The inference path with a `KVCache` takes SDPA with an explicit mask.
+PyTorch SDPA under our masks (`moe_dist.layers.sdpa`; SDPA never materializes repeated k/v for grouped-query
+heads) or the Triton flash-attention kernel (`moe_dist.kernels.flash_attention`). The inference path with a
+`KVCache` takes SDPA with an explicit mask.
 """
 
 import math
@@ -27,6 +28,7 @@ from moe_dist.layers.kernel_choice import (
 from moe_dist.layers.kind import LayerKind, TensorSplit, divides
 from moe_dist.layers.norm import RMSNorm
 from moe_dist.layers.rope import apply_rope, document_positions, rope_cos_sin
+from moe_dist.layers.sdpa import sdpa, sdpa_offset, window_mask
 from moe_dist.layers.sequence_shard import SeqShard
 
 
@@ -49,144 +51,37 @@ class AttentionConfig:
     rope_fraction: float = 1.0  # RoPE rotates the first int(head_dim × this) dims of each head (Qwen3-Next: 0.25)
 
 
-def document_mask(
-    document_ids: torch.Tensor, prefix: Optional[torch.Tensor] = None, window: Optional[int] = None
-) -> torch.Tensor:
-    """(B, S) document index (and optional (B, S) bool prefix: the prompt tokens of prefix-LM) → (B, 1, S, S) bool,
-    True where query i may see key j: same document, and j <= i, or both i and j in the prefix (bidirectional
-    among a document's prompt tokens, as in UniLM); with a sliding `window`, also j > i - window."""
-    S = document_ids.shape[1]
-    causal = _window_mask(S, S, 0, window, document_ids.device)
-    same = document_ids[:, :, None] == document_ids[:, None, :]  # (B, S, S)
-    if prefix is not None:
-        causal = causal | (prefix[:, :, None] & prefix[:, None, :])
-    return (same & causal)[:, None]
-
-
-def _sdpa(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    causal: bool = True,
-    softmax_scale: Optional[float] = None,
-    document_ids: Optional[torch.Tensor] = None,
-    prefix: Optional[torch.Tensor] = None,
-    window: Optional[int] = None,
-) -> torch.Tensor:
-    """q (B, Hq, S, Dh), k/v (B, Hkv, S, Dh) -> (B, Hq, S, Dh); `document_ids` (B, S) (and `prefix` (B, S) bool)
-    restrict each query to its own document (`document_mask`), a sliding `window` to its last keys, with an
-    explicit mask (causal then)."""
-    gqa = q.shape[1] != k.shape[1]
-    if document_ids is None and window is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=softmax_scale, enable_gqa=gqa)
-    if document_ids is None:
-        mask = _window_mask(q.shape[2], k.shape[2], 0, window, q.device)
-    else:
-        mask = document_mask(document_ids, prefix, window)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=softmax_scale, enable_gqa=gqa)
-
-
-def _window_mask(q_len: int, k_len: int, offset: int, window: Optional[int], device: torch.device) -> torch.Tensor:
-    """(q_len, k_len) bool, True where query i (at position offset + i) may see key j: j ≤ offset + i, and
-    with a window, j > offset + i - window (the last `window` positions, itself included, as in Mistral)."""
-    q_pos = torch.arange(offset, offset + q_len, device=device)[:, None]
-    k_pos = torch.arange(k_len, device=device)[None, :]
-    allowed = k_pos <= q_pos
-    return allowed if window is None else allowed & (k_pos > q_pos - window)
-
-
-# Scores of one query block of the CP path on SDPA stay under this many elements (64 MB in fp32), whatever S.
-BLOCK_SCORES = 1 << 24
-
-
-def _allowed(q_pos, k_pos, document_ids=None, prefix=None, window=None) -> torch.Tensor:
-    """The mask in global positions of queries at `q_pos` (M,) against keys at `k_pos` (N,): (M, N) bool, or
-    (B, 1, M, N) with whole-sequence `document_ids` (B, S) (and `prefix` (B, S) bool); the rule of
-    `document_mask` and `_window_mask`, for any subset of query and key positions."""
-    allowed = k_pos[None, :] <= q_pos[:, None]
-    if window is not None:
-        allowed = allowed & (k_pos[None, :] > q_pos[:, None] - window)
-    if document_ids is None:
-        return allowed
-    if prefix is not None:
-        allowed = allowed | (prefix[:, q_pos, None] & prefix[:, None, k_pos])
-    return (allowed & (document_ids[:, q_pos, None] == document_ids[:, None, k_pos]))[:, None]
-
-
-def _sdpa_offset(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_offset: int,
-    softmax_scale: Optional[float] = None,
-    document_ids: Optional[torch.Tensor] = None,
-    prefix: Optional[torch.Tensor] = None,
-    window: Optional[int] = None,
-) -> torch.Tensor:
-    """Causal attention of queries at global positions q_offset .. q_offset + M − 1 (q (B, Hq, M, Dh)) to the
-    keys at positions 0 .. N − 1 (k/v (B, Hkv, N, Dh), N ≥ q_offset + M): a context-parallel piece against the
-    gathered sequence. `document_ids` / `prefix` are the whole sequence's (B, ≥ N). → (B, Hq, M, Dh).
-
-    SDPA with an explicit mask, one query block at a time: a block's mask and scores stay under BLOCK_SCORES
-    elements, and each block reads only the keys its mask can let through (up to its last query without a
-    prefix; from its first query's window start with a window), so no (M × N) mask ever exists."""
-    B, Hq, M, _ = q.shape
-    N = k.shape[2]
-    gqa = Hq != k.shape[1]
-    bidirectional = prefix is not None and document_ids is not None  # prompt keys can lie after the query
-    block = max(1, min(M, BLOCK_SCORES // max(1, B * Hq * N)))
-    out = []
-    for b0 in range(0, M, block):
-        first, end = q_offset + b0, q_offset + min(M, b0 + block)  # global positions [first, end)
-        hi = N if bidirectional else end
-        lo = 0 if bidirectional or window is None else max(0, first - window + 1)
-        q_pos = torch.arange(first, end, device=q.device)
-        k_pos = torch.arange(lo, hi, device=q.device)
-        mask = _allowed(q_pos, k_pos, document_ids, prefix if bidirectional else None, window)
-        out.append(
-            F.scaled_dot_product_attention(
-                q[:, :, b0 : b0 + block],
-                k[:, :, lo:hi],
-                v[:, :, lo:hi],
-                attn_mask=mask,
-                scale=softmax_scale,
-                enable_gqa=gqa,
-            )
-        )
-    return torch.cat(out, dim=2)
-
-
 def attention_kernel(impl: str, device: torch.device | str = "cpu") -> Kernel:
     """`model.attention.impl` for a layer built for `device`, with `flash_attention`'s signature: SDPA ("torch",
     which "auto" takes everywhere: its flash / cuDNN backends on CUDA) or our Triton kernel ("triton")."""
     return resolve(
-        impl, "model.attention.impl", device, _sdpa, _triton_attention, "flash-attention kernel", auto_on_cuda="torch"
+        impl, "model.attention.impl", device, sdpa, _triton_attention, "flash-attention kernel", auto_on_cuda="torch"
     )
 
 
 def attention_kernels(impl: str, device: torch.device | str, head_dim: int) -> dict[str, Kernel]:
     """Mask kind → the kernel `model.attention.impl` takes for it on `device` (`attention_choice`), each with
-    `_sdpa`'s signature."""
+    `sdpa`'s signature."""
     choice = attention_choice(impl, device, head_dim, why_no_triton(device))
     ours = attention_kernel("triton", device) if any(p.name == "triton" for p in choice.values()) else None
-    return {kind: ours if path.name == "triton" else Kernel("torch", _sdpa, path.slow) for kind, path in choice.items()}
+    return {kind: ours if path.name == "triton" else Kernel("torch", sdpa, path.slow) for kind, path in choice.items()}
 
 
 def attention_cp_kernels(impl: str, device: torch.device | str, head_dim: int) -> dict[str, Kernel]:
     """Mask kind → the kernel the context-parallel path takes for it on `device` (`attention_cp_choice`), each
-    with `_sdpa_offset`'s signature: ours with a query offset, or SDPA one query block at a time."""
+    with `sdpa_offset`'s signature: ours with a query offset, or SDPA one query block at a time."""
     choice = attention_cp_choice(impl, device, head_dim, why_no_triton(device))
     ours = attention_kernel("triton", device) if any(p.name == "triton" for p in choice.values()) else None
     return {
         kind: Kernel("triton", _flash_offset(ours.fn))
         if path.name == "triton"
-        else Kernel("torch", _sdpa_offset, path.slow)
+        else Kernel("torch", sdpa_offset, path.slow)
         for kind, path in choice.items()
     }
 
 
 def _flash_offset(flash_attention: Callable) -> Callable:
-    """Our Triton kernel with `_sdpa_offset`'s signature (it takes the query offset and longer keys itself)."""
+    """Our Triton kernel with `sdpa_offset`'s signature (it takes the query offset and longer keys itself)."""
 
     def attend(q, k, v, q_offset, softmax_scale=None, document_ids=None, prefix=None, window=None):
         return flash_attention(q, k, v, True, softmax_scale, document_ids, prefix, window, q_offset=q_offset)
@@ -382,7 +277,7 @@ class Attention(nn.Module):
         if cache is None:
             out = self._attend(q, k, v)  # (B, Hq, S, Dh)
         else:
-            mask = _window_mask(S, pos + S, pos, self.sliding_window, x.device)  # (S, pos + S)
+            mask = window_mask(S, pos + S, pos, self.sliding_window, x.device)  # (S, pos + S)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
         return self._output(out, gate)
 

@@ -12,7 +12,7 @@ for everything weights-related they are data-parallel replicas: dense parameters
 with dp × cp replicas (`Mesh.replicas`, the ZeRO group), and with etp = tp the EP groups are blocks of `ep`
 consecutive replicas inside one tp_rank, with etp = 1 blocks of `ep` consecutive global ranks (ep_rank = rank
 mod ep), and the EDP groups stride across them. Every group is created here, in the same order on every rank,
-the expert groups registered under DeepSpeed's names through private_api.py; the handles live in the Mesh object,
+the expert groups registered under DeepSpeed's names through private_api/groups.py; the handles live in the Mesh object,
 never in module globals. Layouts with examples: docs/parallelism.md, sections "The mesh", "Expert parallelism
 folded across TP" and "Context parallelism".
 """

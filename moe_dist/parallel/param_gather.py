@@ -10,7 +10,7 @@ own regions: the first layers compute while the later ones are still on the wire
 bytes as from the all-gather (the buffer less its partition) and ends with the same values, bit for bit.
 
 What this reads of DeepSpeed's optimizer and how the step's own gather is held back are private: both live in
-private_api.py (`zero_weight_buffers`, `replace_zero_weight_gather`), which says what they touch.
+private_api/zero_overlap.py (`zero_weight_buffers`, `replace_zero_weight_gather`), which says what they touch.
 """
 
 from __future__ import annotations

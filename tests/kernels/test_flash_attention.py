@@ -14,8 +14,9 @@ from moe_dist.kernels.flash_attention import flash_attention
 from moe_dist.kernels.reference import flash_attention_ref
 
 from moe_dist.config import AttentionConfig
-from moe_dist.layers.attention import Attention, _sdpa, attention_kernels
+from moe_dist.layers.attention import Attention, attention_kernels
 from moe_dist.layers.kernel_choice import ATTENTION_MASKS, attention_choice, attention_cp_choice
+from moe_dist.layers.sdpa import sdpa as masked_sdpa
 from moe_dist.layers.sequence_shard import SeqShard
 
 ON_CUDA = os.environ.get("MOE_DIST_KERNEL_DEVICE") == "cuda"
@@ -176,7 +177,7 @@ def test_document_and_prefix_masks_match_reference(shape, use_prefix, device, wi
     docs, prefix = _packed(shape[0], shape[3])
     kw = dict(document_ids=docs.to(device), prefix=prefix.to(device) if use_prefix else None)
     got = run(flash_attention, q, k, v, grad, **kw)
-    base = run(lambda q, k, v, **kw: _sdpa(q, k, v, **kw), q, k, v, grad, **kw)
+    base = run(masked_sdpa, q, k, v, grad, **kw)
     ref_kw = dict(document_ids=docs, prefix=prefix if use_prefix else None)
     ref = run(flash_attention_ref, *(t.double().cpu() for t in (q, k, v, grad)), **ref_kw)
     for name, a, b, r in zip(("out", "dq", "dk", "dv"), got, base, ref):

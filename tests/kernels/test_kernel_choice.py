@@ -13,11 +13,12 @@ from moe_dist.kernels.reference import flash_attention_ref, permute_tokens_ref, 
 
 import moe_dist.layers.kernel_choice as impl
 from moe_dist.config import AttentionConfig, load_config
-from moe_dist.layers.attention import Attention, _sdpa, _sdpa_offset, attention_kernel
+from moe_dist.layers.attention import Attention, attention_kernel
 from moe_dist.layers.experts import grouped_mm_unfit
 from moe_dist.layers.mamba import scan_kernel
 from moe_dist.layers.permutation import Permutation, permute_rows, unpermute_rows
 from moe_dist.layers.scan import selective_scan
+from moe_dist.layers.sdpa import sdpa, sdpa_offset
 from moe_dist.models.decoder import build_model
 
 
@@ -255,14 +256,14 @@ def test_the_layer_takes_the_kernel_of_each_mask_kind(no_interpreter):
     cfg = AttentionConfig(n_heads=4, n_kv_heads=2, mask="prefix", sliding_window=16)
     layer = Attention(64, cfg, init_std=0.02, n_layers=2, device="cuda")
     fns = {kind: k.fn for kind, k in layer.kernels.items()}
-    assert fns == {"causal": _sdpa, "documents": flash_attention, "prefix": flash_attention, "window": _sdpa}
+    assert fns == {"causal": sdpa, "documents": flash_attention, "prefix": flash_attention, "window": sdpa}
     assert layer.implementations == {
         "attention": "sdpa",
         "attention_documents": "triton",
         "attention_prefix": "triton",
     }
     cpu = Attention(64, cfg, init_std=0.02, n_layers=2, device="cpu")
-    assert {k.fn for k in cpu.kernels.values()} == {_sdpa} and cpu.implementations == {"attention": "sdpa"}
+    assert {k.fn for k in cpu.kernels.values()} == {sdpa} and cpu.implementations == {"attention": "sdpa"}
     # the context-parallel path: ours (with a query offset) for causal, documents and prefix; SDPA for windows
     assert {kind: k.name for kind, k in layer.cp_kernels.items()} == {
         "causal": "triton",
@@ -270,8 +271,8 @@ def test_the_layer_takes_the_kernel_of_each_mask_kind(no_interpreter):
         "prefix": "triton",
         "window": "torch",
     }
-    assert layer.cp_kernels["window"].fn is _sdpa_offset
-    assert {k.fn for k in cpu.cp_kernels.values()} == {_sdpa_offset}
+    assert layer.cp_kernels["window"].fn is sdpa_offset
+    assert {k.fn for k in cpu.cp_kernels.values()} == {sdpa_offset}
 
 
 def test_grouped_gemm_fallbacks_on_cuda():

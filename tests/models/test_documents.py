@@ -9,8 +9,8 @@ import torch
 from moe_dist.kernels.reference import selective_scan_ref
 
 from moe_dist.config import ModelConfig
-from moe_dist.layers.attention import _sdpa
 from moe_dist.layers.scan import selective_scan
+from moe_dist.layers.sdpa import sdpa
 from moe_dist.models.decoder import build_model, materialize_whole
 
 LENGTHS = [[7, 12, 1, 12], [20, 12]]  # documents per row (row 1 ends mid-document, as a window does)
@@ -144,7 +144,7 @@ def test_sdpa_document_and_prefix_masks_match_explicit_reference():
     same = docs[:, :, None] == docs[:, None, :]
     for pre in (None, prefix):
         allowed = same & ((j <= i) | (pre[:, :, None] & pre[:, None, :] if pre is not None else False))
-        out = _sdpa(q, k, v, document_ids=docs, prefix=pre)
+        out = sdpa(q, k, v, document_ids=docs, prefix=pre)
         assert torch.allclose(out, _masked_softmax_reference(q, k, v, allowed), atol=1e-12)
     # A prompt token sees the later prompt tokens of its document, never a completion token or another document.
     assert allowed[0, 0, 2] and not allowed[0, 0, 3] and not allowed[0, 7, 3] and allowed[0, 8, 11]

@@ -2,7 +2,7 @@
 
 Multi-process: cp_attention_worker.py on one world of 4 gloo ranks (cp = 2 and cp = 4), every mask kind, grouped-
 query heads, documents with a boundary at a piece edge and a piece that is one whole document: outputs and every
-gradient. Single-process: the SDPA query-offset path (`_sdpa_offset`) of one piece against the whole-sequence
+gradient. Single-process: the SDPA query-offset path (`sdpa_offset`) of one piece against the whole-sequence
 SDPA with the dense mask."""
 
 import importlib.util
@@ -13,7 +13,8 @@ import torch
 from support import worker_results
 
 import moe_dist.layers.attention as attention
-from moe_dist.layers.attention import _sdpa, _sdpa_offset
+import moe_dist.layers.sdpa as sdpa_module
+from moe_dist.layers.sdpa import sdpa, sdpa_offset
 
 WORKER = Path(__file__).with_name("cp_attention_worker.py")
 _spec = importlib.util.spec_from_file_location("cp_attention_worker", WORKER)
@@ -58,7 +59,7 @@ def _documents(S: int) -> tuple[torch.Tensor, torch.Tensor]:
 def test_sdpa_offset_matches_dense_mask(kind, monkeypatch):
     """A piece of queries (positions 9..19) against keys 0..N−1 equals those rows of the whole-sequence SDPA with
     the dense mask, in 4-query blocks; forward and the gradients of q, k and v."""
-    monkeypatch.setattr(attention, "BLOCK_SCORES", 2 * 4 * 24 * 4)
+    monkeypatch.setattr(sdpa_module, "BLOCK_SCORES", 2 * 4 * 24 * 4)
     S, start, M = 24, 9, 11
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, h, S, 8, generator=g, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2))
@@ -72,9 +73,9 @@ def test_sdpa_offset_matches_dense_mask(kind, monkeypatch):
     }[kind]
     keys = S if "prefix" in masks else start + M
     cot = torch.randn(2, 4, M, 8, generator=g, dtype=torch.float64)
-    ref = _sdpa(q, k, v, **masks)[:, :, start : start + M]
+    ref = sdpa(q, k, v, **masks)[:, :, start : start + M]
     ref_grads = torch.autograd.grad((ref * cot).sum(), (q, k, v))
-    got = _sdpa_offset(q[:, :, start : start + M], k[:, :, :keys], v[:, :, :keys], start, **masks)
+    got = sdpa_offset(q[:, :, start : start + M], k[:, :, :keys], v[:, :, :keys], start, **masks)
     grads = torch.autograd.grad((got * cot).sum(), (q, k, v))
     torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
     for a, b in zip(grads, ref_grads):
