@@ -6,7 +6,6 @@ packed documents, `convert.py export`, and transformers loading the export and g
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,27 +16,22 @@ REPO = Path(__file__).resolve().parents[2]
 WORDS = "red green blue cyan magenta yellow black white".split()
 
 
-def _script(name: str, *args, timeout: float = 600) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "launch" / name), *map(str, args)],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=timeout,
-    )
+def _script(forks, name: str, *args, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`python launch/NAME ARGS`, forked from the session's server (tests/forklaunch.py); it must succeed."""
+    proc = forks.script(REPO / "launch" / name, args, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_fine_tune_an_imported_mixtral_with_its_own_tokenizer(tmp_path):
+def test_fine_tune_an_imported_mixtral_with_its_own_tokenizer(tmp_path, forks):
     # 1. A tokenizer trained on local text, saved into a Mixtral directory built with transformers.
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(" ".join(WORDS[i % 8] + " " + WORDS[(i * 3) % 8] for i in range(400)))
     tok_dir = tmp_path / "tok"
     tok_dir.mkdir()
-    _script("prepare_data.py", "--input", corpus, "--output", tok_dir / "pretrain", "--train-tokenizer",
+    _script(forks, "prepare_data.py", "--input", corpus, "--output", tok_dir / "pretrain", "--train-tokenizer",
             "--vocab-size", 300)  # fmt: skip
     hf_dir = tmp_path / "mixtral"
     tok = transformers.PreTrainedTokenizerFast(
@@ -56,7 +50,7 @@ def test_fine_tune_an_imported_mixtral_with_its_own_tokenizer(tmp_path):
     # 2. Fine-tuning data with that tokenizer: the completion names the colour after the prompt's colour.
     records = [{"prompt": f"after {WORDS[i % 8]} comes", "completion": f" {WORDS[(i + 1) % 8]}"} for i in range(64)]
     (tmp_path / "ft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    _script("prepare_data.py", "--input", tmp_path / "ft.jsonl", "--sft", "--tokenizer", hf_dir, "--output",
+    _script(forks, "prepare_data.py", "--input", tmp_path / "ft.jsonl", "--sft", "--tokenizer", hf_dir, "--output",
             tmp_path / "ft")  # fmt: skip
     sidecar = json.loads((tmp_path / "ft.json").read_text())
     assert sidecar["eos_id"] == eos and sidecar["loss_mask"]
@@ -69,8 +63,10 @@ def test_fine_tune_an_imported_mixtral_with_its_own_tokenizer(tmp_path):
         "data.source=memmap", f'data.paths=["{tmp_path / "ft.json"}"]',
         "data.document_masking=true", "data.align_to_documents=true", "data.val_fraction=0.2",
     ]  # fmt: skip
-    _script("convert.py", "import", hf_dir, run, "--config", REPO / "configs" / "debug.json", "--set", *overrides)
-    _script("train.py", "--config", run / "config.json", "--run-dir", run, "--resume")
+    _script(
+        forks, "convert.py", "import", hf_dir, run, "--config", REPO / "configs" / "debug.json", "--set", *overrides
+    )
+    _script(forks, "train.py", "--config", run / "config.json", "--run-dir", run, "--resume")
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     losses = [r["lm_loss"] for r in records if "lm_loss" in r]
     print("fine-tuning lm_loss by step:", " ".join(f"{x:.3f}" for x in losses))
@@ -84,7 +80,7 @@ def test_fine_tune_an_imported_mixtral_with_its_own_tokenizer(tmp_path):
 
     # 4. Export; transformers loads it and generates with the tokenizer; our generate.py agrees.
     out = tmp_path / "export"
-    _script("convert.py", "export", run, out)
+    _script(forks, "convert.py", "export", run, out)
     shutil.rmtree(hf_dir)  # nothing of the source directory is needed any more
     model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(out)
@@ -96,7 +92,7 @@ def test_fine_tune_an_imported_mixtral_with_its_own_tokenizer(tmp_path):
     # Learned in 20 steps from completions only: answer with one colour, then end the document (EOS).
     assert text.strip() in {f"{w}<|endoftext|>" for w in WORDS}, text
     ours = _script(
-        "generate.py", "--checkpoint", run, "--prompt", prompt, "--max-new-tokens", "3", "--temperature", "0"
+        forks, "generate.py", "--checkpoint", run, "--prompt", prompt, "--max-new-tokens", "3", "--temperature", "0"
     )
     # transformers stops at EOS; ours decodes the --max-new-tokens it was asked for.
     assert ours.stdout.strip().startswith(tokenizer.decode(gen[0]).strip()), (ours.stdout, tokenizer.decode(gen[0]))

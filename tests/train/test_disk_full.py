@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -41,12 +39,9 @@ def small_fs(tmp_path):
         subprocess.run(["umount", str(mount)], check=True)
 
 
-def _train(run: Path, *extra: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    cmd = [sys.executable, str(REPO / "launch" / "train.py"), "--run-dir", str(run), *RUN, *extra]
-    return subprocess.run(cmd, cwd=run.parent, env=env, capture_output=True, text=True, timeout=600)
+def _train(forks, run: Path, *extra: str) -> subprocess.CompletedProcess:
+    """One training process (forked from the session's server, tests/forklaunch.py) in `run`'s parent folder."""
+    return forks.script(REPO / "launch" / "train.py", ["--run-dir", run, *RUN, *extra], cwd=run.parent, timeout=600)
 
 
 def _one_error(proc: subprocess.CompletedProcess) -> str:
@@ -68,11 +63,11 @@ def _steps(run: Path) -> list[int]:
     return [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_disk_full_during_a_save_and_on_resume(small_fs):
+def test_disk_full_during_a_save_and_on_resume(small_fs, forks):
     run = small_fs / "run"
     ckpts = run / "checkpoints"
 
-    line = _one_error(_train(run))
+    line = _one_error(_train(forks, run))
     assert "checkpoint save of step 3 failed (nothing published; earlier checkpoints intact)" in line
     assert f"no space left on device writing {ckpts / '.step_3.tmp' / 'rank00000.safetensors'}" in line
     assert f"free space on the file system of {run}" in line and "rerun with --resume" in line
@@ -81,7 +76,7 @@ def test_disk_full_during_a_save_and_on_resume(small_fs):
     free_after_failure = shutil.disk_usage(small_fs).free
 
     before = _files(run)
-    line = _one_error(_train(run, "--resume"))
+    line = _one_error(_train(forks, run, "--resume"))
     assert f"error: {run}: " in line and "the next checkpoint needs about" in line and "free space" in line
     assert _files(run) == before  # metrics.jsonl not cut back, config.json and the TensorBoard events untouched
     assert _steps(run) == [1, 2, 3]
@@ -90,7 +85,7 @@ def test_disk_full_during_a_save_and_on_resume(small_fs):
     shutil.rmtree(ckpts / "step_1")  # what the error line says to do
     (ckpts / ".step_3.tmp").mkdir()  # and what a save killed mid-write leaves: removed before the space check
     (ckpts / ".step_3.tmp" / "rank00000.safetensors").write_bytes(b"\0" * (1 << 20))
-    proc = _train(run, "--resume", "--set", "train.keep_last=1")
+    proc = _train(forks, run, "--resume", "--set", "train.keep_last=1")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"removed {ckpts / '.step_3.tmp'}, the partial checkpoint of a save that did not finish" in proc.stderr
     assert "resuming from" in proc.stderr and "step 2" in proc.stderr
