@@ -37,14 +37,11 @@ FAILURE_GRACE_S = 3.0
 
 def _preimport() -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # as moe_dist.train.loop sets it before importing DeepSpeed
-    sys.path.insert(0, str(REPO / "launch"))
     import deepspeed  # noqa: F401
     import torch._dynamo  # noqa: F401  (torch.optim imports it on first use)
     import torch.utils.tensorboard  # noqa: F401
 
     import moe_dist.train.loop  # noqa: F401
-
-    sys.path.pop(0)
 
 
 def _child(req: dict, rank: int) -> None:
