@@ -21,7 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from moe_dist.config import ModelConfig
-from moe_dist.hf import dense, granite_hybrid, jamba, mixtral, nemotron_h, olmoe, qwen3_next, qwen_moe
+from moe_dist.hf import deepseek_v3, dense, granite_hybrid, jamba, mixtral, nemotron_h, olmoe, qwen3_next, qwen_moe
 from moe_dist.hf.common import Family, HFConfigError, feature_unfit
 from moe_dist.models.decoder import Decoder, build_model
 
@@ -40,6 +40,7 @@ FAMILIES: dict[str, Family] = {
         qwen3_next.QWEN3_NEXT,
         qwen3_next.QWEN3_5_MOE_TEXT,
         qwen3_next.QWEN3_5_MOE,
+        deepseek_v3.FAMILY,
     )
 }
 _SHARD_BYTES = 5 * 2**30  # safetensors shard size of exported checkpoints (Hugging Face's default)

@@ -1,0 +1,134 @@
+"""DeepSeek-V3 (MLA, sigmoid group-limited routing with a correction bias, first-k dense layers) against
+transformers' own DeepseekV3ForCausalLM: tiny random models built and saved locally (nothing downloaded), with and
+without the query bottleneck (q_lora_rank), with YaRN; imported, compared logit for logit, exported back bit for bit,
+and decoded greedily with the latent cache as transformers' generate does."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+from hf.test_hf import _greedy_as_transformers, _max_diff, _perturb, _same_tensors, _tensors, _tokens
+
+from moe_dist.hf import HFConfigError, config_from_hf, load_hf_model, save_hf_model
+
+ATOL = 1e-5  # fp32; the measured max |logit difference| is printed (-s)
+YARN = dict(
+    rope_type="yarn",
+    rope_theta=10000.0,
+    factor=4.0,
+    original_max_position_embeddings=8,
+    beta_fast=32,
+    beta_slow=1,
+    mscale=0.707,
+    mscale_all_dim=1.0,
+)
+COMMON = dict(
+    vocab_size=256,
+    hidden_size=32,
+    intermediate_size=40,
+    moe_intermediate_size=12,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    n_shared_experts=2,
+    n_routed_experts=8,
+    num_experts_per_tok=3,
+    n_group=4,
+    topk_group=2,
+    first_k_dense_replace=1,
+    routed_scaling_factor=2.5,
+    kv_lora_rank=16,
+    qk_nope_head_dim=10,
+    qk_rope_head_dim=8,
+    v_head_dim=12,
+    rms_norm_eps=1e-6,
+    initializer_range=0.1,
+    max_position_embeddings=64,
+)
+MODELS = {
+    # DeepSeek-V3 / Kimi K2's form: a query bottleneck, interleaved RoPE slice, YaRN
+    "q_lora": dict(q_lora_rank=24, rope_parameters=YARN, max_position_embeddings=32),
+    # Moonlight / DeepSeek-V2-Lite's form: full-rank query, plain RoPE, two dense layers, half-split RoPE slice
+    "full_q": dict(
+        q_lora_rank=None, first_k_dense_replace=2, rope_interleave=False, rope_parameters={"rope_theta": 50000.0}
+    ),
+}
+
+
+def deepseek_dir(path, **overrides):
+    torch.manual_seed(0)
+    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**{**COMMON, **overrides})).eval()
+    _perturb(model, 4)
+    with torch.no_grad():  # the correction bias starts at zero: move it so that choice and weights differ
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.05 * torch.randn(b.shape))
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def deepseek(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    return request.param, deepseek_dir(path, **MODELS[request.param]), path
+
+
+def test_config_mapping(deepseek):
+    kind, _, path = deepseek
+    cfg = load_hf_model(path).cfg
+    m, moe = cfg.mla, cfg.moe
+    dense = 1 if kind == "q_lora" else 2
+    assert cfg.layer_list() == ["mla+mlp"] * dense + ["mla+moe"] * (3 - dense)
+    assert (m.n_heads, m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim) == (4, 16, 10, 8, 12)
+    assert m.q_lora_rank == (24 if kind == "q_lora" else None)
+    assert m.rope_interleave == (kind == "q_lora")
+    assert m.rope_scaling.type == ("yarn" if kind == "q_lora" else "none")
+    assert (moe.score, moe.n_groups, moe.topk_groups, moe.route_scale, moe.n_shared_experts) == (
+        "sigmoid",
+        4,
+        2,
+        2.5,
+        2,
+    )
+    assert (moe.num_experts, moe.top_k, moe.d_ff, moe.capacity_factor, cfg.d_ff) == (8, 3, 12, None, 40)
+
+
+def test_logits_match_transformers(deepseek):
+    kind, hf_model, path = deepseek
+    diff = _max_diff(hf_model, load_hf_model(path), _tokens(1, (2, 24)))  # 24 positions > YaRN's original 8
+    print(f"deepseek_v3 ({kind}) max |logit difference| = {diff:.2e}")
+    assert diff <= ATOL
+
+
+def test_export_import_round_trip_is_bit_identical(deepseek, tmp_path):
+    kind, hf_model, path = deepseek
+    ours = load_hf_model(path)
+    save_hf_model(ours, tmp_path / "exported")
+    _same_tensors(_tensors(path), tmp_path / "exported")
+    out = json.loads((tmp_path / "exported" / "config.json").read_text())
+    assert out["model_type"] == "deepseek_v3"
+    assert config_from_hf(out) == config_from_hf(json.loads((path / "config.json").read_text()))
+    again = load_hf_model(tmp_path / "exported")
+    assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), again.state_dict().values()))
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "exported").eval()
+    tokens = _tokens(3)
+    with torch.no_grad():
+        assert torch.equal(reloaded(tokens).logits, hf_model(tokens).logits)
+
+
+def test_greedy_generation_matches_transformers(deepseek):
+    _, hf_model, path = deepseek
+    _greedy_as_transformers(load_hf_model(path), hf_model, _tokens(6, (1, 5)), 12)
+
+
+def test_what_we_cannot_express_is_refused_by_name(tmp_path):
+    base = {"model_type": "deepseek_v3", **COMMON}
+    with pytest.raises(HFConfigError, match="^num_key_value_heads: 2 is not supported"):
+        config_from_hf({**base, "num_key_value_heads": 2})
+    with pytest.raises(HFConfigError, match="^rope_parameters.rope_type: 'linear'"):
+        config_from_hf({**base, "rope_parameters": {"rope_type": "linear", "factor": 2.0}})
+    with pytest.raises(HFConfigError, match="^attention_bias"):
+        config_from_hf({**base, "attention_bias": True})
