@@ -13,8 +13,9 @@ the DeepSeek checkpoints' `rope_interleave`): it is then de-interleaved to the h
 in q and k alike, so the scores are those of the interleaved rotation (a dot product does not see a permutation
 applied to both sides). Kimi Linear's MLA layers apply no RoPE (`rope` false): the dr part is then a plain key part.
 
-Attention runs on PyTorch SDPA on every device (attention.py's mask helpers: causal, documents, prefix-LM): SDPA
-takes a value head size other than the query/key one, which our Triton flash-attention kernel does not.
+Attention runs on PyTorch SDPA on every device (attention.py's mask helpers: causal, documents, prefix-LM), chosen
+once through kernel_choice (`model.mla.impl`): SDPA takes a value head size other than the query/key one, which our
+Triton flash-attention kernel does not, so "triton" is refused by name until a kernel takes dv != dq.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from torch import nn
 
 from moe_dist.config.errors import require
 from moe_dist.layers.attention import _sdpa, _window_mask
+from moe_dist.layers.kernel_choice import resolve
 from moe_dist.layers.kind import LayerKind, TensorSplit, divides
 from moe_dist.layers.norm import RMSNorm
 from moe_dist.layers.rope import (
@@ -58,6 +60,9 @@ class MLAConfig:
     )
     norm_eps: float = 1e-6  # epsilon of the query and latent RMSNorms (transformers' DeepSeek-V3 fixes 1e-6)
     mask: Literal["causal", "prefix"] = "causal"  # prefix = prefix-LM: a document's prompt tokens see each other
+    impl: Literal["auto", "torch", "triton"] = (
+        "auto"  # attention: torch = SDPA (auto takes it everywhere); no triton yet
+    )
 
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
@@ -98,7 +103,9 @@ def deinterleave(x: torch.Tensor) -> torch.Tensor:
 
 
 class MLA(nn.Module):
-    def __init__(self, d_model: int, cfg: MLAConfig, init_std: float, n_layers: int):
+    def __init__(
+        self, d_model: int, cfg: MLAConfig, init_std: float, n_layers: int, device: torch.device | str = "cpu"
+    ):
         super().__init__()
         self.cfg = cfg
         self.n_heads = cfg.n_heads
@@ -122,6 +129,8 @@ class MLA(nn.Module):
         self.wkv_b = nn.Linear(cfg.kv_lora_rank, self.n_heads * (self.dn + self.dv), bias=False)
         self.wo = nn.Linear(self.n_heads * self.dv, d_model, bias=False)
         self.scale = cfg.scale()
+        # SDPA's signature (attention.py's _sdpa); our flash-attention kernel takes one head size for q, k and v
+        self.kernel = resolve(cfg.impl, "model.mla.impl", device, _sdpa, None, "MLA attention", auto_on_cuda="torch")
         self.init_std = init_std
         self.out_std = init_std / math.sqrt(2 * n_layers)
 
@@ -188,7 +197,7 @@ class MLA(nn.Module):
         q = torch.cat([q_nope, q_rope], dim=-1)  # (B, H, S, dq)
         if cache is None:
             masks = {} if document_ids is None else {"document_ids": document_ids, "prefix": prefix}
-            out = _sdpa(q, k, v, causal=True, softmax_scale=self.scale, **masks)  # (B, H, S, dv)
+            out = self.kernel(q, k, v, causal=True, softmax_scale=self.scale, **masks)  # (B, H, S, dv)
         else:
             mask = _window_mask(S, T, pos, None, x.device)  # (S, T): causal from position pos on
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
@@ -258,9 +267,10 @@ KIND = LayerKind(
     name="mla",
     role="mixer",
     module=MLA,
-    build=lambda m, device: MLA(m.d_model, m.mla, m.init_std, m.n_layers),
+    build=lambda m, device: MLA(m.d_model, m.mla, m.init_std, m.n_layers, device),
     part="attention",
     section="mla",
+    letter="L",
     doc="Multi-head Latent Attention (DeepSeek-V2/V3, Kimi K2, Moonlight)",
     check=_check,
     check_tp=lambda cfg: divides(cfg.model.mla.n_heads, "model.mla.n_heads", "MLA heads", cfg.parallel.tp),
