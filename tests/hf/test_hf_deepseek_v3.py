@@ -6,13 +6,18 @@ and decoded greedily with the latent cache as transformers' generate does."""
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import transformers
 from hf.test_hf import _greedy_as_transformers, _max_diff, _perturb, _same_tensors, _tensors, _tokens
 
-from moe_dist.hf import HFConfigError, config_from_hf, load_hf_model, save_hf_model
+from moe_dist.config import load_config
+from moe_dist.hf import HFConfigError, config_from_hf, config_to_hf, load_hf_model, save_hf_model
+
+REPO = Path(__file__).resolve().parents[2]
 
 ATOL = 1e-5  # fp32; the measured max |logit difference| is printed (-s)
 YARN = dict(
@@ -132,3 +137,21 @@ def test_what_we_cannot_express_is_refused_by_name(tmp_path):
         config_from_hf({**base, "rope_parameters": {"rope_type": "linear", "factor": 2.0}})
     with pytest.raises(HFConfigError, match="^attention_bias"):
         config_from_hf({**base, "attention_bias": True})
+
+
+def test_moonlight_config_counts_what_transformers_builds(capsys):
+    """`--dry-run` of configs/moonlight_16b_a3b.json (in this process) counts exactly the parameters of transformers'
+    DeepseekV3ForCausalLM built on the meta device from the config.json our export writes for it."""
+    sys.path.insert(0, str(REPO / "launch"))
+    import train as launcher
+
+    path = REPO / "configs/moonlight_16b_a3b.json"
+    assert launcher.main(["--config", str(path), "--dry-run"]) == 0
+    ours = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["params_total"]
+    hf = config_to_hf(load_config(path).model)
+    assert hf["architectures"] == ["DeepseekV3ForCausalLM"] and hf["q_lora_rank"] is None
+    with torch.device("meta"):
+        model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**hf))
+    theirs = sum(p.numel() for p in model.parameters())
+    print(f"moonlight_16b_a3b: ours {ours:,}, transformers {theirs:,}")
+    assert ours == theirs
