@@ -201,7 +201,10 @@ def router_unfit(cfg: ModelConfig) -> list[str]:
             (moe.score != "softmax", "moe.score must be 'softmax'"),
             (moe.route_scale != 1.0, "moe.route_scale must be 1"),
             (moe.n_groups != 1, "moe.n_groups must be 1"),
-            (moe.bias_update_rate > 0, "moe.bias_update_rate must be 0 (the format has no expert-choice bias)"),
+            (
+                moe.bias_update_rate > 0 or moe.choice_bias,
+                "moe.bias_update_rate must be 0 and moe.choice_bias false (the format has no expert-choice bias)",
+            ),
         ]
     )
 

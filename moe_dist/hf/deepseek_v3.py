@@ -81,7 +81,8 @@ def from_hf(hf: dict) -> ModelConfig:
         renormalize=bool(get(hf, "norm_topk_prob", True)),
         score="sigmoid",
         route_scale=float(get(hf, "routed_scaling_factor", 2.5)),
-        bias_update_rate=BIAS_UPDATE_RATE,  # keeps the correction bias (a buffer only while balancing is on)
+        bias_update_rate=BIAS_UPDATE_RATE,  # loss-free balancing goes on from the imported bias (0: it stays frozen)
+        choice_bias=True,
         n_groups=get(hf, "n_group", 8),
         topk_groups=get(hf, "topk_group", 4),
         n_shared_experts=n_shared,

@@ -106,6 +106,7 @@ ARCHITECTURE_KEYS: dict[str, dict[str, str]] = {
     "model.moe.n_shared_experts": _imported("the shared-expert weights"),
     "model.moe.shared_d_ff": _imported("the shared-expert weights"),
     "model.moe.shared_gate": _imported("the shared-expert weights"),
+    "model.moe.choice_bias": _imported("the imported router's correction bias, which decides expert choices"),
     "model.gdn.n_k_heads": _both("the Gated DeltaNet weight shapes"),
     "model.gdn.n_v_heads": _both("the Gated DeltaNet weight shapes"),
     "model.gdn.head_k_dim": _both("the Gated DeltaNet weight shapes"),
