@@ -189,3 +189,19 @@ def test_tensor_parallel_head_split_is_checked_by_name():
         load_config(None, ["model.mixer_pattern=L", "model.mla.n_heads=3", "parallel.tp=2"])
     with pytest.raises(ValueError, match=r"^model\.mla\.impl='triton': there is no Triton MLA attention kernel yet"):
         MLA(D_MODEL, MLAConfig(**SHAPES, impl="triton"), 0.02, 2)
+
+
+def test_prefix_lm_prompt_tokens_see_each_other_within_their_document():
+    """`prefix` with documents: a prompt token sees the later prompt tokens of its document, never a token after
+    the prompt nor another document."""
+    layer = build(mask="prefix")
+    x = torch.randn(1, 10, D_MODEL, dtype=F64)
+    ids = torch.tensor([[0] * 6 + [1] * 4])
+    prefix = torch.tensor([[True] * 3 + [False] * 3 + [True] * 2 + [False] * 2])
+    base = layer(x, document_ids=ids, prefix=prefix)
+    for t, moved, still in ((2, [0, 1], []), (4, [], [0, 1, 2, 3]), (7, [6], [0, 1, 2, 3, 4, 5])):
+        x2 = x.clone()
+        x2[:, t] += 1.0
+        out = layer(x2, document_ids=ids, prefix=prefix)
+        assert all((out[0, i] - base[0, i]).abs().max() > 1e-6 for i in moved), t
+        torch.testing.assert_close(out[0, still], base[0, still], rtol=0, atol=1e-12)
