@@ -210,9 +210,9 @@ class MLA(nn.Module):
 def _split_tp(mla: MLA, tp: TensorSplit) -> None:
     """Heads split over TP: the query (or its up-projection wq_b) and wkv_b by row blocks of whole heads, wo by
     columns. The down-projections wq_a and wkv_a and their norms stay replicated: they are small (D × (q_lora_rank +
-    kv_lora_rank + dr), 2% of DeepSeek-V3's attention), every head needs the whole latent (the RMSNorm is over all
-    C of it) and the shared RoPE key, and splitting them would add an all-reduce per projection where replication
-    adds none. Each rank's heads give part of their gradient: summed over the group."""
+    kv_lora_rank + dr): 15.1M of DeepSeek-V3's 187M attention weights per layer, 8%), every head needs the whole
+    latent (the RMSNorm is over all C of it) and the shared RoPE key, and splitting them would add an all-reduce per
+    projection where replication adds none. Each rank's heads give part of their gradient: summed over the group."""
     up = mla.wq if mla.cfg.q_lora_rank is None else mla.wq_b
     tp.shard(up, "weight", 0)
     tp.shard(mla.wkv_b, "weight", 0)
@@ -252,7 +252,8 @@ def _check(cfg, placed: bool) -> None:
 
 
 def _activation_bytes(cfg, tp: int, cp: int, a: int) -> float:
-    """Per token (no context parallelism yet: the config refuses cp > 1 for a model with MLA): the replicated
+    """Per token (no context parallelism yet: a run with parallel.cp > 1 and MLA is refused at start,
+    models/decoder.check_context_parallel, as the layer's forward takes no `shard`): the replicated
     down-projections' outputs and norm outputs (query bottleneck, latent, RoPE key before and after rotation), and
     per head on this rank the query before and after RoPE (2·dq), wkv_b's output (dn + dv), the key (dq), the
     output and its (B, S, H·dv) copy for wo (2·dv), and fp32 softmax statistics."""
