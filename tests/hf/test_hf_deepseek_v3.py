@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
 from hf.test_hf import _greedy_as_transformers, _max_diff, _perturb, _same_tensors, _tensors, _tokens
+from safetensors.torch import save_file
 
 from moe_dist.config import load_config
 from moe_dist.hf import HFConfigError, config_from_hf, config_to_hf, load_hf_model, save_hf_model
@@ -155,3 +157,49 @@ def test_moonlight_config_counts_what_transformers_builds(capsys):
     theirs = sum(p.numel() for p in model.parameters())
     print(f"moonlight_16b_a3b: ours {ours:,}, transformers {theirs:,}")
     assert ours == theirs
+
+
+def _fp8_blocks(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's published weight format: e4m3 values and one fp32 `weight_scale_inv` per block × block tile
+    (edge tiles partial), each tile's largest magnitude mapped to e4m3's largest, 448."""
+    rows, cols = w.shape
+    tiles = F.pad(w, (0, -cols % block, 0, -rows % block)).unflatten(0, (-1, block)).unflatten(2, (-1, block))
+    scale = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0  # (rows / block, cols / block)
+    q = (tiles / scale[:, None, :, None]).to(torch.float8_e4m3fn).flatten(2).flatten(0, 1)[:rows, :cols]
+    return q.contiguous(), scale
+
+
+def test_fp8_block_quantized_checkpoint_is_dequantized(tmp_path, capfd):
+    """A checkpoint quantized as DeepSeek-V3 and Kimi K2 publish theirs (every projection weight in e4m3 with block
+    scales; here 8 × 8 tiles, so the tiny weights have several and partial edge ones) imports dequantized, saying so
+    in one line; its logits equal transformers' on the dequantized values. An fp8 weight without its scales is
+    refused by name."""
+    deepseek_dir(tmp_path / "src", **MODELS["q_lora"])
+    hf = json.loads((tmp_path / "src" / "config.json").read_text())
+    stored, plain = {}, {}
+    for name, w in _tensors(tmp_path / "src").items():
+        if w.ndim == 2 and name.endswith(("proj.weight", "proj_with_mqa.weight")):
+            q, scale = _fp8_blocks(w, 8)
+            stored[name], stored[f"{name}_scale_inv"] = q, scale
+            plain[name] = q.float() * torch.kron(scale, torch.ones(8, 8))[: w.shape[0], : w.shape[1]]
+            assert (plain[name] - w).abs().max() <= w.abs().max() / 16  # e4m3: 3 mantissa bits
+        else:
+            stored[name] = plain[name] = w
+    for folder, tensors, extra in (("fp8", stored, {"weight_block_size": [8, 8]}), ("plain", plain, None)):
+        (tmp_path / folder).mkdir()
+        config = {**hf, "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", **extra}} if extra else hf
+        (tmp_path / folder / "config.json").write_text(json.dumps(config))
+        save_file(tensors, str(tmp_path / folder / "model.safetensors"), metadata={"format": "pt"})
+    ours = load_hf_model(tmp_path / "fp8")
+    n = sum(name.endswith("_scale_inv") for name in stored)
+    assert f"dequantized {n} fp8 tensors (8x8 block scales) to float32" in capfd.readouterr().err
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "plain").eval()
+    diff = _max_diff(theirs, ours, _tokens(1, (2, 24)))
+    print(f"deepseek_v3 fp8 (dequantized) max |logit difference| = {diff:.2e}")
+    assert diff <= ATOL
+    missing = "model.layers.0.self_attn.o_proj.weight"
+    save_file(
+        {k: v for k, v in stored.items() if k != f"{missing}_scale_inv"}, str(tmp_path / "fp8" / "model.safetensors")
+    )
+    with pytest.raises(HFConfigError, match=f"fp8 tensor '{missing}' has no '{missing}_scale_inv'"):
+        load_hf_model(tmp_path / "fp8")
