@@ -8,7 +8,8 @@ of their two best biased scores), the top-k weights renormalised (`norm_topk_pro
 `routed_scaling_factor`, experts `mlp.experts.e.{gate,up,down}_proj` of `moe_intermediate_size` and one shared
 SwiGLU `mlp.shared_experts` of `n_shared_experts` × that width.
 
-The latent norms' epsilon is transformers' fixed 1e-6 (not `rms_norm_eps`). Multi-token-prediction layers
+The latent norms' epsilon is transformers' fixed 1e-6 (not `rms_norm_eps`). Published fp8 weights (`weight_scale_inv`)
+are dequantized by format.py's reader. Multi-token-prediction layers
 (`model.layers.<num_hidden_layers>.*`) are not read yet: a checkpoint carrying them is refused by the unused-tensor
 check, and export writes `num_nextn_predict_layers: 0`.
 """
