@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 
 from moe_dist.config import load_config
 from moe_dist.hf import HFConfigError, config_from_hf, config_to_hf, load_hf_model, save_hf_model
+from moe_dist.models.decoder import build_model, materialize_whole
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -203,3 +204,36 @@ def test_fp8_block_quantized_checkpoint_is_dequantized(tmp_path, capfd):
     )
     with pytest.raises(HFConfigError, match=f"fp8 tensor '{missing}' has no '{missing}_scale_inv'"):
         load_hf_model(tmp_path / "fp8")
+
+
+def test_a_model_of_ours_exports_to_transformers(tmp_path):
+    """A model built here (half-split RoPE slice, no balancing bias: the export writes none and the import reads
+    zeros, as transformers initialises it) loads in transformers with our logits, and imports back to them."""
+    cfg = load_config(
+        None,
+        [
+            'model.layers=["mla+mlp","mla+moe"]',
+            "model.n_layers=2",
+            "model.d_model=32",
+            "model.d_ff=48",
+            "model.init_std=0.2",  # O(1) activations: a wiring mistake would show in the logits
+            'model.mla={"n_heads": 4, "q_lora_rank": 12, "kv_lora_rank": 8, "qk_nope_head_dim": 6, '
+            '"qk_rope_head_dim": 4, "v_head_dim": 5}',
+            'model.moe={"num_experts": 4, "top_k": 2, "d_ff": 8, "capacity_factor": null, "score": "sigmoid", '
+            '"n_groups": 2, "topk_groups": 1, "route_scale": 1.5, "n_shared_experts": 1}',
+        ],
+    ).model
+    ours = materialize_whole(build_model(cfg), "cpu", seed=0).eval()
+    _perturb(ours, 5)
+    assert ours.blocks[1].ffn.router.bias_E is None
+    save_hf_model(ours, tmp_path / "out")
+    assert not any("e_score_correction_bias" in name for name in _tensors(tmp_path / "out"))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert type(theirs).__name__ == "DeepseekV3ForCausalLM"
+    diff = _max_diff(theirs, ours, _tokens(2))
+    print(f"deepseek_v3 (exported from ours) max |logit difference| = {diff:.2e}")
+    assert diff <= ATOL
+    again = load_hf_model(tmp_path / "out")
+    assert torch.equal(again.blocks[1].ffn.router.bias_E, torch.zeros(4))
+    with torch.no_grad():
+        assert torch.equal(again(_tokens(2)).logits, ours(_tokens(2)).logits)
