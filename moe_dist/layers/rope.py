@@ -37,9 +37,8 @@ def check_rope_scaling(s: RopeScaling, key: str) -> None:
         s.original_max_position_embeddings > 0,
         f"{key}.original_max_position_embeddings: must be positive, got {s.original_max_position_embeddings}",
     )
-    require(
-        s.beta_fast > s.beta_slow > 0, f"{key}.beta_fast: must exceed beta_slow={s.beta_slow} > 0, got {s.beta_fast}"
-    )
+    require(s.beta_slow > 0, f"{key}.beta_slow: must be positive, got {s.beta_slow}")
+    require(s.beta_fast >= s.beta_slow, f"{key}.beta_fast: must be >= beta_slow={s.beta_slow}, got {s.beta_fast}")
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:

@@ -237,3 +237,84 @@ def test_a_model_of_ours_exports_to_transformers(tmp_path):
     assert torch.equal(again.blocks[1].ffn.router.bias_E, torch.zeros(4))
     with torch.no_grad():
         assert torch.equal(again(_tokens(2)).logits, ours(_tokens(2)).logits)
+
+
+_V3 = dict(
+    vocab_size=129280,
+    hidden_size=7168,
+    intermediate_size=18432,
+    moe_intermediate_size=2048,
+    num_hidden_layers=61,
+    num_attention_heads=128,
+    num_key_value_heads=128,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    n_routed_experts=256,
+    n_shared_experts=1,
+    num_experts_per_tok=8,
+    n_group=8,
+    topk_group=4,
+    first_k_dense_replace=3,
+    routed_scaling_factor=2.5,
+    rope_theta=10000,
+    rope_scaling=dict(
+        type="yarn",
+        factor=40,
+        original_max_position_embeddings=4096,
+        beta_fast=32,
+        beta_slow=1,
+        mscale=1.0,
+        mscale_all_dim=1.0,
+    ),
+    max_position_embeddings=163840,
+)
+# The architecture keys of the published config.json files: DeepSeek-V3 (671B total, 37B active per token without its
+# MTP layer) and Kimi K2 (1T total, 32B active; the same class, 64 heads, 384 experts, one group, YaRN with equal betas)
+PUBLISHED = {
+    "deepseek_v3": (_V3, (671, 37)),
+    "kimi_k2": (
+        {
+            **_V3,
+            "vocab_size": 163840,
+            "num_attention_heads": 64,
+            "num_key_value_heads": 64,
+            "n_routed_experts": 384,
+            "n_group": 1,
+            "topk_group": 1,
+            "first_k_dense_replace": 1,
+            "routed_scaling_factor": 2.827,
+            "rope_theta": 50000.0,
+            "rope_scaling": dict(
+                type="yarn",
+                factor=32.0,
+                original_max_position_embeddings=4096,
+                beta_fast=1.0,
+                beta_slow=1.0,
+                mscale=1.0,
+                mscale_all_dim=1.0,
+            ),
+            "max_position_embeddings": 131072,
+        },
+        (1026, 32),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_published_configs_count_what_transformers_builds(name):
+    """The published DeepSeek-V3 and Kimi K2 configs map to models of exactly transformers' parameter count (both on
+    the meta device), which are the published sizes (billions, total and active per token)."""
+    from moe_dist.models.decoder import param_counts
+
+    hf, (total, active) = PUBLISHED[name]
+    ours = param_counts(config_from_hf({"model_type": "deepseek_v3", **hf}))
+    with torch.device("meta"):
+        theirs = sum(
+            p.numel() for p in transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**hf)).parameters()
+        )
+    print(f"{name}: ours {ours['params_total']:,} ({ours['params_active']:,} active), transformers {theirs:,}")
+    assert ours["params_total"] == theirs
+    assert (theirs // 10**9, ours["params_active"] // 10**9) == (total, active)  # whole billions, as published

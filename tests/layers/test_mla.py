@@ -132,6 +132,15 @@ def test_without_rope_the_last_query_ignores_the_order_of_earlier_keys():
         dict(factor=4.0, original_max_position_embeddings=6, mscale=0.707, mscale_all_dim=1.0),
         dict(factor=40.0, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1),
         dict(factor=8.0, original_max_position_embeddings=100, attention_factor=1.3, truncate=False),
+        # Kimi K2's: beta_fast = beta_slow, a step where the ramp would divide by zero
+        dict(
+            factor=32.0,
+            original_max_position_embeddings=4096,
+            beta_fast=1.0,
+            beta_slow=1.0,
+            mscale=1.0,
+            mscale_all_dim=1.0,
+        ),
     ],
 )
 def test_yarn_matches_transformers(params):
@@ -178,6 +187,10 @@ def test_config_errors_name_the_key(override, message):
             ConfigError, match=r"^model\.mla\.rope_scaling\.factor: YaRN's factor must be >= 1, got 0.5$"
         ):
             load_config(None, [override, "model.mla.rope_scaling.factor=0.5"])
+        with pytest.raises(
+            ConfigError, match=r"^model\.mla\.rope_scaling\.beta_fast: must be >= beta_slow=1.0, got 0.5$"
+        ):
+            load_config(None, [override, "model.mla.rope_scaling.beta_fast=0.5"])
         return
     with pytest.raises(ConfigError) as e:
         load_config(None, [override])
