@@ -7,11 +7,13 @@ size dv (which may differ from dq):
     latent  [c | k_r] = wkv_a(x); c = kv_norm(c) (`kv_lora_rank` = C values); k_r rotated        (C + dr)
     keys    k_h = [wkv_b(c)_h's first dn | k_r] (k_r the same for every head); values wkv_b(c)_h's last dv
     out     wo(softmax(q_h · k_h · scale) v_h, heads concatenated)
-Generation caches only [c | k_r] per token (C + dr values, 576 for DeepSeek-V3, against 2·H·dq for per-head K/V) and
-up-projects it at every step (`MLACache`). The RoPE slice may be stored interleaved (pairs (x0, x1), (x2, x3), ...:
-the DeepSeek checkpoints' `rope_interleave`): it is then de-interleaved to the half-split layout before the rotation,
-in q and k alike, so the scores are those of the interleaved rotation (a dot product does not see a permutation
-applied to both sides). Kimi Linear's MLA layers apply no RoPE (`rope` false): the dr part is then a plain key part.
+Generation caches only [c | k_r] per token (C + dr values, 576 for DeepSeek-V3, against H·(dq + dv) = 40,960 for
+per-head K/V) and up-projects it at every step (`MLACache`); context parallelism gathers the same C + dr values per
+position over the CP group and up-projects them on each rank (`_attend_shard`). The RoPE slice may be stored
+interleaved (pairs (x0, x1), (x2, x3), ...: the DeepSeek checkpoints' `rope_interleave`): it is then de-interleaved
+to the half-split layout before the rotation, in q and k alike, so the scores are those of the interleaved rotation
+(a dot product does not see a permutation applied to both sides). Kimi Linear's MLA layers apply no RoPE (`rope`
+false): the dr part is then a plain key part.
 
 Attention runs on PyTorch SDPA on every device (attention.py's mask helpers: causal, documents, prefix-LM), chosen
 once through kernel_choice (`model.mla.impl`): SDPA takes a value head size other than the query/key one, which our
@@ -29,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_dist.config.errors import require
-from moe_dist.layers.attention import _sdpa, _window_mask
+from moe_dist.layers.attention import _sdpa, _sdpa_offset, _window_mask
 from moe_dist.layers.kernel_choice import resolve
 from moe_dist.layers.kind import LayerKind, TensorSplit, divides
 from moe_dist.layers.norm import RMSNorm
@@ -41,6 +43,7 @@ from moe_dist.layers.rope import (
     rope_cos_sin,
     yarn_mscale,
 )
+from moe_dist.layers.sequence_shard import SeqShard
 
 
 @dataclass
@@ -131,6 +134,10 @@ class MLA(nn.Module):
         self.scale = cfg.scale()
         # SDPA's signature (attention.py's _sdpa); our flash-attention kernel takes one head size for q, k and v
         self.kernel = resolve(cfg.impl, "model.mla.impl", device, _sdpa, None, "MLA attention", auto_on_cuda="torch")
+        # the same under context parallelism, with a query offset (attention.py's _sdpa_offset: query blocks)
+        self.cp_kernel = resolve(
+            cfg.impl, "model.mla.impl", device, _sdpa_offset, None, "MLA attention", auto_on_cuda="torch"
+        )
         self.init_std = init_std
         self.out_std = init_std / math.sqrt(2 * n_layers)
 
@@ -154,20 +161,25 @@ class MLA(nn.Module):
             torch.zeros(batch, 1, max_len, self.dr, device=device, dtype=dtype),
         )
 
-    def _rope(self, q_rope, k_rope, start: int, document_ids: Optional[torch.Tensor]):
-        """Rotate q_rope (B, H, S, dr) and k_rope (B, 1, S, dr) at positions start.. (or per document)."""
+    def _rope(self, q_rope, k_rope, positions: torch.Tensor, length: int):
+        """Rotate q_rope (B, H, S, dr) and k_rope (B, 1, S, dr) by `positions`, (S,) or per row (B, S) (each
+        document's own), all below `length`."""
         if self.cfg.rope_interleave:
             q_rope, k_rope = deinterleave(q_rope), deinterleave(k_rope)
         if not self.cfg.rope:
             return q_rope, k_rope
-        S = q_rope.shape[2]
-        cos, sin = rope_cos_sin(start + S, self.dr, self.cfg.rope_theta, q_rope.device, self.cfg.rope_scaling)
-        if document_ids is not None:
-            p = document_positions(document_ids)  # (B, S): RoPE restarts at each document
-            cos, sin = cos[p][:, None], sin[p][:, None]  # (B, 1, S, dr)
-        else:
-            cos, sin = cos[start:], sin[start:]  # (S, dr)
+        cos, sin = rope_cos_sin(length, self.dr, self.cfg.rope_theta, q_rope.device, self.cfg.rope_scaling)
+        cos, sin = cos[positions], sin[positions]  # (S, dr) or (B, S, dr)
+        if positions.ndim == 2:
+            cos, sin = cos[:, None], sin[:, None]  # (B, 1, S, dr)
         return apply_rope(q_rope, cos, sin), apply_rope(k_rope, cos, sin)
+
+    def _keys_values(self, latent: torch.Tensor, k_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """latent (B, T, C) and the rotated k_rope (B, 1, T, dr) → keys (B, H, T, dq) and values (B, H, T, dv)."""
+        B, T, _ = latent.shape
+        H, dn, dv = self.n_heads, self.dn, self.dv
+        k_nope, v = self.wkv_b(latent).view(B, T, H, dn + dv).transpose(1, 2).split([dn, dv], dim=-1)
+        return torch.cat([k_nope, k_rope.expand(B, H, T, self.dr)], dim=-1), v
 
     def forward(
         self,
@@ -175,33 +187,75 @@ class MLA(nn.Module):
         cache: Optional[MLACache] = None,
         document_ids: Optional[torch.Tensor] = None,
         prefix: Optional[torch.Tensor] = None,
+        shard: Optional[SeqShard] = None,
     ) -> torch.Tensor:
         """x (B, S, D) → (B, S, D). With a cache (inference), x holds the S positions after the cached ones.
         `document_ids` (B, S) int (packed documents, training): a query sees only keys of its own document and RoPE
-        positions restart at each document; `prefix` (B, S) bool with them: prompt tokens see each other."""
+        positions restart at each document; `prefix` (B, S) bool with them: prompt tokens see each other. With a
+        `shard` (context parallelism), x holds this rank's S / cp positions (its pieces, in local order) while
+        `document_ids` and `prefix` are the whole sequence's (B, shard.seq_len)."""
         if document_ids is not None and cache is not None:
             raise ValueError("mla: document_ids are for training, without a cache")
+        if shard is not None and cache is not None:
+            raise ValueError("mla: context parallelism (a SeqShard) is for training, without a cache")
         B, S, _ = x.shape
         H, dn, dv = self.n_heads, self.dn, self.dv
-        pos = 0 if cache is None else cache.length
         q = self.wq(x) if self.cfg.q_lora_rank is None else self.wq_b(self.q_norm(self.wq_a(x)))
         q_nope, q_rope = q.view(B, S, H, self.dq).transpose(1, 2).split([dn, self.dr], dim=-1)  # (B, H, S, dn | dr)
         latent, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.dr], dim=-1)  # (B, S, C), (B, S, dr)
         latent = self.kv_norm(latent)
-        q_rope, k_rope = self._rope(q_rope, k_rope[:, None], pos, document_ids)  # (B, H, S, dr), (B, 1, S, dr)
+        if shard is not None:
+            out = self._attend_shard(q_nope, q_rope, latent, k_rope[:, None], shard, document_ids, prefix)
+            return self.wo(out.transpose(1, 2).reshape(B, S, H * dv))
+        pos = 0 if cache is None else cache.length
+        positions = torch.arange(pos, pos + S, device=x.device)
+        if document_ids is not None:
+            positions = document_positions(document_ids)  # (B, S): RoPE restarts at each document
+        q_rope, k_rope = self._rope(q_rope, k_rope[:, None], positions, pos + S)  # (B, H, S, dr), (B, 1, S, dr)
         if cache is not None:
             latent, k_rope = cache.append(latent, k_rope)  # (B, T, C), (B, 1, T, dr) with T = pos + S
-        T = latent.shape[1]
-        k_nope, v = self.wkv_b(latent).view(B, T, H, dn + dv).transpose(1, 2).split([dn, dv], dim=-1)
-        k = torch.cat([k_nope, k_rope.expand(B, H, T, self.dr)], dim=-1)  # (B, H, T, dq)
+        k, v = self._keys_values(latent, k_rope)  # (B, H, T, dq), (B, H, T, dv)
         q = torch.cat([q_nope, q_rope], dim=-1)  # (B, H, S, dq)
         if cache is None:
             masks = {} if document_ids is None else {"document_ids": document_ids, "prefix": prefix}
             out = self.kernel(q, k, v, causal=True, softmax_scale=self.scale, **masks)  # (B, H, S, dv)
         else:
-            mask = _window_mask(S, T, pos, None, x.device)  # (S, T): causal from position pos on
+            mask = _window_mask(S, k.shape[2], pos, None, x.device)  # (S, T): causal from position pos on
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
         return self.wo(out.transpose(1, 2).reshape(B, S, H * dv))
+
+    def _attend_shard(self, q_nope, q_rope, latent, k_rope, shard: SeqShard, document_ids=None, prefix=None):
+        """Context parallelism by the latent: this rank's queries (B, H, S/cp, dn | dr) against the whole sequence's
+        keys and values, up-projected here from the gathered latent and RoPE key: one all-gather of C + dr values per
+        position (576 for DeepSeek-V3) instead of per-head keys and values (H·(dq + dv): 40,960 for DeepSeek-V3), at
+        the price of every CP rank running wkv_b over the whole sequence. Its backward (a reduce-scatter) returns each
+        position's latent gradient to the rank that owns it. Positions, masks and RoPE angles are global; all-gather
+        rather than a ring for attention.py's reasons (any mask). → (B, H, S/cp, dv)."""
+        S = shard.seq_len
+        B = q_nope.shape[0]
+        if document_ids is not None and document_ids.shape != (B, S):
+            raise ValueError(
+                f"mla: under context parallelism document_ids are the whole sequence's (B, S) = {(B, S)}, "
+                f"got {tuple(document_ids.shape)}"
+            )
+        prefix = prefix if document_ids is not None else None  # as without CP: prefix-LM is per document
+        positions = shard.positions(q_nope.device)  # (S/cp,) global position of each local one
+        if document_ids is not None:
+            positions = document_positions(document_ids)[:, positions]  # (B, S/cp): RoPE restarts at each document
+        q_rope, k_rope = self._rope(q_rope, k_rope, positions, S)
+        whole = shard.gather(torch.cat([latent, k_rope[:, 0]], dim=-1), dim=1)  # (B, S, C + dr), global order
+        latent, k_rope = whole.split([self.kv_lora_rank, self.dr], dim=-1)
+        k, v = self._keys_values(latent, k_rope[:, None])  # (B, H, S, dq), (B, H, S, dv)
+        q = torch.cat([q_nope, q_rope], dim=-1)  # (B, H, S/cp, dq)
+        out, local = [], 0
+        for start, n in shard.pieces:  # each piece's queries sit at global positions start .. start + n − 1
+            keys = S if prefix is not None else start + n  # causal: no key after the piece's last query
+            masks = {"document_ids": document_ids, "prefix": prefix}
+            out.append(
+                self.cp_kernel(q[:, :, local : local + n], k[:, :, :keys], v[:, :, :keys], start, self.scale, **masks)
+            )
+            local += n
+        return torch.cat(out, dim=2)
 
 
 # ------------------------------------------------------------------------------------------ the kind
@@ -252,15 +306,33 @@ def _check(cfg, placed: bool) -> None:
 
 
 def _activation_bytes(cfg, tp: int, cp: int, a: int) -> float:
-    """Per token (no context parallelism yet: a run with parallel.cp > 1 and MLA is refused at start,
-    models/decoder.check_context_parallel, as the layer's forward takes no `shard`): the replicated
-    down-projections' outputs and norm outputs (query bottleneck, latent, RoPE key before and after rotation), and
-    per head on this rank the query before and after RoPE (2·dq), wkv_b's output (dn + dv), the key (dq), the
-    output and its (B, S, H·dv) copy for wo (2·dv), and fp32 softmax statistics."""
+    """Per token: the replicated down-projections' outputs and norm outputs (query bottleneck, latent, RoPE key
+    before and after rotation); per head on this rank the query before and after RoPE (2·dq), the output and its
+    (B, S, H·dv) copy for wo (2·dv); the keys and values kept for the backward, wkv_b's output (dn + dv) and the key
+    (dq), of the whole sequence under CP (cp times the local), with the gathered latent and RoPE key (C + dr per
+    position, cp times the local); fp32 softmax statistics."""
     m = cfg.model.mla
     h, dq, dn, dv = m.n_heads // tp, m.qk_head_dim(), m.qk_nope_head_dim, m.v_head_dim
     latent = 2 * (m.q_lora_rank or 0) + 2 * m.kv_lora_rank + 2 * m.qk_rope_head_dim
-    return (latent + h * (3 * dq + dn + 3 * dv)) * a + 4 * h
+    gathered = cp * (m.kv_lora_rank + m.qk_rope_head_dim) if cp > 1 else 0
+    return (latent + gathered + h * (2 * dq + 2 * dv + cp * (dn + dv + dq))) * a + 4 * h
+
+
+def _cp_gathered_bytes(m, tp: int, a: int) -> float:
+    """Per position of the whole sequence under CP: the gathered latent and RoPE key (replicated over TP), and the
+    keys and values this rank's heads up-project from it and keep for the backward."""
+    x = m.mla
+    return a * (
+        x.kv_lora_rank + x.qk_rope_head_dim + x.n_heads // tp * (x.qk_nope_head_dim + x.v_head_dim + x.qk_head_dim())
+    )
+
+
+def _collectives(cfg, tp: int, cp: int, tokens: int, a: int):
+    """Under CP the whole sequence's latent and RoPE key (C + dr per position) all-gathered in forward; their
+    gradient reduce-scattered in backward."""
+    m, t = cfg.model.mla, cfg.train
+    whole = t.micro_batch_size * t.seq_len * (m.kv_lora_rank + m.qk_rope_head_dim) * a
+    return [("all_gather", "cp_latent", "cp", whole, 1, 0), ("reduce_scatter", "cp_latent", "cp", whole, 0, 1)]
 
 
 KIND = LayerKind(
@@ -281,4 +353,6 @@ KIND = LayerKind(
     # QKᵀ over dq and AV over dv per head, causal: half of 2·S·H·(dq + dv)
     flops_per_token=lambda m, S: 1.0 * S * m.mla.n_heads * (m.mla.qk_head_dim() + m.mla.v_head_dim),
     activation_bytes=_activation_bytes,
+    collectives=_collectives,
+    cp_gathered_bytes=_cp_gathered_bytes,
 )

@@ -11,6 +11,7 @@ import torch
 from moe_dist.config import ConfigError, config_from_dict, load_config
 from moe_dist.layers.mla import MLA, MLACache, MLAConfig
 from moe_dist.layers.rope import RopeScaling, rope_cos_sin
+from moe_dist.layers.sequence_shard import SeqShard
 from moe_dist.models.decoder import build_model, generate, materialize_whole
 
 F64 = torch.float64
@@ -218,3 +219,42 @@ def test_prefix_lm_prompt_tokens_see_each_other_within_their_document():
         out = layer(x2, document_ids=ids, prefix=prefix)
         assert all((out[0, i] - base[0, i]).abs().max() > 1e-6 for i in moved), t
         torch.testing.assert_close(out[0, still], base[0, still], rtol=0, atol=1e-12)
+
+
+class OneProcessGroup:
+    """A CP group simulated in one process: each rank's all-gather returns every rank's tensor as recorded by an
+    earlier call of that rank (its own live, so this is a forward-only check: tests/parallel/test_cp_mla.py runs
+    real ranks, backward too)."""
+
+    def __init__(self, rank: int, size: int, seen: dict):
+        self.rank, self.size, self.seen = rank, size, seen
+
+    def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        self.seen[self.rank] = x.detach()
+        return torch.cat(
+            [x if r == self.rank else self.seen.get(r, torch.zeros_like(x)) for r in range(self.size)], dim
+        )
+
+
+@pytest.mark.parametrize("cp, masks", [(2, "documents"), (4, "prefix"), (2, None)])
+def test_context_parallel_pieces_equal_the_whole_sequence(cp, masks):
+    """Under CP each rank holds a head and a tail piece and gathers only the latent and RoPE key (C + dr per
+    position): its outputs equal the whole-sequence layer's at its positions, RoPE angles and masks global."""
+    layer = build(
+        q_lora_rank=7, rope_interleave=True, rope_scaling=YARN, mask="prefix" if masks == "prefix" else "causal"
+    )
+    S = 16
+    x = torch.randn(2, S, D_MODEL, dtype=F64)
+    kw = {}
+    if masks is not None:  # documents cut inside pieces and at a piece edge
+        kw["document_ids"] = torch.tensor([[0] * 5 + [1] * 3 + [2] * 8, [0] * 11 + [1] * 5])
+    if masks == "prefix":
+        kw["prefix"] = torch.tensor([[1, 1, 0, 0, 0, 1, 0, 0, 1, 1, 1, 0, 0, 0, 0, 0]] * 2, dtype=torch.bool)
+    whole = layer(x, **kw)
+    seen: dict = {}
+    shards = [SeqShard(cp, r, S, OneProcessGroup(r, cp, seen)) for r in range(cp)]
+    for shard in shards:  # records every rank's gathered tensor
+        layer(shard.local(x), shard=shard, **kw)
+    for shard in shards:
+        torch.testing.assert_close(layer(shard.local(x), shard=shard, **kw), shard.local(whole), rtol=1e-10, atol=1e-12)
+    assert seen[0].shape == (2, S // cp, 10 + 4)  # C + dr per position: no per-head keys or values
