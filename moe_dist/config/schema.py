@@ -27,7 +27,7 @@ class _ModelFields:
     d_model: int = 256  # residual width
     n_layers: int = 4  # decoder blocks
     d_ff: int = 512  # dense SwiGLU hidden size (and expert size unless moe.d_ff is set)
-    mixer_pattern: str = "A"  # per-layer mixer, tiled over n_layers: A = attention, M = Mamba
+    mixer_pattern: str = "A"  # per-layer mixer, tiled over n_layers: A = attention, M = Mamba, L = MLA
     ffn_pattern: str = "E"  # per-layer FFN, tiled over n_layers: D = dense SwiGLU, E = MoE
     layers: Optional[list[str]] = None  # one entry per layer, e.g. "attention+moe", "mamba2"; null = the patterns
     norm_eps: float = 1e-5  # RMSNorm epsilon

@@ -10,6 +10,7 @@ from typing import Callable, Optional
 import torch
 
 from moe_dist.config import ConfigError, ModelConfig, config_from_dict
+from moe_dist.layers.rope import RopeScaling
 
 
 class HFConfigError(ValueError):
@@ -85,6 +86,54 @@ def rope_theta(hf: dict, default: float = 1e6) -> float:
     return float(params.get("rope_theta") or hf.get("rope_theta") or default)
 
 
+def rope_parameters(hf: dict, default_theta: float) -> tuple[float, RopeScaling]:
+    """(rope_theta, scaling) of a config that may use YaRN: transformers 5.x's `rope_parameters` (or the older
+    `rope_scaling`) of type "default" or "yarn"; other scalings are refused by name. YaRN's factor, when absent, is
+    max_position_embeddings / original_max_position_embeddings, and beta_fast / beta_slow default to 32 / 1, as
+    transformers reads them."""
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    kind = params.get("rope_type") or params.get("type") or "default"
+    theta = float(params.get("rope_theta") or hf.get("rope_theta") or default_theta)
+    if kind == "default":
+        return theta, RopeScaling()
+    if kind != "yarn":
+        raise HFConfigError(f"rope_parameters.rope_type: {kind!r} RoPE scaling is not supported (only default, yarn)")
+    if "original_max_position_embeddings" not in params:
+        raise HFConfigError("rope_parameters.original_max_position_embeddings: YaRN needs it")
+    original = int(params["original_max_position_embeddings"])
+    factor = params.get("factor") or get(hf, "max_position_embeddings", original) / original
+    scaling = RopeScaling(
+        type="yarn",
+        factor=float(factor),
+        original_max_position_embeddings=original,
+        beta_fast=float(params.get("beta_fast") or 32),
+        beta_slow=float(params.get("beta_slow") or 1),
+        mscale=None if params.get("mscale") is None else float(params["mscale"]),
+        mscale_all_dim=None if params.get("mscale_all_dim") is None else float(params["mscale_all_dim"]),
+        attention_factor=None if params.get("attention_factor") is None else float(params["attention_factor"]),
+        truncate=bool(params.get("truncate", True)),
+    )
+    return theta, scaling
+
+
+def rope_parameters_to_hf(theta: float, scaling: RopeScaling) -> dict:
+    """transformers 5.x's `rope_parameters` for (theta, scaling): the inverse of `rope_parameters`."""
+    if scaling.type == "none":
+        return {"rope_type": "default", "rope_theta": theta}
+    out = {
+        "rope_type": "yarn",
+        "rope_theta": theta,
+        "factor": scaling.factor,
+        "original_max_position_embeddings": scaling.original_max_position_embeddings,
+        "beta_fast": scaling.beta_fast,
+        "beta_slow": scaling.beta_slow,
+        "truncate": scaling.truncate,
+    }
+    optional = {"mscale": scaling.mscale, "mscale_all_dim": scaling.mscale_all_dim}
+    optional["attention_factor"] = scaling.attention_factor
+    return out | {k: v for k, v in optional.items() if v is not None}
+
+
 def check_silu(hf: dict) -> None:
     if get(hf, "hidden_act", "silu") != "silu":
         raise HFConfigError(
@@ -152,7 +201,10 @@ def router_unfit(cfg: ModelConfig) -> list[str]:
             (moe.score != "softmax", "moe.score must be 'softmax'"),
             (moe.route_scale != 1.0, "moe.route_scale must be 1"),
             (moe.n_groups != 1, "moe.n_groups must be 1"),
-            (moe.bias_update_rate > 0, "moe.bias_update_rate must be 0 (the format has no expert-choice bias)"),
+            (
+                moe.bias_update_rate > 0 or moe.choice_bias,
+                "moe.bias_update_rate must be 0 and moe.choice_bias false (the format has no expert-choice bias)",
+            ),
         ]
     )
 

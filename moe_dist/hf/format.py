@@ -21,7 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from moe_dist.config import ModelConfig
-from moe_dist.hf import dense, granite_hybrid, jamba, mixtral, nemotron_h, olmoe, qwen3_next, qwen_moe
+from moe_dist.hf import deepseek_v3, dense, granite_hybrid, jamba, mixtral, nemotron_h, olmoe, qwen3_next, qwen_moe
 from moe_dist.hf.common import Family, HFConfigError, feature_unfit
 from moe_dist.models.decoder import Decoder, build_model
 
@@ -40,6 +40,7 @@ FAMILIES: dict[str, Family] = {
         qwen3_next.QWEN3_NEXT,
         qwen3_next.QWEN3_5_MOE_TEXT,
         qwen3_next.QWEN3_5_MOE,
+        deepseek_v3.FAMILY,
     )
 }
 _SHARD_BYTES = 5 * 2**30  # safetensors shard size of exported checkpoints (Hugging Face's default)
@@ -81,7 +82,14 @@ def config_to_hf(cfg: ModelConfig, template: Optional[dict] = None) -> dict:
     family = family_of(cfg, (template or {}).get("model_type"))
     a, moe = cfg.attention, cfg.moe
     out = dict(template or {})
-    for stale in ("rope_parameters", "rope_scaling", "torch_dtype", "dtype", "transformers_version"):
+    for stale in (
+        "rope_parameters",
+        "rope_scaling",
+        "torch_dtype",
+        "dtype",
+        "transformers_version",
+        "quantization_config",
+    ):
         out.pop(stale, None)
     out.update(
         architectures=[family.architecture],
@@ -99,6 +107,22 @@ def config_to_hf(cfg: ModelConfig, template: Optional[dict] = None) -> dict:
     )
     family.to_hf(cfg, out)
     return out
+
+
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def dequantize_blocks(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], name: str) -> torch.Tensor:
+    """An fp8 weight (out, in) stored with one fp32 multiplier per block of block[0] × block[1] entries (DeepSeek-V3's
+    and Kimi K2's `weight_scale_inv`, (ceil(out / b0), ceil(in / b1)); edge blocks partial) → fp32 w · scale."""
+    rows, cols = w.shape
+    expected = (-(-rows // block[0]), -(-cols // block[1]))
+    if tuple(scale_inv.shape) != expected:
+        raise HFConfigError(
+            f"{name}_scale_inv: shape {tuple(scale_inv.shape)}, expected {expected} for {name} {tuple(w.shape)}"
+        )
+    scale = scale_inv.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+    return w.float() * scale
 
 
 def is_experts(name: str) -> bool:
@@ -144,7 +168,7 @@ def load_hf_model(path: str | Path, dtype: Optional[torch.dtype] = torch.float32
     used: set[str] = set()
     handles: dict[Path, object] = {}
 
-    def get(hf_name: str) -> torch.Tensor:
+    def read_stored(hf_name: str) -> torch.Tensor:
         if hf_name not in index:
             raise HFConfigError(f"{path}: tensor {hf_name!r} missing (the checkpoint does not match its config.json)")
         f = index[hf_name]
@@ -152,6 +176,19 @@ def load_hf_model(path: str | Path, dtype: Optional[torch.dtype] = torch.float32
             handles[f] = safe_open(str(f), framework="pt")
         used.add(hf_name)
         return handles[f].get_tensor(hf_name)
+
+    block = tuple((hf.get("quantization_config") or {}).get("weight_block_size") or (128, 128))
+    dequantized = []
+
+    def get(hf_name: str) -> torch.Tensor:
+        t = read_stored(hf_name)
+        if t.dtype not in FP8:
+            return t
+        scale = f"{hf_name}_scale_inv"
+        if scale not in index:
+            raise HFConfigError(f"{path}: fp8 tensor {hf_name!r} has no {scale!r} (its block scales)")
+        dequantized.append(hf_name)
+        return dequantize_blocks(t, read_stored(scale), block, hf_name)
 
     family = FAMILIES[hf["model_type"]]
 
@@ -167,6 +204,12 @@ def load_hf_model(path: str | Path, dtype: Optional[torch.dtype] = torch.float32
         return torch.cat(parts, dim=2)  # w13: [gate | up]
 
     model = assign_tensors(build_model(cfg), read, str(path), dtype)
+    if dequantized:  # one line on stderr: the model holds the dequantized values, not the fp8 checkpoint's bytes
+        print(
+            f"note: {path}: dequantized {len(dequantized)} fp8 tensors ({block[0]}x{block[1]} block scales) to "
+            f"{str(dtype or torch.float32).removeprefix('torch.')}",
+            file=sys.stderr,
+        )
     unused = sorted(set(index) - used - ({"lm_head.weight"} if cfg.tie_embeddings else set()))
     for prefix, what in family.dropped:
         dropped = [n for n in unused if n.startswith(prefix)]

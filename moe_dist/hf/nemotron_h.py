@@ -25,7 +25,7 @@ _LETTERS = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "mo
 _MAMBA_PARAMS = ("in_proj.weight", "in_proj.bias", "conv1d.weight", "conv1d.bias", "dt_bias", "A_log", "D")
 _MAMBA_PARAMS += ("norm.weight", "out_proj.weight", "out_proj.bias")
 # The loss-free balancing rate an imported model trains with (a training choice the format does not hold:
-# DeepSeek-V3's value; `--set model.moe.bias_update_rate=...` changes it). It keeps the correction bias a buffer.
+# DeepSeek-V3's value; `--set model.moe.bias_update_rate=...` changes it, 0 freezes the imported bias).
 BIAS_UPDATE_RATE = 1e-3
 
 
@@ -102,6 +102,7 @@ def from_hf(hf: dict) -> ModelConfig:
         score="sigmoid",
         route_scale=float(get(hf, "routed_scaling_factor", 1.0)),
         bias_update_rate=BIAS_UPDATE_RATE,
+        choice_bias=True,  # the correction bias stays (frozen) where `--set model.moe.bias_update_rate=0`
         n_groups=get(hf, "n_group", 1),
         topk_groups=get(hf, "topk_group", 1),
         # transformers builds the shared expert whatever n_shared_experts says: its width is the whole of it

@@ -47,6 +47,7 @@ class MoEConfig:
     score: Literal["softmax", "sigmoid"] = "softmax"  # router score: softmax over experts (Mixtral) or sigmoid each
     route_scale: float = 1.0  # multiplier of the chosen experts' combine weights (DeepSeek-V3's routed scaling factor)
     bias_update_rate: float = 0.0  # loss-free balancing: per-expert choice bias moved by this × sign each step; 0 = off
+    choice_bias: bool = False  # keep the per-expert choice bias even at bias_update_rate 0 (an imported one, frozen)
     aux_loss_scope: Literal["micro_batch", "sequence", "global_batch"] = (
         "micro_batch"  # load fractions f_i of the aux loss: per micro-batch, per sequence, or the whole step
     )

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 from torch import nn
 
-from moe_dist.layers import attention, gdn, mamba, mamba2, mlp, moe
+from moe_dist.layers import attention, gdn, mamba, mamba2, mla, mlp, moe
 from moe_dist.layers.kind import LayerKind
 
 KINDS: dict[str, LayerKind] = {
     k.name: k
     for k in (
         attention.KIND,
+        mla.KIND,
         mamba.KIND,
         mamba2.KIND,
         gdn.KIND,

@@ -180,8 +180,9 @@ class Router(nn.Module):
 
     Buffers (persistent, so checkpoints carry them; never parameters, so no optimizer or gradient clipping sees
     them), present only when their option is on, and identical on every rank (set from all-reduced counts):
-      bias_E  loss-free balancing (DeepSeek-V3, `bias_update_rate` > 0): added to the scores to choose experts,
-              never to the combine weights; `end_step` moves it by rate · sign(mean load − load) per optimizer step.
+      bias_E  loss-free balancing (DeepSeek-V3, `bias_update_rate` > 0, or `choice_bias`: an imported correction
+              bias, frozen at rate 0): added to the scores to choose experts, never to the combine weights;
+              `end_step` moves it by rate · sign(mean load − load) per optimizer step.
       load_E  `aux_loss_scope` "global_batch": the load fractions f_i over a whole global batch, of this optimizer
               step (`global_batch_load` "this_step": set by `set_load` from a routing pre-pass before the step's
               first forward with gradients) or of the previous one ("previous_step": set by `end_step`); see
@@ -192,7 +193,7 @@ class Router(nn.Module):
         self.cfg = cfg
         self.init_std = init_std
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, d_model))
-        if cfg.bias_update_rate > 0:
+        if cfg.bias_update_rate > 0 or cfg.choice_bias:
             self.register_buffer("bias_E", torch.empty(cfg.num_experts))
         else:
             self.bias_E = None
@@ -225,7 +226,8 @@ class Router(nn.Module):
         on every rank). Updates the bias by its sign (DeepSeek-V3) and, with `global_batch_load` "previous_step",
         the global-batch load fractions the next step uses ("this_step" sets them at the start of each step)."""
         load_E = tokens_per_expert_E.to(torch.float64)
-        if self.bias_E is not None:  # fp32 even where the module was cast (bf16): steps of 1e-3 must not round away
+        if self.bias_E is not None and self.cfg.bias_update_rate > 0:  # a frozen bias (rate 0) stays as it is
+            # fp32 even where the module was cast (bf16): steps of 1e-3 must not round away
             step_E = torch.sign(load_E.mean() - load_E).float() * self.cfg.bias_update_rate
             self.bias_E = self.bias_E.float() + step_E.to(self.bias_E.device)
         if self.cfg.global_batch_load == "previous_step":

@@ -52,7 +52,8 @@ def end_router_step(model, layers: list[dict], update: bool, mesh: Optional[Mesh
             router.end_step(torch.tensor(layer["tokens_per_expert"], dtype=torch.float64))
         if router.bias_E is not None:
             layer["bias"] = router.bias_E.float().cpu().tolist()
-    if mesh is not None and mesh.pp > 1 and model.cfg.moe.bias_update_rate > 0 and layers:  # alike on every rank
+    has_bias = model.cfg.moe.bias_update_rate > 0 or model.cfg.moe.choice_bias
+    if mesh is not None and mesh.pp > 1 and has_bias and layers:  # alike on every rank
         bias = torch.tensor([layer.get("bias", [0.0] * len(layer["tokens_per_expert"])) for layer in layers])
         for layer, b in zip(layers, all_reduce_sum(bias.double(), mesh.pp_group).tolist(), strict=True):
             layer["bias"] = b  # fp32 values summed with zeros in fp64: exact

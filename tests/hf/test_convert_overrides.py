@@ -25,6 +25,8 @@ SETTINGS = {
     "model.init_std",
     "model.attention.impl",
     "model.attention.mask",
+    "model.mla.impl",
+    "model.mla.mask",
     "model.mamba.chunk_size",
     "model.mamba.impl",
     "model.mamba2.chunk_size",

@@ -289,7 +289,7 @@ def test_unrepresentable_configs_are_refused(mixtral, tmp_path):
     with pytest.raises(HFConfigError, match="hidden_act"):
         config_from_hf({**raw, "hidden_act": "gelu"})
     with pytest.raises(HFConfigError, match="model_type"):
-        config_from_hf({**raw, "model_type": "deepseek_v3"})
+        config_from_hf({**raw, "model_type": "gpt2"})
     with pytest.raises(HFConfigError, match="n_kv_heads"):
         config_from_hf({**raw, "num_key_value_heads": 3})
 

@@ -289,11 +289,16 @@ def test_reference_configs_count_as_transformers(name, cls):
 
 
 def test_import_keeps_the_correction_bias(tmp_path):
-    """convert.py import: the balancing rate may change, but 0 would drop the correction bias: refused by name."""
+    """convert.py import: the balancing rate may change; at 0 the imported correction bias stays, frozen (it decides
+    the expert choices the imported weights were trained with), and drops only with `choice_bias` false: refused."""
     from moe_dist.config import ConfigError
-    from moe_dist.hf import import_hf_to_run
+    from moe_dist.hf import import_hf_to_run, load_checkpoint_model
 
     family_dir("nemotron_h", tmp_path / "hf")
-    with pytest.raises(ConfigError, match="model.moe.bias_update_rate"):
-        import_hf_to_run(tmp_path / "hf", tmp_path / "run0", model_overrides=["model.moe.bias_update_rate=0"])
-    assert not (tmp_path / "run0").exists()
+    bias = _tensors(tmp_path / "hf")["backbone.layers.1.mixer.gate.e_score_correction_bias"]
+    import_hf_to_run(tmp_path / "hf", tmp_path / "run0", model_overrides=["model.moe.bias_update_rate=0"])
+    model, _ = load_checkpoint_model(tmp_path / "run0")
+    assert model.cfg.moe.bias_update_rate == 0 and torch.equal(model.blocks[1].ffn.router.bias_E, bias)
+    with pytest.raises(ConfigError, match="model.moe.choice_bias"):
+        import_hf_to_run(tmp_path / "hf", tmp_path / "run1", model_overrides=["model.moe.choice_bias=false"])
+    assert not (tmp_path / "run1").exists()

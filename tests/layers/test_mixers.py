@@ -1,8 +1,8 @@
-"""What every sequence mixer kind (attention, Mamba-1, Mamba-2, Gated DeltaNet) must do the same way, one test per
+"""What every sequence mixer kind (attention, MLA, Mamba-1, Mamba-2, Gated DeltaNet) must do the same way, one test per
 property over the kinds: causality, built on meta then materialized and initialized, init deterministic in the
 seed, backward reaching every parameter, packed documents equal to separate runs, cached decoding equal to the
 full forward, the kernel choice on the CPU. Each kind's builders and its own checks live in its test file
-(test_attention.py, test_mamba.py, test_mamba2.py, test_gdn.py); a new mixer kind in the registry fails
+(test_attention.py, test_mla.py, test_mamba.py, test_mamba2.py, test_gdn.py); a new mixer kind in the registry fails
 `test_every_mixer_kind_is_covered` until it is added here."""
 
 from dataclasses import dataclass
@@ -15,6 +15,7 @@ from layers import test_attention as attention_tests
 from layers import test_gdn as gdn_tests
 from layers import test_mamba as mamba1_tests
 from layers import test_mamba2 as mamba2_tests
+from layers import test_mla as mla_tests
 
 from moe_dist.config import AttentionConfig, GDNConfig, Mamba2Config, MambaConfig
 from moe_dist.layers import registry
@@ -22,6 +23,7 @@ from moe_dist.layers.attention import Attention
 from moe_dist.layers.gdn import GatedDeltaNet
 from moe_dist.layers.mamba import Mamba
 from moe_dist.layers.mamba2 import Mamba2
+from moe_dist.layers.mla import MLA, MLAConfig
 
 F64 = torch.float64
 
@@ -90,6 +92,14 @@ def _attention_init(layer):
     assert 0.007 < layer.wo.weight.std() < 0.013  # init_std / sqrt(2 * n_layers) = 0.01
 
 
+def _mla_init(layer):
+    assert layer.wq_b.weight.shape == (3 * 10, 7) and layer.wkv_a.weight.shape == (10 + 4, 24)
+    assert layer.wkv_b.weight.shape == (3 * (6 + 5), 10) and layer.wo.weight.shape == (24, 3 * 5)
+    assert 0.01 < torch.cat([layer.wq_a.weight.flatten(), layer.wkv_b.weight.flatten()]).std() < 0.03
+    for norm in (layer.q_norm, layer.kv_norm):
+        torch.testing.assert_close(norm.weight, torch.ones_like(norm.weight))
+
+
 def _mamba2_state(layer, state):
     assert state.conv.shape == (2, layer.conv_dim, 3)
 
@@ -109,6 +119,18 @@ KINDS = {
         auto={"attention": "sdpa"},
         no_triton=r"^model\.attention\.impl='triton': the Triton flash-attention kernel is not available: ",
         meta_d_model=32,
+        causal_atol=1e-12,
+        reach=1e-6,
+        backward_ids=[[0, 0, 0, 1, 1, 1, 1], [0, 0, 0, 0, 0, 2, 2]],
+    ),
+    "mla": Kind(
+        d_model=mla_tests.D_MODEL,
+        layer=lambda: mla_tests.build(q_lora_rank=7, rope_interleave=True, rope_scaling=mla_tests.YARN),
+        meta=lambda: MLA(mla_tests.D_MODEL, MLAConfig(**mla_tests.SHAPES, q_lora_rank=7), init_std=0.02, n_layers=2),
+        check_init=_mla_init,
+        with_impl=lambda impl: mla_tests.build(impl=impl),
+        auto={"mla": "sdpa"},
+        no_triton=r"^model\.mla\.impl='triton': there is no Triton MLA attention kernel yet",
         causal_atol=1e-12,
         reach=1e-6,
         backward_ids=[[0, 0, 0, 1, 1, 1, 1], [0, 0, 0, 0, 0, 2, 2]],

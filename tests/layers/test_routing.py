@@ -114,6 +114,18 @@ def test_bias_update_is_the_sign_of_the_load_gap_and_a_buffer():
     assert router.bias_E.tolist() == pytest.approx([-0.02, 0.02, 0.02, 0.0], abs=1e-4)
 
 
+def test_a_frozen_choice_bias_chooses_and_never_moves():
+    """`choice_bias` at bias_update_rate 0 (an imported correction bias, fine-tuned frozen): the buffer exists, is
+    checkpointed and decides choices, and end_step leaves it as it is."""
+    router, x = router_for([[2.0, 1.0, 0.0, -1.0]], choice_bias=True)
+    assert "bias_E" in router.state_dict()
+    with torch.no_grad():
+        router.bias_E.copy_(torch.tensor([0.0, 0.0, 0.5, 0.0]))
+    router.end_step(torch.tensor([10.0, 2.0, 4.0, 4.0]))
+    assert router.bias_E.tolist() == [0.0, 0.0, 0.5, 0.0]
+    assert experts_of(router(x)[0]) == [[0, 2]]
+
+
 def test_no_bias_buffer_without_the_option():
     router, _ = router_for([[0.0] * 4])
     assert router.bias_E is None and router.load_E is None and list(router.state_dict()) == ["weight"]

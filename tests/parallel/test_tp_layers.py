@@ -20,7 +20,11 @@ VARIANTS = ["norms_untied", "plain_tied", "sp_norms_untied", "moe_recipes", "rel
 # sequence parallelism
 SSM_LAYERS = ["mamba2", "gateddeltanet", "swiglu", "moe", "model"]
 SSM_VARIANTS = ["ssm_groups1_untied", "sp_ssm_groups4"]
+# MLA with the query bottleneck (RoPE interleaved, YaRN); with a full-rank query under sequence parallelism
+MLA_LAYERS = ["mla", "swiglu", "moe", "model"]
+MLA_VARIANTS = ["mla_q_lora", "sp_mla_full_q"]
 CASES = [(v, layer) for v in VARIANTS for layer in LAYERS] + [(v, layer) for v in SSM_VARIANTS for layer in SSM_LAYERS]
+CASES += [(v, layer) for v in MLA_VARIANTS for layer in MLA_LAYERS]
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +48,7 @@ def test_tensor_parallel_layer_matches_single_device(tp_results, layer, variant)
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("variant", VARIANTS + SSM_VARIANTS)
+@pytest.mark.parametrize("variant", VARIANTS + SSM_VARIANTS + MLA_VARIANTS)
 def test_packed_documents_stay_apart_under_tp_and_sp(tp_results, variant):
     """Dropless MoE, fp32: the sharded logits of packed documents equal the single-device ones, and changing one
     document moves no logit of another document by more than 1e-6."""

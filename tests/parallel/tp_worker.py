@@ -1,7 +1,7 @@
 """Worker for test_tp_layers.py, run as `torchrun --nproc_per_node 2 tp_worker.py OUT_DIR`.
 
 Both ranks build the same single-device model, keep an unsharded copy as the reference, shard the other with
-the real `apply_tp` (tp = 2), and run every layer (attention with grouped-query heads, Mamba with and without
+the real `apply_tp` (tp = 2), and run every layer (attention with grouped-query heads, MLA, Mamba with and without
 Jamba's inner norms, Mamba-2 with fewer and more B/C groups than ranks, Gated DeltaNet, dense SwiGLU, MoE with
 capacity drops, squared-ReLU dense FFNs, experts (split, or whole behind the all-to-all) and shared experts,
 vocabulary-parallel embedding and loss, tied and untied heads) forward and backward on the same
@@ -106,6 +106,34 @@ VARIANTS.update(
             "model.gdn.n_v_heads=2",
             "parallel.sequence_parallel=true",
         ],
+    }
+)
+
+
+# Multi-head Latent Attention: heads split, its down-projections and norms replicated (their gradients summed); with
+# the query bottleneck, RoPE interleaved and YaRN, and with a full-rank query under sequence parallelism
+_MLA = [
+    "model.mixer_pattern=A",
+    "model.ffn_pattern=E",
+    'model.layers=["mla+mlp","mla+moe"]',
+    "model.mla.n_heads=4",
+    "model.mla.kv_lora_rank=12",
+    "model.mla.qk_nope_head_dim=6",
+    "model.mla.qk_rope_head_dim=4",
+    "model.mla.v_head_dim=5",
+]
+VARIANTS.update(
+    {
+        "mla_q_lora": [
+            *_MLA,
+            "model.mla.q_lora_rank=10",
+            "model.mla.rope_interleave=true",
+            "model.mla.rope_scaling.type=yarn",
+            "model.mla.rope_scaling.factor=4.0",
+            "model.mla.rope_scaling.original_max_position_embeddings=8",
+            "model.mla.rope_scaling.mscale_all_dim=1.0",
+        ],
+        "sp_mla_full_q": [*_MLA, "parallel.sequence_parallel=true"],
     }
 )
 
