@@ -31,7 +31,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_dist.config.errors import require
-from moe_dist.layers.attention import _sdpa, _sdpa_offset, _window_mask
 from moe_dist.layers.kernel_choice import resolve
 from moe_dist.layers.kind import LayerKind, TensorSplit, divides
 from moe_dist.layers.norm import RMSNorm
@@ -43,6 +42,7 @@ from moe_dist.layers.rope import (
     rope_cos_sin,
     yarn_mscale,
 )
+from moe_dist.layers.sdpa import sdpa, sdpa_offset, window_mask
 from moe_dist.layers.sequence_shard import SeqShard
 
 
@@ -132,11 +132,11 @@ class MLA(nn.Module):
         self.wkv_b = nn.Linear(cfg.kv_lora_rank, self.n_heads * (self.dn + self.dv), bias=False)
         self.wo = nn.Linear(self.n_heads * self.dv, d_model, bias=False)
         self.scale = cfg.scale()
-        # SDPA's signature (attention.py's _sdpa); our flash-attention kernel takes one head size for q, k and v
-        self.kernel = resolve(cfg.impl, "model.mla.impl", device, _sdpa, None, "MLA attention", auto_on_cuda="torch")
-        # the same under context parallelism, with a query offset (attention.py's _sdpa_offset: query blocks)
+        # SDPA's signature (sdpa.py); our flash-attention kernel takes one head size for q, k and v
+        self.kernel = resolve(cfg.impl, "model.mla.impl", device, sdpa, None, "MLA attention", auto_on_cuda="torch")
+        # the same under context parallelism, with a query offset (sdpa.py's sdpa_offset: query blocks)
         self.cp_kernel = resolve(
-            cfg.impl, "model.mla.impl", device, _sdpa_offset, None, "MLA attention", auto_on_cuda="torch"
+            cfg.impl, "model.mla.impl", device, sdpa_offset, None, "MLA attention", auto_on_cuda="torch"
         )
         self.init_std = init_std
         self.out_std = init_std / math.sqrt(2 * n_layers)
@@ -220,7 +220,7 @@ class MLA(nn.Module):
             masks = {} if document_ids is None else {"document_ids": document_ids, "prefix": prefix}
             out = self.kernel(q, k, v, causal=True, softmax_scale=self.scale, **masks)  # (B, H, S, dv)
         else:
-            mask = _window_mask(S, k.shape[2], pos, None, x.device)  # (S, T): causal from position pos on
+            mask = window_mask(S, k.shape[2], pos, None, x.device)  # (S, T): causal from position pos on
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
         return self.wo(out.transpose(1, 2).reshape(B, S, H * dv))
 

@@ -3,8 +3,8 @@
 Each MoE layer keeps its full router (routing is decided locally, over all experts) but holds only the experts
 [ep_rank·L, (ep_rank+1)·L) of its EP group (mesh.py), and its dispatcher becomes the one `build_dispatcher` chooses,
 the one place that knows every dispatcher (the TP token split included). Invariants: the layer math is untouched,
-the dispatcher is the one seam expert parallelism uses; expert shards are marked for DeepSpeed and one
-parameter-free marker of its MoE class is attached (private_api/parameters.py), or its engine would not reduce them over the
+the dispatcher is the one seam expert parallelism uses; expert shards are marked for DeepSpeed and one parameter-
+free marker of its MoE class is attached (private_api/parameters.py), or its engine would not reduce them over the
 EDP group. Why and how: docs/parallelism.md, section "The mesh"; proof: tests/parallel/test_ep_dispatch.py and the
 EP equivalence tests (EP run equals one process with gradient accumulation, ZeRO 1 and 2).
 """

@@ -50,7 +50,10 @@ def _write(tmp_path, raw):
         ),
         ({"model": {"attention": 3}}, "model.attention: expected an object, got int 3"),
         ({"model": {"moe": {"top_k": 9}}}, "model.moe.top_k: must be in [1, num_experts=8], got 9"),
-        ({"model": {"mixer_pattern": "AX"}}, "model.mixer_pattern: letters A (attention), L (mla), M (mamba1) only, got 'AX'"),
+        (
+            {"model": {"mixer_pattern": "AX"}},
+            "model.mixer_pattern: letters A (attention), L (mla), M (mamba1) only, got 'AX'",
+        ),
         ({"model": {"n_layers": 3, "ffn_pattern": "DE"}}, "model.ffn_pattern: length 2 must divide model.n_layers=3"),
         (
             {"train": {"global_batch_size": 6, "micro_batch_size": 4}},

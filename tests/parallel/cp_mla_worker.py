@@ -17,7 +17,7 @@ import torch.distributed as dist
 import workers
 from cp_attention_worker import B, S, compare, documents, run
 
-import moe_dist.layers.attention as attention
+import moe_dist.layers.sdpa as sdpa
 from moe_dist.layers.mla import MLA, MLAConfig
 from moe_dist.layers.rope import RopeScaling
 from moe_dist.parallel.context_parallel import seq_shard
@@ -49,7 +49,7 @@ def build(kwargs: dict) -> MLA:
 def main(out_dir: Path) -> None:
     rank = workers.start()
     groups = {4: dist.new_group([0, 1, 2, 3]), 2: [dist.new_group([0, 1]), dist.new_group([2, 3])]}
-    attention.BLOCK_SCORES = B * 4 * S * 3  # 3-query blocks (ragged: pieces are 4 or 8 long)
+    sdpa.BLOCK_SCORES = B * 4 * S * 3  # 3-query blocks (ragged: pieces are 4 or 8 long)
     ids, prefix = documents()
     results = {}
     for name, (kwargs, docs, pfx) in CASES.items():
