@@ -15,7 +15,7 @@ to the half-split layout before the rotation, in q and k alike, so the scores ar
 (a dot product does not see a permutation applied to both sides). Kimi Linear's MLA layers apply no RoPE (`rope`
 false): the dr part is then a plain key part.
 
-Attention runs on PyTorch SDPA on every device (attention.py's mask helpers: causal, documents, prefix-LM), chosen
+Attention runs on PyTorch SDPA on every device (sdpa.py's masked SDPA: causal, documents, prefix-LM), chosen
 once through kernel_choice (`model.mla.impl`): SDPA takes a value head size other than the query/key one, which our
 Triton flash-attention kernel does not, so "triton" is refused by name until a kernel takes dv != dq.
 """

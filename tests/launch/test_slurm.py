@@ -265,10 +265,10 @@ def test_usr1_stops_with_a_checkpoint_requeues_and_resumes(slurm, tmp_path, debu
         assert time.monotonic() < deadline and not _finished(slurm.job(job_id)), out.read_text()[-3000:]
         time.sleep(0.2)
     slurm.client("scancel", "--signal=USR1", "--batch", job_id)
-    # Slurm holds a requeued job about two minutes (BeginTime); the test waits 10 s. Not 0: the nodes revoked the
+    # Slurm holds a requeued job about two minutes (BeginTime); the test waits 3 s. Not 0: the nodes revoked the
     # job's credentials when it was requeued, and a credential issued in the same second counts as revoked.
     slurm.wait(job_id, lambda j: j["Restarts"] == "1" and j["JobState"] == "PENDING")
-    slurm.client("scontrol", "update", f"JobId={job_id}", "StartTime=now+10")
+    slurm.client("scontrol", "update", f"JobId={job_id}", "StartTime=now+3")
     job = slurm.wait(job_id, _finished)
     print(f"Slurm job stopped, requeued and resumed: {time.perf_counter() - tic:.1f} s from sbatch to the end")
     log = out.read_text()
