@@ -62,6 +62,10 @@ def _child(req: dict, rank: int) -> None:
         os.chdir(req["cwd"])
         os.environ.clear()
         os.environ.update(req["env"])
+        if os.environ.get("PYTHONFAULTHANDLER"):  # read at interpreter start-up, which a forked rank skips
+            import faulthandler
+
+            faulthandler.enable()
         nproc = req["nproc"]
         if nproc > 1:
             os.environ.update(
@@ -77,10 +81,17 @@ def _child(req: dict, rank: int) -> None:
         import runpy
         import traceback
 
-        sys.argv = [req["script"], *req["args"]]
-        sys.path.insert(0, str(Path(req["script"]).parent))
+        # The path `python SCRIPT` (or `python -m MODULE`) starts with: the script's folder (the working directory),
+        # then PYTHONPATH's entries. Modules the server imported stay as imported.
+        module, script = req.get("module"), req.get("script")
+        extra = [p for p in req["env"].get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+        sys.path[:0] = [os.getcwd() if module else str(Path(script).parent), *extra]
+        sys.argv = [module or script, *req["args"]]
         try:
-            runpy.run_path(req["script"], run_name="__main__")
+            if module:
+                runpy.run_module(module, run_name="__main__", alter_sys=True)
+            else:
+                runpy.run_path(script, run_name="__main__")
             code = 0
         except SystemExit as e:
             if e.code is None or isinstance(e.code, int):
@@ -146,8 +157,8 @@ def serve() -> None:
 
 class ForkServer:
     """The client: `run(nproc, args, env, port, timeout)` → a CompletedProcess of launch/train.py's world (or of
-    `script`'s, run in `cwd`), its ranks' stdout and stderr interleaved as a launcher passes them through. The server
-    starts on first use."""
+    `script`'s or `python -m module`'s, run in `cwd`), its ranks' stdout and stderr interleaved as a launcher passes
+    them through. The server starts on first use."""
 
     def __init__(self, scratch: Path):
         self.scratch, self.proc, self.runs = scratch, None, 0
@@ -175,6 +186,7 @@ class ForkServer:
         timeout: float,
         script: str = TRAIN,
         cwd: Path = REPO,
+        module: str | None = None,
     ) -> subprocess.CompletedProcess:
         if self.proc is None or self.proc.poll() is not None:
             self._start()
@@ -182,7 +194,9 @@ class ForkServer:
         out, err = self.scratch / f"run{self.runs}.out", self.scratch / f"run{self.runs}.err"
         out.write_text("")
         err.write_text("")
-        req = dict(nproc=nproc, script=str(script), args=args, env=env, cwd=str(cwd), port=port, timeout=timeout)
+        what = {"module": module} if module else {"script": str(script)}
+        req = dict(nproc=nproc, args=args, env=env, cwd=str(cwd), port=port, timeout=timeout, **what)
+        command = ["-m", module] if module else [str(script)]
         self.proc.stdin.write(json.dumps({**req, "stdout": str(out), "stderr": str(err)}) + "\n")
         self.proc.stdin.flush()
         answer = json.loads(self.proc.stdout.readline())
@@ -190,8 +204,8 @@ class ForkServer:
         out.unlink()
         err.unlink()
         if answer["timed_out"]:
-            raise subprocess.TimeoutExpired([str(script), *args], timeout, stdout, stderr)
-        return subprocess.CompletedProcess([str(script), *args], answer["returncode"], stdout, stderr)
+            raise subprocess.TimeoutExpired([*command, *args], timeout, stdout, stderr)
+        return subprocess.CompletedProcess([*command, *args], answer["returncode"], stdout, stderr)
 
     def script(self, script, args, cwd: Path = REPO, env: dict | None = None, timeout: float = 300.0):
         """`python SCRIPT ARGS` in `cwd` as one forked process, in this process's environment plus `env`."""

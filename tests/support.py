@@ -44,23 +44,26 @@ def worker_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path, "PYTHONFAULTHANDLER": "1"}
 
 
-def run_torchrun_worker(worker: Path, out: Path, nproc: int = 2, timeout: float = 240) -> None:
-    """`torchrun --nproc_per_node N WORKER OUT` on its own free port (`worker_env`); a failure or a hang fails the
-    test."""
+def run_torchrun_worker(worker: Path, out: Path, nproc: int = 2, timeout: float = 240, forks=None) -> None:
+    """`torchrun --nproc_per_node N WORKER OUT` on its own free port (`worker_env`), or the same world forked from
+    the session's server `forks` (tests/forklaunch.py); a failure or a hang fails the test."""
     env = worker_env()
     for _ in range(2):
-        proc = subprocess.run(
-            [*torchrun(nproc), str(worker), str(out)], capture_output=True, text=True, timeout=timeout, env=env
-        )
+        if forks is None:
+            proc = subprocess.run(
+                [*torchrun(nproc), str(worker), str(out)], capture_output=True, text=True, timeout=timeout, env=env
+            )
+        else:
+            proc = forks.run(nproc, [str(out)], env, free_port(), timeout, script=worker, cwd=Path.cwd())
         if proc.returncode == 0 or TEARDOWN_ABORT not in proc.stderr:
             break
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 
-def worker_results(worker: Path, out: Path, nproc: int = 2) -> list[dict]:
-    """`run_torchrun_worker` with the folder `out`, where rank r of the worker writes rank{r}.json: every rank's
-    result, in rank order."""
-    run_torchrun_worker(worker, out, nproc)
+def worker_results(worker: Path, out: Path, nproc: int = 2, forks=None) -> list[dict]:
+    """`run_torchrun_worker` with the folder `out` (forked from `forks` where given), where rank r of the worker
+    writes rank{r}.json: every rank's result, in rank order."""
+    run_torchrun_worker(worker, out, nproc, forks=forks)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
 
 

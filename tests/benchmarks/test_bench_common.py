@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import re
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
-from support import CP_HYBRID, free_port, torchrun
+from support import CP_HYBRID, free_port
 
 from benchmarks import common
 from moe_dist.config import load_config
@@ -67,18 +68,19 @@ def test_collective_tracer_sees_each_outermost_call_once_and_uninstalls():
     assert seen[0].args["tensor"].shape == (4,)
 
 
-def _torchrun(nproc: int, module: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    cmd = [*torchrun(nproc), "-m", module, *args]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+def _world(forks, nproc: int, module: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`torchrun --nproc_per_node N -m MODULE ARGS`, ranks forked from the session's server (tests/forklaunch.py)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = forks.run(nproc, list(args), env, free_port(), timeout, module=module, cwd=REPO)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_comm_report_matches_the_performance_model():
+def test_comm_report_matches_the_performance_model(forks):
     """The tensor-parallel all-reduces that comm_report counts are the bytes perfmodel schedules for the job."""
-    proc = _torchrun(2, "benchmarks.comm_report", "--config", "configs/debug.json", "--set", "parallel.tp=2")
+    proc = _world(forks, 2, "benchmarks.comm_report", "--config", "configs/debug.json", "--set", "parallel.tp=2")
     total = int(re.search(r"total bytes per rank for one micro-batch: ([\d,]+)", proc.stdout)[1].replace(",", ""))
     rows = re.findall(r"^\| (blocks\.\d+\.\w+) \| (forward|backward) \| (\w+) \| 2 \|", proc.stdout, re.MULTILINE)
     assert {layer for layer, _, _ in rows} == {f"blocks.{i}.{p}" for i in range(4) for p in ("mixer", "ffn")}
@@ -90,7 +92,7 @@ def test_comm_report_matches_the_performance_model():
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_scaling_worker_counts_the_scheduled_collectives(tmp_path):
+def test_scaling_worker_counts_the_scheduled_collectives(tmp_path, forks):
     """scaling_worker.py (a sweep point) times every collective of a 2-rank job with ep=2 and attributes it to its
     step: as many all-to-alls per step as perfmodel schedules, and samples for the α-β fit."""
     steps = 3
@@ -102,8 +104,16 @@ def test_scaling_worker_counts_the_scheduled_collectives(tmp_path):
         "parallel.ep=2",
         "train.threads=1",
     ]
-    _torchrun(
-        2, "benchmarks.scaling_worker", "--config", "configs/debug.json", "--set", *sets, "--run-dir", str(tmp_path)
+    _world(
+        forks,
+        2,
+        "benchmarks.scaling_worker",
+        "--config",
+        "configs/debug.json",
+        "--set",
+        *sets,
+        "--run-dir",
+        str(tmp_path),
     )
     profiles = [json.loads((tmp_path / "profile" / f"rank{r}.json").read_text()) for r in (0, 1)]
     cfg = load_config(REPO / "configs" / "debug.json", sets)
@@ -153,14 +163,21 @@ CP_SETS = ["parallel.cp=2", "model.moe.capacity_factor=null", *CP_HYBRID]
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_comm_report_counts_context_parallel_bytes_that_grow_only_for_attention():
+def test_comm_report_counts_context_parallel_bytes_that_grow_only_for_attention(forks):
     """comm_report under parallel.cp=2 on a hybrid of every mixer, at two sequence lengths: attention all-gathers
     K and V, each rank contributing its S / 2 positions of the KV heads (fp32), so its bytes grow with S; the
     recurrent mixers send their conv halos and state summaries, the same bytes whatever S."""
     per_layer = {}
     for seq in (64, 256):
-        proc = _torchrun(
-            2, "benchmarks.comm_report", "--config", "configs/debug.json", "--set", *CP_SETS, f"train.seq_len={seq}"
+        proc = _world(
+            forks,
+            2,
+            "benchmarks.comm_report",
+            "--config",
+            "configs/debug.json",
+            "--set",
+            *CP_SETS,
+            f"train.seq_len={seq}",
         )
         rows = re.findall(
             r"^\| (blocks\.\d)\.mixer \| forward \| all_gather\w* \| 2 \| (\d+) \| ([\d,]+) \|", proc.stdout, re.M

@@ -24,8 +24,8 @@ CASES = list(WORKER_MODULE.CASES)
 
 
 @pytest.fixture(scope="module")
-def cp_results(tmp_path_factory) -> list[dict]:
-    return worker_results(WORKER, tmp_path_factory.mktemp("cp_attention"), nproc=4)
+def cp_results(tmp_path_factory, forks) -> list[dict]:
+    return worker_results(WORKER, tmp_path_factory.mktemp("cp_attention"), nproc=4, forks=forks)
 
 
 @pytest.mark.slow

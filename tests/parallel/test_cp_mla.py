@@ -13,8 +13,8 @@ B, S, C, DR, H, DQ, DV = 2, 32, 6, 4, 4, 8, 3  # cp_mla_worker.py's shapes
 
 
 @pytest.fixture(scope="module")
-def cp_results(tmp_path_factory) -> list[dict]:
-    return worker_results(WORKER, tmp_path_factory.mktemp("cp_mla"), nproc=4)
+def cp_results(tmp_path_factory, forks) -> list[dict]:
+    return worker_results(WORKER, tmp_path_factory.mktemp("cp_mla"), nproc=4, forks=forks)
 
 
 @pytest.mark.slow

@@ -15,8 +15,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory) -> list[dict]:
-    return worker_results(WORKER, tmp_path_factory.mktemp("cp_model"), nproc=4)
+def results(tmp_path_factory, forks) -> list[dict]:
+    return worker_results(WORKER, tmp_path_factory.mktemp("cp_model"), nproc=4, forks=forks)
 
 
 @pytest.mark.parametrize("case", CASES)

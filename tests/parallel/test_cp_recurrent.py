@@ -21,8 +21,8 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory) -> list[dict]:
-    return worker_results(WORKER, tmp_path_factory.mktemp("cp_recurrent"), nproc=4)
+def results(tmp_path_factory, forks) -> list[dict]:
+    return worker_results(WORKER, tmp_path_factory.mktemp("cp_recurrent"), nproc=4, forks=forks)
 
 
 @pytest.mark.parametrize("case", CASES)

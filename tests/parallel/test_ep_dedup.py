@@ -27,9 +27,9 @@ def _worker():
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory) -> Path:
+def results(tmp_path_factory, forks) -> Path:
     out = tmp_path_factory.mktemp("dedup")
-    run_torchrun_worker(WORKER, out, nproc=4, timeout=360)
+    run_torchrun_worker(WORKER, out, nproc=4, timeout=360, forks=forks)
     return out
 
 

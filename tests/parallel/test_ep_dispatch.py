@@ -30,9 +30,9 @@ TOLERANCES = {"fp32": (1e-5, 1e-6), "bf16": (2e-2, 2e-3)}
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory) -> Path:
+def results(tmp_path_factory, forks) -> Path:
     out = tmp_path_factory.mktemp("dispatch")
-    run_torchrun_worker(WORKER, out)
+    run_torchrun_worker(WORKER, out, forks=forks)
     return out
 
 

@@ -13,11 +13,10 @@ import json
 import os
 import runpy
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
-from support import E2E_CONFIG, E2E_SAVE, E2E_STEPS, e2e_args, torchrun, train_records
+from support import E2E_CONFIG, E2E_SAVE, E2E_STEPS, e2e_args, free_port, train_records
 
 REPO = Path(__file__).resolve().parents[2]
 # bf16 weights, 4 micro-batches per rank at dp 2 (8 in one process), dropless experts; 0.1 MiB buckets: a step's
@@ -53,7 +52,7 @@ def test_options_the_engine_cannot_honour_are_one_line_and_exit_2(tmp_path, monk
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_a_step_of_4_micro_batches_reduces_one_steps_gradients(tmp_path):
+def test_a_step_of_4_micro_batches_reduces_one_steps_gradients(tmp_path, forks):
     """dp 4, ep 2 (expert data-parallel groups of 2), 4 micro-batches per rank: ZeRO 1 reduces the dense gradients
     over dp and the expert gradients over edp once, as many bytes as one step's gradients in the dtype that
     travels; ZeRO 2 (the old mode) reduces every micro-batch: four times the bytes. One world, three engines."""
@@ -64,26 +63,9 @@ def test_a_step_of_4_micro_batches_reduces_one_steps_gradients(tmp_path):
     variants += ["deepspeed.zero_stage=2"]
     # overlapped with the last micro-batch's backward, in 0.1 MiB buckets (a dozen per group and step)
     variants += ["deepspeed.zero_stage=1,train.grad_reduce_overlap=true,train.grad_reduce_bucket_mb=0.1"]
-    proc = subprocess.run(
-        [
-            *torchrun(4),
-            "-m",
-            "benchmarks.comm_report",
-            "--config",
-            E2E_CONFIG,
-            "--json",
-            str(out),
-            "--set",
-            *sets,
-            "--step",
-            *variants,
-        ],
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        capture_output=True,
-        text=True,
-        timeout=500,
-    )
+    args = ["--config", E2E_CONFIG, "--json", str(out), "--set", *sets, "--step", *variants]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # `torchrun --nproc_per_node 4 -m benchmarks.comm_report ARGS`
+    proc = forks.run(4, args, env, free_port(), 500, module="benchmarks.comm_report", cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-4000:]
     fp32, bf16, old, overlapped = json.loads(out.read_text())
     for got, size in ((fp32, 4), (bf16, 2), (overlapped, 4)):

@@ -17,9 +17,9 @@ CASES = [(2, "1f1b"), (2, "interleaved"), (2, "tied"), (4, "1f1b"), (4, "interle
 
 
 @pytest.fixture(scope="module")
-def worlds(tmp_path_factory) -> dict[int, list[dict]]:
+def worlds(tmp_path_factory, forks) -> dict[int, list[dict]]:
     """One spawned world per pipeline size, shared by its cases."""
-    return {pp: worker_results(WORKER, tmp_path_factory.mktemp(f"pp{pp}"), nproc=pp) for pp in (2, 4)}
+    return {pp: worker_results(WORKER, tmp_path_factory.mktemp(f"pp{pp}"), nproc=pp, forks=forks) for pp in (2, 4)}
 
 
 @pytest.mark.parametrize("pp, case", CASES, ids=[f"pp{pp}-{c}" for pp, c in CASES])

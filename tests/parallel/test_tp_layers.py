@@ -28,8 +28,8 @@ CASES += [(v, layer) for v in MLA_VARIANTS for layer in MLA_LAYERS]
 
 
 @pytest.fixture(scope="module")
-def tp_results(tmp_path_factory) -> list[dict]:
-    return worker_results(WORKER, tmp_path_factory.mktemp("tp"))
+def tp_results(tmp_path_factory, forks) -> list[dict]:
+    return worker_results(WORKER, tmp_path_factory.mktemp("tp"), forks=forks)
 
 
 @pytest.mark.slow
