@@ -63,9 +63,7 @@ def test_unknown_or_unusable_backend_is_a_config_error_naming_the_key():
         MoE(16, 32, MoEConfig(num_experts=4, top_k=2, backend="megablocks"), init_std=0.02, n_layers=2)
 
 
-def test_train_refuses_an_unusable_megablocks_backend_with_exit_2(tmp_path):
-    import subprocess
-    import sys
+def test_train_refuses_an_unusable_megablocks_backend_with_exit_2(tmp_path, forks):
     from pathlib import Path
 
     from moe_dist.layers.megablocks_backend import megablocks_unavailable
@@ -73,22 +71,8 @@ def test_train_refuses_an_unusable_megablocks_backend_with_exit_2(tmp_path):
     if megablocks_unavailable() is None:
         pytest.skip("megablocks is usable here: nothing to refuse")
     repo = Path(__file__).resolve().parents[2]
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(repo / "launch" / "train.py"),
-            "--config",
-            str(repo / "configs" / "debug.json"),
-            "--set",
-            "model.moe.backend=megablocks",
-            "--run-dir",
-            str(tmp_path / "run"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=repo,
-    )
+    args = ["--config", repo / "configs" / "debug.json", "--set", "model.moe.backend=megablocks"]
+    proc = forks.script(repo / "launch" / "train.py", [*args, "--run-dir", tmp_path / "run"])
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("error: model.moe.backend='megablocks': not usable here")
 

@@ -3,8 +3,6 @@ state after a resume from a checkpoint saved before any applied step; one real p
 serves both."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,11 +15,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="module")
-def result(tmp_path_factory):
+def result(tmp_path_factory, forks):
     out = tmp_path_factory.mktemp("accum")
-    proc = subprocess.run(
-        [sys.executable, str(WORKER), str(out)], cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=500
-    )
+    proc = forks.run(1, [str(out)], worker_env(), None, 500, script=WORKER, cwd=REPO)  # `python WORKER OUT`, forked
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads((out / "rank0.json").read_text())
 
