@@ -1,10 +1,12 @@
-"""The suite's launcher for end-to-end layout runs: one server process imports what launch/train.py imports (torch,
-DeepSpeed, torch._dynamo, TensorBoard, moe_dist) once per session, then forks every rank of every run from there.
+"""The suite's launcher: one server process imports what launch/train.py imports (torch, DeepSpeed, torch._dynamo,
+TensorBoard, moe_dist) once per session, then forks every rank of every world it is asked for from there: the
+layout comparisons, the spawned workers, the bad-input table and other script runs (`python SCRIPT`, `python -m
+MODULE`, or N ranks of either as torchrun would start them).
 
 Why: on these 2-core machines each rank of a torchrun world spends about 4 s of CPU importing before its first step,
-and a 6-step layout run trains for 2-3 s; the layout comparisons (tests/parallel/test_*_e2e.py) launch dozens of
-worlds. Forking skips the imports and torchrun's own start-up; each rank still runs launch/train.py from its
-`__main__` in a fresh process, with its own gloo group, rendezvous store and DeepSpeed engine.
+and a 6-step layout run trains for 2-3 s; the suite launches hundreds of processes. Forking skips the imports and
+torchrun's own start-up; each rank still runs its script from `__main__` in a fresh process, with its own gloo
+group, rendezvous store and DeepSpeed engine.
 
 What a rank sees: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT set by hand, the
 rendezvous path where rank 0 hosts the store (`moe_dist.parallel.mesh._own_store`, as under the deepspeed
@@ -51,6 +53,7 @@ def _child(req: dict, rank: int) -> None:
     """Rank `rank` of the request's world: launch/train.py as __main__, then exit with its code. Never returns."""
     code = 1
     try:
+        os.setpgid(0, 0)  # its own process group: a kill reaches what it started too
         for fd, path, flags in (
             (0, os.devnull, os.O_RDONLY),
             (1, req["stdout"], os.O_WRONLY | os.O_APPEND),
@@ -118,6 +121,10 @@ def _run(req: dict) -> dict:
         pid = os.fork()
         if pid == 0:
             _child(req, rank)
+        try:  # here too, so that a kill finds the group however early it comes
+            os.setpgid(pid, pid)
+        except (PermissionError, ProcessLookupError):
+            pass  # the child set it already, or has exited
         pids.append(pid)
     codes: dict[int, int] = {}
     deadline, failed_at, timed_out = time.monotonic() + req["timeout"], None, False
@@ -134,7 +141,10 @@ def _run(req: dict) -> dict:
             timed_out = timed_out or now > deadline
             for rank, pid in enumerate(pids):
                 if rank not in codes:
-                    os.kill(pid, signal.SIGKILL)
+                    try:
+                        os.killpg(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass  # exited meanwhile: the next waitpid collects it
         time.sleep(0.02)
     failures = [c for c in codes.values() if c != 0]
     return {"returncode": failures[0] if failures else 0, "timed_out": timed_out}
