@@ -112,7 +112,7 @@ def test_resume_reproduces_uninterrupted_losses(tmp_path, debug_run, run_train, 
     run_dir = tmp_path / "run"
     shutil.copytree(debug_run("deepspeed"), run_dir)
     shutil.rmtree(run_dir / "checkpoints" / "step_6")
-    proc = run_train("deepspeed", 2, ["--config", CONFIG, "--run-dir", str(run_dir), "--resume", "--set", ONE_THREAD])
+    proc = run_train("fork", 2, ["--config", CONFIG, "--run-dir", str(run_dir), "--resume", "--set", ONE_THREAD])
     assert f"resuming from {run_dir / 'checkpoints' / 'step_3'} (step 3)" in proc.stdout + proc.stderr
     resumed = metrics(run_dir)
     assert [r["step"] for r in train_records(resumed)] == list(range(1, STEPS + 1))
@@ -133,13 +133,14 @@ def test_torchrun_matches_deepspeed_launcher(debug_run, metrics):
 def test_readme_main_command_runs_on_1_2_and_4_processes(tmp_path, run_train, metrics):
     """`deepspeed [--num_gpus N] launch/train.py --config configs/mixtral_small.json` with the config's own batch,
     layout and eval settings (only the step count cut to 2): every world size starts, trains the same steps
-    (one global batch cut into the same micro-batches) and evaluates. (8 processes: config/test_config.py's layout
-    test.)"""
+    (one global batch cut into the same micro-batches) and evaluates. The 2-process run is the deepspeed launcher's;
+    1 and 4 fork from the suite's server (tests/forklaunch.py: the launchers are equal, test_launchers.py). (8
+    processes: config/test_config.py's layout test.)"""
     losses = {}
     for world in (1, 2, 4):
         run_dir = tmp_path / f"w{world}"
         args = ["--config", "configs/mixtral_small.json", "--run-dir", str(run_dir), "--set", "train.steps=2"]
-        run_train("deepspeed", world, args)
+        run_train("deepspeed" if world == 2 else "fork", world, args)
         records = metrics(run_dir)
         train = train_records(records)
         assert [r["step"] for r in train] == [1, 2] and "eval_loss" in records[-1]
