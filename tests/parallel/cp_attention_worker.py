@@ -94,13 +94,15 @@ def compare(got: torch.Tensor, ref: torch.Tensor) -> dict:
     return {"err": (got - ref).abs().max().item(), "scale": ref.abs().max().item()}
 
 
-def main(out_dir: Path) -> None:
+def sweep(out_dir: Path, cases: dict, build) -> None:
+    """Every case of `cases` (name: (layer arguments, documents, prefix)), its layer from `build(arguments)`, whole
+    against cp = 2 and 4; the results go to OUT_DIR/rank<R>.json (cp_mla_worker.py runs its layer through this too)."""
     rank = workers.start()
     groups = {4: dist.new_group([0, 1, 2, 3]), 2: [dist.new_group([0, 1]), dist.new_group([2, 3])]}
     sdpa.BLOCK_SCORES = B * 4 * S * 3  # 3-query blocks (ragged: pieces are 4 or 8 long)
     ids, prefix = documents()
     results = {}
-    for name, (kwargs, docs, pfx) in CASES.items():
+    for name, (kwargs, docs, pfx) in cases.items():
         layer = build(kwargs)
         g = torch.Generator().manual_seed(1)
         x = torch.randn(B, S, D, generator=g, dtype=F64)
@@ -120,6 +122,10 @@ def main(out_dir: Path) -> None:
                 dist.all_reduce(grad, group=group)
                 results[f"{name}.cp{cp}.grad.{n}"] = compare(grad, ref_dw[n])
     workers.finish(out_dir, rank, results)
+
+
+def main(out_dir: Path) -> None:
+    sweep(out_dir, CASES, build)
 
 
 if __name__ == "__main__":

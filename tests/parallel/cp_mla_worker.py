@@ -8,22 +8,14 @@ positions, every weight gradient summed over the CP group, and the payload bytes
 (benchmarks/common.py's tracer).
 """
 
-import collections
-import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import workers
-from cp_attention_worker import B, S, compare, documents, run
+from cp_attention_worker import sweep
 
-import moe_dist.layers.sdpa as sdpa
 from moe_dist.layers.mla import MLA, MLAConfig
 from moe_dist.layers.rope import RopeScaling
-from moe_dist.parallel.context_parallel import seq_shard
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from common import CollectiveTracer  # noqa: E402
 
 D = 16
 F64 = torch.float64
@@ -47,31 +39,7 @@ def build(kwargs: dict) -> MLA:
 
 
 def main(out_dir: Path) -> None:
-    rank = workers.start()
-    groups = {4: dist.new_group([0, 1, 2, 3]), 2: [dist.new_group([0, 1]), dist.new_group([2, 3])]}
-    sdpa.BLOCK_SCORES = B * 4 * S * 3  # 3-query blocks (ragged: pieces are 4 or 8 long)
-    ids, prefix = documents()
-    results = {}
-    for name, (kwargs, docs, pfx) in CASES.items():
-        layer = build(kwargs)
-        g = torch.Generator().manual_seed(1)
-        x = torch.randn(B, S, D, generator=g, dtype=F64)
-        cot = torch.randn(B, S, D, generator=g, dtype=F64)
-        masks = {"document_ids": ids if docs else None, "prefix": prefix if pfx else None}
-        ref_out, ref_dx, ref_dw = run(layer, x, cot, **masks)
-        for cp in (2, 4):
-            group = groups[4] if cp == 4 else groups[2][rank // 2]
-            shard = seq_shard(group, cp, rank % cp, S)
-            payload = collections.Counter()
-            with CollectiveTracer(lambda c, seen=payload: seen.update({c.kind: c.payload_bytes})):
-                out, dx, dw = run(layer, shard.local(x), shard.local(cot), shard, **masks)
-            results[f"{name}.cp{cp}.payload"] = dict(payload)
-            results[f"{name}.cp{cp}.out"] = compare(out, shard.local(ref_out))
-            results[f"{name}.cp{cp}.grad.x"] = compare(dx, shard.local(ref_dx))
-            for n, grad in dw.items():
-                dist.all_reduce(grad, group=group)
-                results[f"{name}.cp{cp}.grad.{n}"] = compare(grad, ref_dw[n])
-    workers.finish(out_dir, rank, results)
+    sweep(out_dir, CASES, build)
 
 
 if __name__ == "__main__":
